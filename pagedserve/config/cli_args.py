@@ -1,0 +1,60 @@
+"""Engine flags for the command line: one flag per EngineConfig.create keyword, same names."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="HF model folder, .gguf file, or 'smollm2-135m-instruct' (the default)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None)
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as '2GiB'")
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        seed=args.seed, scheduling_policy=args.scheduling_policy,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int = 16) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )

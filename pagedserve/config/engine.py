@@ -1,0 +1,103 @@
+"""EngineConfig: every concern's config in one frozen object, built and cross-validated once.
+
+`EngineConfig.create(**kwargs)` is the single place where user knobs (LLM keyword arguments and CLI
+flags share these names) become validated configs. Derived runtime values (the number of KV blocks,
+the chosen attention backend) are not written back here: the worker returns them at start.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pagedserve.config.cache import CacheConfig, parse_memory_size
+from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
+from pagedserve.config.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    attention_backend: str = "torch_paged"
+
+    @staticmethod
+    def create(
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        scheduling_policy: str = "fcfs",
+        long_prefill_token_threshold: int = 0,
+        attention_backend: str | None = None,
+    ) -> "EngineConfig":
+        from pagedserve.model_loader.model_source import open_model_source
+        from pagedserve.platforms import current_platform
+
+        source = open_model_source(model)
+        hf_config = source.hf_config
+        platform = current_platform()
+        torch_dtype = resolve_dtype(dtype, hf_config)
+        platform.check_dtype(torch_dtype)
+
+        limit = derived_max_model_len(hf_config)
+        if max_model_len is None:
+            max_model_len = limit
+        elif not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len={max_model_len!r} must be an integer in [1, {limit}] "
+                f"(the model's max_position_embeddings)"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
+
+        model_config = ModelConfig(
+            model=source.path,
+            tokenizer=tokenizer or source.tokenizer_path,
+            dtype=torch_dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            hf_config=hf_config,
+        )
+        cache_config = CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory=parse_memory_size(kv_cache_memory),
+            num_kv_blocks=num_kv_blocks,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            policy=scheduling_policy,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            attention_backend=attention_backend or platform.default_attention_backend(),
+        )
+
+
+def engine_kwargs_names() -> tuple[str, ...]:
+    """The keyword arguments EngineConfig.create accepts (LLM(...) and CLI flags use the same names)."""
+    code = EngineConfig.create.__code__
+    return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+
+
+def is_model_folder(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+__all__ = ["EngineConfig", "engine_kwargs_names", "is_model_folder"]

@@ -1,0 +1,33 @@
+"""What the engine core reports per request per step (produced by Scheduler.update_from_output)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.core.scheduler_output import LogprobsLists
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters and gauges the scheduler exposes (cumulative counters grow monotonically)."""
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks in use
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    num_preemptions: int = 0  # cumulative

@@ -1,0 +1,80 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+The worker side is stateful (a persistent batch): a request arrives whole once (NewRequestData), and
+afterwards only as a delta (CachedRequestData). These are plain data with no torch objects, so they
+can cross process boundaries (msgspec/msgpack) unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request scheduled for the first time, or again after preemption (then with all its tokens)."""
+
+    request_id: str
+    # All known tokens: the prompt plus any outputs generated before a preemption.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the worker already holds: new blocks and the new computed-token count.
+
+    The worker appended the last sampled token itself, so no token ids travel here.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_requests: list[NewRequestData]
+    scheduled_cached_requests: CachedRequestData
+    # request id -> number of tokens computed for it this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were preempted since the last step: the worker drops their state.
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top-N logprobs for sampled positions, one row per sampled token of a request.
+
+    logprob_token_ids[i][0] is the sampled token; the next entries are the top-N by rank.
+    """
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    request_ids: list[str]
+    # Per request in request_ids: tokens sampled this step ([] for a partial prefill chunk).
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # request id -> logprobs for the prompt positions computed this step (position i predicts token i+1).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

@@ -1,0 +1,27 @@
+"""The CPU platform: gloo, host RAM, bf16 via oneDNN/AMX when the CPU has it."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedserve.platforms.interface import Platform
+
+
+class CpuPlatform(Platform):
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        # float16 matmuls on the CPU are slow and lose range; 'auto' maps checkpoints' fp16 to bf16.
+        return (torch.float32, torch.bfloat16)
+
+    def available_memory_bytes(self) -> int:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,44 @@
+"""Platform: every hardware specific the engine needs, behind one interface."""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+import torch
+
+
+class Platform(ABC):
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    @abstractmethod
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        ...
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in self.supported_dtypes():
+            names = [str(d).removeprefix("torch.") for d in self.supported_dtypes()]
+            raise ValueError(
+                f"dtype={str(dtype).removeprefix('torch.')!r} is not supported on {self.device_type}; "
+                f"supported: {names}"
+            )
+
+    @abstractmethod
+    def available_memory_bytes(self) -> int:
+        """Memory the KV cache may draw from (free RAM on the CPU, free device memory on GPUs)."""
+
+    def default_attention_backend(self) -> str:
+        return "torch_paged"
+
+    def synchronize(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[None]:
+        # No streams on the CPU: work runs in program order.
+        yield
