@@ -67,6 +67,19 @@ class LogprobsLists:
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
+    def slice(self, row: int, num_logprobs: int) -> "LogprobsLists":
+        """Row `row` alone, cut to the scored token plus its top num_logprobs (pure Python, no copy to host)."""
+        if not 0 <= row < len(self.sampled_token_ranks):
+            raise ValueError(f"row={row} must be in [0, {len(self.sampled_token_ranks) - 1}]")
+        max_num_logprobs = len(self.logprob_token_ids[row]) - 1
+        if not 0 <= num_logprobs <= max_num_logprobs:
+            raise ValueError(f"num_logprobs={num_logprobs} must be in [0, {max_num_logprobs}]")
+        return LogprobsLists(
+            logprob_token_ids=[self.logprob_token_ids[row][:num_logprobs + 1]],
+            logprobs=[self.logprobs[row][:num_logprobs + 1]],
+            sampled_token_ranks=[self.sampled_token_ranks[row]],
+        )
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -1,0 +1,343 @@
+"""Scheduler: decides, each step, which requests compute how many tokens (vLLM v1 rules).
+
+There is no prefill or decode phase. Every request has `num_computed_tokens` and `num_tokens`
+(prompt + generated); each step the scheduler lets computed tokens catch up with known tokens under
+one token budget. Running requests are served first, in order; waiting requests are admitted with the
+rest of the budget. When the KV cache runs out, running requests are preempted by recompute: their
+blocks are freed and they go back to the waiting queue with `num_computed_tokens = 0`.
+
+Pure Python: no torch, no device code. The scheduler sees KV blocks only through KVCacheManager.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request_queue import create_request_queue
+from pagedserve.core.scheduler_output import (
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+if TYPE_CHECKING:  # the config package imports torch; core stays importable without it
+    from pagedserve.config.scheduler import SchedulerConfig
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int) -> None:
+        if block_size != kv_cache_manager.block_size:
+            raise ValueError(
+                f"block_size={block_size} must equal the KV cache manager's block_size={kv_cache_manager.block_size}")
+        self.scheduler_config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = block_size
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.policy = scheduler_config.policy
+
+        # Every unfinished request, by id. Finished requests are dropped at once.
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished (or aborted) since the last schedule(): the worker must drop their state.
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Its prompt must hold between 1 and max_model_len tokens."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already scheduled; ids must be unique")
+        if not 1 <= request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"prompt length={request.num_prompt_tokens} of request {request.request_id!r} must be in "
+                f"[1, max_model_len={self.max_model_len}]")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside the scheduler (abort, or a stop string seen by the front end).
+
+        Works at any time: waiting, running or mid-prefill. Their blocks are freed at once. Unknown or
+        already-finished ids are ignored.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status={finished_status!r} must be a FINISHED_* status")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        running_to_remove: set[Request] = set()
+        waiting_to_remove: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(request)
+            else:
+                waiting_to_remove.append(request)
+            request.status = finished_status
+            self._free_request(request)
+        if running_to_remove:
+            self.running = [request for request in self.running if request not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_request_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges of this moment plus cumulative counters."""
+        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_requests=len(self.running),
+            num_waiting_requests=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix_cache_stats.queries,
+            prefix_cache_hits=prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the requests and token counts of the next step and reserve their KV slots.
+
+        Running requests first, in order; each gets as many tokens as it lacks, within the budget. If
+        its blocks cannot be allocated, running requests are preempted (FCFS: the newest; priority: the
+        one with the largest (priority, arrival_time)) until they can, or until the request itself was
+        preempted. Waiting requests are admitted only when nothing was preempted this step. Each
+        scheduled request's num_computed_tokens is advanced by its scheduled tokens before returning.
+        """
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests.
+        request_index = 0
+        while request_index < len(self.running) and token_budget > 0:
+            request = self.running[request_index]
+            num_new_tokens = self._num_tokens_to_schedule(request, request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                request_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                self.running.remove(victim)
+                if victim in scheduled_running:
+                    # Priority policy only: the victim was scheduled earlier in this step; undo that.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    request_index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            token_budget -= num_new_tokens
+            request_index += 1
+
+        # 2. Waiting requests (new or preempted), only if the cache did not just run out.
+        if not preempted:
+            while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting.peek_request()
+                num_new_tokens = self._admit(request, token_budget)
+                if num_new_tokens == 0:
+                    break
+                self.waiting.pop_request()
+                self.running.append(request)
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        return self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """Tokens the request lacks, capped by the budget, the long-prefill threshold and max_model_len."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if self.long_prefill_token_threshold > 0:
+            num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
+        # No position may reach max_model_len (add_request bounds the prompt, the stop check the rest).
+        num_new_tokens = min(num_new_tokens, self.max_model_len - num_computed_tokens)
+        return max(0, min(num_new_tokens, token_budget))
+
+    def _admit(self, request: Request, token_budget: int) -> int:
+        """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted)."""
+        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_computed_tokens = request.num_computed_tokens + num_hit_tokens
+        num_lacking_tokens = request.num_tokens - num_computed_tokens
+        if not self.enable_chunked_prefill and num_lacking_tokens > token_budget:
+            return 0  # the whole remaining prompt must fit in one step
+        num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, token_budget)
+        if num_new_tokens == 0:
+            return 0
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
+        if new_blocks is None:
+            return 0
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        if request.num_cached_tokens < 0:  # first admission only; a resumed request keeps its first figure
+            request.num_cached_tokens = num_hit_tokens
+        return num_new_tokens
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda request: (request.priority, request.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, forget the computed tokens, wait again."""
+        self.kv_cache_manager.free(request)  # before resetting num_computed_tokens: free() reads it
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _make_output(
+        self,
+        scheduled_new: list[Request],
+        scheduled_running: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        new_block_ids: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> SchedulerOutput:
+        # Data carries num_computed_tokens as it was before this step (where this step's tokens start).
+        new_requests_data = [
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids,  # a fresh list
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in scheduled_new
+        ]
+        cached_requests_data = CachedRequestData(
+            request_ids=[request.request_id for request in scheduled_running],
+            new_block_ids=[new_block_ids[request.request_id] for request in scheduled_running],
+            num_computed_tokens=[request.num_computed_tokens for request in scheduled_running],
+        )
+        for request in (*scheduled_running, *scheduled_new):
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+
+        output = SchedulerOutput(
+            scheduled_new_requests=new_requests_data,
+            scheduled_cached_requests=cached_requests_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_request_ids=self.finished_request_ids,
+            preempted_request_ids={request.request_id for request in preempted},
+        )
+        self.finished_request_ids = set()
+        return output
+
+    # ------------------------------------------------------------------ model output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests, report per request.
+
+        An output is emitted for each request that got tokens or prompt logprobs, or finished.
+        Requests finished between schedule() and this call (aborts) are skipped.
+        """
+        index_of = {request_id: index for index, request_id in enumerate(model_runner_output.request_ids)}
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            index = index_of.get(request_id)
+            sampled_token_ids = model_runner_output.sampled_token_ids[index] if index is not None else []
+            new_token_ids: list[int] = []
+            for token_id in sampled_token_ids:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break  # tokens after a stop (speculative decoding) are dropped
+            logprobs = model_runner_output.logprobs.get(request_id)
+            if logprobs is not None and new_token_ids and len(new_token_ids) < len(sampled_token_ids):
+                logprobs = _truncate_logprobs(logprobs, len(new_token_ids))
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
+            is_finished = request.is_finished()
+            if is_finished:
+                stopped.add(request)
+                self._free_request(request)
+            if new_token_ids or prompt_logprobs is not None or is_finished:
+                outputs.append(EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=logprobs if new_token_ids else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finish_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                ))
+        if stopped:
+            self.running = [request for request in self.running if request not in stopped]
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """Apply the stop conditions to the last appended token; sets status and stop_reason on a stop."""
+        sampling_params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= sampling_params.min_tokens:
+            if last_token_id in sampling_params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
+            is_eos = last_token_id == request.eos_token_id or last_token_id in sampling_params.all_stop_token_ids
+            if is_eos and not sampling_params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+
+def _truncate_logprobs(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:
+    """Keep the logprob rows of the first `num_rows` sampled tokens."""
+    return LogprobsLists(
+        logprob_token_ids=logprobs.logprob_token_ids[:num_rows],
+        logprobs=logprobs.logprobs[:num_rows],
+        sampled_token_ranks=logprobs.sampled_token_ranks[:num_rows],
+    )
