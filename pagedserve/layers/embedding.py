@@ -1,0 +1,121 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is padded so that it splits evenly into per-rank ranges: each rank holds rows
+[vocab_start_index, vocab_end_index) of the padded table. Padding rows are zero and never produce
+logits that reach the caller (`compute_logits` drops them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed import (
+    resolve_tensor_parallel,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+# Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across tensor-parallel ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype | None = None,
+                 padding_size: int = DEFAULT_VOCAB_PADDING_SIZE, tp_rank: int | None = None,
+                 tp_size: int | None = None, prefix: str = "") -> None:
+        super().__init__()
+        if num_embeddings < 1:
+            raise ValueError(f"num_embeddings={num_embeddings} must be >= 1")
+        self.tp_rank, self.tp_size = resolve_tensor_parallel(tp_rank, tp_size)
+        self.org_vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        self.num_embeddings_per_partition = _round_up(-(-num_embeddings // self.tp_size), padding_size)
+        self.num_embeddings_padded = self.num_embeddings_per_partition * self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of the [org_vocab_size, embedding_dim] checkpoint table; zero the padding."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: shard_id={shard_id!r} given for a vocabulary-parallel table")
+        if tuple(loaded_weight.shape) != (self.org_vocab_size, self.embedding_dim):
+            raise ValueError(
+                f"{self.prefix or type(self).__name__}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                f"expected ({self.org_vocab_size}, {self.embedding_dim})"
+            )
+        start = min(self.vocab_start_index, self.org_vocab_size)
+        end = min(self.vocab_end_index, self.org_vocab_size)
+        with torch.no_grad():
+            param.zero_()
+            param[: end - start].copy_(loaded_weight[start:end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce fills them in.
+        is_outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = torch.where(is_outside, torch.zeros_like(input_ids), input_ids - self.vocab_start_index)
+        output = F.embedding(local_ids, self.weight)
+        output = output.masked_fill(is_outside.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(output)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.org_vocab_size}, padded_per_partition={self.num_embeddings_per_partition}, "
+                f"embedding_dim={self.embedding_dim}, tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, split by vocabulary rows across ranks.
+
+    Not called as a module: `compute_logits` projects hidden states and gathers the vocabulary shards.
+    With tied embeddings the model points `weight` at the input embedding's parameter.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+                 tp_rank: int | None = None, tp_size: int | None = None, prefix: str = "") -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, padding_size=padding_size,
+                         tp_rank=tp_rank, tp_size=tp_size, prefix=prefix)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the input embedding's parameter (tie_word_embeddings)."""
+        if embedding.num_embeddings_per_partition != self.num_embeddings_per_partition:
+            raise ValueError("cannot tie an LM head and an embedding with different vocabulary partitions")
+        self.weight = embedding.weight
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if tuple(loaded_weight.shape) != (self.org_vocab_size,):
+            raise ValueError(f"{self.prefix}.bias: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                             f"expected ({self.org_vocab_size},)")
+        start = min(self.vocab_start_index, self.org_vocab_size)
+        end = min(self.vocab_end_index, self.org_vocab_size)
+        with torch.no_grad():
+            param.zero_()
+            param[: end - start].copy_(loaded_weight[start:end])
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] -> float32 logits [num_tokens, org_vocab_size] (all ranks see all columns)."""
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., : self.org_vocab_size].float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not called directly; use compute_logits(hidden_states)")

@@ -1,0 +1,46 @@
+"""load_model: build the model class for a config and fill it from a weight stream."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from pagedserve.config.model import ModelConfig
+from pagedserve.model_loader.safetensors_loader import iterate_safetensors_weights, safetensors_weight_files
+from pagedserve.models.registry import resolve_model_class
+
+
+def _hf_config(model_config: ModelConfig):  # type: ignore[no-untyped-def]
+    if model_config.hf_config is not None:
+        return model_config.hf_config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_config.model, local_files_only=True)
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str,
+               weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> nn.Module:
+    """Build the model for `model_config` on `device` in `model_config.dtype` and load its weights.
+
+    `weights` is any stream of (HF parameter name, tensor) pairs (e.g. from a GGUF file); when None,
+    the *.safetensors files of the `model_config.model` folder are streamed. Every parameter must be
+    loaded, else ValueError names the missing ones.
+    """
+    if weights is None:
+        # Fail on a bad folder before building anything.
+        safetensors_weight_files(model_config.model)
+        weights = iterate_safetensors_weights(model_config.model, model_config.dtype)
+    hf_config = _hf_config(model_config)
+    model_class = resolve_model_class(hf_config)
+    device = torch.device(device)
+    # Parameters are allocated uninitialised directly on the target device; the loader fills them.
+    with torch.device(device):
+        model = model_class(hf_config, model_config.dtype)
+    loaded = model.load_weights(weights)
+    missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)
+    if missing:
+        shown = missing[:20] + ([f"... and {len(missing) - 20} more"] if len(missing) > 20 else [])
+        raise ValueError(f"model {model_config.model!r}: the checkpoint has no weights for {len(missing)} "
+                         f"parameter(s): {shown}")
+    return model.eval()

@@ -1,0 +1,41 @@
+"""Shared pytest fixtures: tiny HF model folders built offline, once per session per kind."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import pytest
+
+# Make `import tiny_models` work from any test module, whatever rootdir/import mode pytest uses.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Factory fixture: `tiny_model_dir("llama")` -> path of a tiny HF model folder of that kind.
+
+    Folders are cached per (kind, overrides) for the whole session, so each builds once. Keyword
+    arguments are passed to `build_tiny_model` (dtype, seed, max_shard_size, config overrides).
+    """
+    built: dict[tuple, str] = {}
+
+    def factory(kind: str = "llama", **kwargs: object) -> str:
+        key = (kind, tuple(sorted((name, repr(value)) for name, value in kwargs.items())))
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            built[key] = build_tiny_model(kind, folder, **kwargs)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding only the tiny tokenizer (no model)."""
+    folder = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tiny_tokenizer(folder)
+    return str(folder)
+
