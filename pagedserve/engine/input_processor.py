@@ -103,6 +103,9 @@ class InputProcessor:
     def _encode(self, text: str, field_name: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"{field_name} is text but no tokenizer is loaded; pass 'prompt_token_ids'")
+        if not text:
+            # A tokenizer may turn "" into [BOS] alone; nothing to complete is a client mistake.
+            raise ValueError(f"{field_name} is empty: it has 0 characters; at least 1 is required")
         return list(self.tokenizer.encode(text))
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -1,0 +1,121 @@
+"""The `pagedserve` command: generate | chat | serve | bench serve | features."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from pagedserve.config.cli_args import (add_engine_args, add_sampling_args, engine_kwargs_from_args,
+                                        sampling_params_from_args)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.llm import LLM
+
+    prompts = args.prompt or [sys.stdin.read()]
+    params = sampling_params_from_args(args)
+    llm = LLM(**engine_kwargs_from_args(args))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs:
+        if args.json:
+            print(json.dumps({
+                "prompt": output.prompt,
+                "prompt_token_ids": output.prompt_token_ids,
+                "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                             "cumulative_logprob": c.cumulative_logprob} for c in output.outputs],
+            }))
+        else:
+            for completion in output.outputs:
+                print(completion.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.chat import run_chat
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(**engine_kwargs_from_args(args))
+    try:
+        return run_chat(engine, sampling_params_from_args(args), args.system)
+    finally:
+        engine.shutdown()
+
+
+def _cmd_features(args: argparse.Namespace) -> int:
+    from pagedserve.features import FEATURES, render_markdown
+
+    if args.markdown:
+        print(render_markdown(), end="")
+        return 0
+    width = max(len(f.feature) for f in FEATURES)
+    for feature in FEATURES:
+        print(f"{feature.line:<9} {feature.family:<16} {feature.feature:<{width}}  "
+              f"knobs: {', '.join(feature.knobs) or '-'}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.server.launcher import run_serve
+
+    return run_serve(args)
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagedserve.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts offline")
+    generate.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
+    generate.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_args(generate)
+    add_sampling_args(generate)
+    generate.set_defaults(handler=_cmd_generate)
+
+    chat = commands.add_parser("chat", help="chat in the terminal (stdin as one message when not a TTY)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    add_sampling_args(chat, default_max_tokens=512)
+    chat.set_defaults(handler=_cmd_chat)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    from pagedserve.server.serve_args import add_serve_args
+
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(handler=_cmd_serve)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_commands.add_parser("serve", help="load-test an OpenAI-compatible /v1/completions server")
+    from pagedserve.bench.serve_args import add_bench_serve_args
+
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(handler=_cmd_bench_serve)
+
+    features = commands.add_parser("features", help="list the features this build implements")
+    features.add_argument("--markdown", action="store_true", help="print docs/features.md")
+    features.set_defaults(handler=_cmd_features)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""ModelSource: where a model comes from (an HF folder today; a GGUF file plugs in here).
+
+Resolves the user's `model` argument once, validates it with clear errors, and exposes the HF config,
+the tokenizer location and a weight stream of (HF parameter name, tensor) pairs.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+
+@dataclass
+class ModelSource:
+    path: str
+    hf_config: Any
+    tokenizer_path: str
+    kind: str  # 'hf' | 'gguf'
+    # Yields (name, tensor) pairs in HF naming for the given dtype.
+    weight_stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] | None = field(
+        default=None, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+
+    def weights(self, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]] | None:
+        """The weight stream, or None when the default safetensors loader reads `path` itself."""
+        return None if self.weight_stream is None else self.weight_stream(dtype)
+
+    def load_tokenizer(self, tokenizer_path: str | None = None) -> Any:
+        """The tokenizer: an explicit folder wins; else the one shipped with the model."""
+        if tokenizer_path is None or tokenizer_path == self.tokenizer_path:
+            if self.tokenizer is not None:
+                return self.tokenizer
+            tokenizer_path = self.tokenizer_path
+        if not os.path.isdir(tokenizer_path):
+            raise ValueError(f"tokenizer={tokenizer_path!r}: no such folder")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+
+    def eos_token_ids(self, tokenizer: Any) -> set[int]:
+        """EOS ids from the tokenizer, the model config and generation_config.json (all of them stop)."""
+        ids: set[int] = set()
+        candidates = [getattr(tokenizer, "eos_token_id", None), getattr(self.hf_config, "eos_token_id", None)]
+        if self.kind == "hf":
+            try:
+                from transformers import GenerationConfig
+
+                candidates.append(GenerationConfig.from_pretrained(self.path, local_files_only=True).eos_token_id)
+            except OSError:
+                pass  # no generation_config.json
+        for candidate in candidates:
+            if isinstance(candidate, int):
+                ids.add(candidate)
+            elif isinstance(candidate, (list, tuple)):
+                ids.update(int(c) for c in candidate)
+        return ids
+
+
+@functools.lru_cache(maxsize=4)
+def open_model_source(model: str | None) -> ModelSource:
+    """Open `model`: None or a short name (the embedded default), a .gguf file, or an HF folder."""
+    from pagedserve.model_loader.default_model import is_short_model_name
+
+    if model is None or (isinstance(model, str) and (model.endswith(".gguf") or is_short_model_name(model))):
+        return _open_gguf_source(model)
+    if not isinstance(model, str):
+        raise ValueError(f"model={model!r} must be a path to an HF model folder or a .gguf file")
+    if not os.path.isdir(model):
+        raise ValueError(f"model={model!r}: no such folder (expected an HF model folder with config.json "
+                         f"and *.safetensors, a .gguf file, or 'smollm2-135m-instruct')")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model={model!r}: the folder has no config.json")
+    if not glob.glob(os.path.join(model, "*.safetensors")):
+        raise ValueError(f"model={model!r}: the folder has no *.safetensors weight files")
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model, local_files_only=True)
+    return ModelSource(path=model, hf_config=hf_config, tokenizer_path=model, kind="hf")
+
+
+def _open_gguf_source(model: str | None) -> ModelSource:
+    from pagedserve.model_loader.default_model import resolve_model_path
+    from pagedserve.model_loader.gguf_loader import load_gguf
+
+    path = resolve_model_path(model)
+    if not os.path.isfile(path):
+        raise ValueError(f"model={model!r}: no such file {path!r}")
+    gguf_model = load_gguf(path)
+    return ModelSource(
+        path=path,
+        hf_config=gguf_model.hf_config,
+        tokenizer_path=path,
+        kind="gguf",
+        weight_stream=gguf_model.weights,
+        tokenizer=gguf_model.tokenizer,
+    )

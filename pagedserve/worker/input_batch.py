@@ -1,0 +1,89 @@
+"""InputBatch: persistent per-request state on the worker side (the "persistent batch").
+
+Each live request owns one row of preallocated host arrays (token ids, block table, counters) from its
+first schedule until it finishes or is preempted; each step only applies the scheduler's deltas (new
+blocks, new computed-token counts, the token sampled last step), so building the next step's inputs is
+a handful of vectorised gathers instead of per-request list rebuilding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.core.scheduler_output import NewRequestData
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    row: int
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_requests: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_requests = max_num_requests
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks_per_request = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_requests, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_requests, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_requests, dtype=np.int64)
+        self.block_table = np.zeros((max_num_requests, max_blocks_per_request), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_requests, dtype=np.int64)
+        self.requests: dict[str, RequestState] = {}
+        self._free_rows = list(range(max_num_requests - 1, -1, -1))
+
+    def add_request(self, new: NewRequestData) -> RequestState:
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_seqs={self.max_num_requests} live requests on the worker")
+        row = self._free_rows.pop()
+        num_tokens = len(new.token_ids)
+        self.token_ids[row, :num_tokens] = new.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, new.block_ids)
+        state = RequestState(new.request_id, row, new.num_prompt_tokens, new.sampling_params)
+        self.requests[new.request_id] = state
+        return state
+
+    def remove_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = int(self.num_blocks[row])
+            self.block_table[row, start:start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def prompt_token_ids(self, state: RequestState) -> list[int]:
+        return self.token_ids[state.row, :state.num_prompt_tokens].tolist()
+
+    def output_token_ids(self, state: RequestState) -> list[int]:
+        return self.token_ids[state.row, state.num_prompt_tokens:self.num_tokens[state.row]].tolist()
+
+
+@dataclass
+class StepInputs:
+    """Flat model inputs for one step plus the per-request bookkeeping to read the outputs back."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    request_ids: list[str]  # in batch order
+    rows: np.ndarray  # [num_requests] the requests' rows in the InputBatch
+    num_scheduled: np.ndarray  # [num_requests]
+    query_start_loc: np.ndarray  # [num_requests + 1]
+    num_computed_before: np.ndarray  # [num_requests]
+    # Requests that reach the end of their known tokens this step sample one token.
+    is_sampled: np.ndarray  # [num_requests] bool
