@@ -116,17 +116,31 @@ class RotaryEmbedding(CustomOp):
         # Tables are computed on the CPU (deterministic) and moved to the device the model is built on.
         cache = torch.cat([cos, sin], dim=-1).to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [num_tokens, head_dim] (halves repeated, as in HF) for the given positions."""
-        # Checked on the CPU only: on an accelerator the check would cost a device->host sync per layer.
+        """cos and sin [num_tokens, head_dim] (halves repeated, as in HF) for the given positions.
+
+        One module is shared by every layer and each layer passes the same `positions` tensor, so the
+        tables are gathered once per forward: the result is memoised on the tensor's identity. The model
+        calls `clear_memo()` at the start of every forward, so a positions buffer updated in place
+        between forwards (graph replay) is never served stale tables.
+        """
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return memo[2], memo[3]
+        # Checked on the CPU only: on an accelerator the check would cost a device->host sync.
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
                              f"(max_positions={self.max_positions})")
         cos, sin = self.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
         cos = torch.cat([cos, cos], dim=-1).to(dtype)
         sin = torch.cat([sin, sin], dim=-1).to(dtype)
+        self._memo = (positions, dtype, cos, sin)
         return cos, sin
+
+    def clear_memo(self) -> None:
+        self._memo = None
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
                        key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,6 +128,7 @@ class LlamaModel(nn.Module):
                                                    params_dtype=params_dtype, prefix=f"{prefix}.embed_tokens")
         rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),
                               rope_parameters_from_config(hf_config))
+        self.rotary_emb = rotary_emb  # shared by every layer's attention
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, index, rotary_emb, attention_class, params_dtype=params_dtype,
                               prefix=f"{prefix}.layers.{index}")
@@ -136,6 +137,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.rotary_emb.clear_memo()
         hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
