@@ -32,9 +32,8 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any | None) -> torch.dtyp
         raise ValueError(f"dtype={dtype!r} is not valid; expected 'auto', 'float32', 'bfloat16' or 'float16'")
     name = dtype.lower()
     if name == "auto":
-        config_dtype = None
-        if hf_config is not None:
-            config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # transformers >= 5 names it `dtype` (reading `torch_dtype` only warns that it is deprecated).
+        config_dtype = getattr(hf_config, "dtype", None) if hf_config is not None else None
         if isinstance(config_dtype, str):
             config_dtype = _DTYPE_NAMES.get(config_dtype)
         if config_dtype in (torch.bfloat16, torch.float16):

@@ -84,11 +84,17 @@ def open_model_source(model: str | None) -> ModelSource:
 
 def _open_gguf_source(model: str | None) -> ModelSource:
     from pagedserve.model_loader.default_model import resolve_model_path
+
+    return _open_gguf_file(resolve_model_path(model))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf_file(path: str) -> ModelSource:
+    """One parse per file per process, whether it was named by path, short name or default."""
     from pagedserve.model_loader.gguf_loader import load_gguf
 
-    path = resolve_model_path(model)
     if not os.path.isfile(path):
-        raise ValueError(f"model={model!r}: no such file {path!r}")
+        raise ValueError(f"model={path!r}: no such file")
     gguf_model = load_gguf(path)
     return ModelSource(
         path=path,

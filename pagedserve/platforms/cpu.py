@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pagedserve.platforms.interface import Platform
@@ -15,6 +16,13 @@ class CpuPlatform(Platform):
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         # float16 matmuls on the CPU are slow and lose range; 'auto' maps checkpoints' fp16 to bf16.
         return (torch.float32, torch.bfloat16)
+
+    def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """calloc-backed zeros: the OS maps zero pages lazily, so a multi-GiB KV cache costs nothing at
+        start and memory is committed only as blocks are first written (torch.zeros would memset it all)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        raw = np.zeros(shape, dtype=np.dtype(f"u{element_size}"))
+        return torch.from_numpy(raw).view(dtype)
 
     def available_memory_bytes(self) -> int:
         try:

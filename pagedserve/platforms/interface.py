@@ -32,6 +32,10 @@ class Platform(ABC):
     def available_memory_bytes(self) -> int:
         """Memory the KV cache may draw from (free RAM on the CPU, free device memory on GPUs)."""
 
+    def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on this platform's device (the KV cache is allocated this way)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def default_attention_backend(self) -> str:
         return "torch_paged"
 

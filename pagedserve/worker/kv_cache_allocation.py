@@ -6,6 +6,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedserve.platforms.interface import Platform
 from pagedserve.config.cache import (DEFAULT_KV_CACHE_MAX_BYTES, DEFAULT_KV_CACHE_RAM_FRACTION,
                                      CacheConfig)
 
@@ -57,8 +58,7 @@ def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, ava
 
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+                       platform: Platform) -> list[torch.Tensor]:
     # Zero-filled: padded reads of unwritten slots (masked out by attention) must never see NaN.
-    return [torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype,
-                        device=device)
+    return [platform.allocate_zeros((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype)
             for layer in attention_layers(model)]

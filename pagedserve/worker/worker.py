@@ -44,7 +44,7 @@ class Worker:
                                              model_config.max_model_len,
                                              config.scheduler_config.max_num_seqs)
         kv_caches = allocate_kv_caches(model, num_blocks, cache_config.block_size, model_config.dtype,
-                                       self.device)
+                                       self.platform)
         self.model_runner.bind_kv_caches(kv_caches)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend)
