@@ -38,3 +38,18 @@ def test_features_lists_rows() -> None:
     result = _run("features")
     assert result.returncode == 0
     assert "prefix cache" in result.stdout and "chunked prefill" in result.stdout
+
+
+def test_chat_with_the_default_model_answers_paris() -> None:
+    result = _run("chat", "--temperature", "0", "--max-tokens", "40", "--max-model-len", "1024",
+                  stdin="What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert result.stdout.strip() == result.stdout.strip().splitlines()[-1]  # only the answer is printed
+
+
+def test_chat_rejects_an_empty_message(tiny_model_dir) -> None:
+    result = _run("chat", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "64", "--max-model-len", "256",
+                  stdin="   ")
+    assert result.returncode == 2
+    assert "empty" in result.stderr

