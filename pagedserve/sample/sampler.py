@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.sample.logprobs import (LogprobsTensors, compute_logprobs, compute_prompt_logprobs,
-                                        gather_logprobs)
+from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from pagedserve.sample.min_tokens import apply_min_tokens
 from pagedserve.sample.penalties import apply_penalties
 from pagedserve.sample.sampling_metadata import SamplingMetadata
 from pagedserve.sample.truncation import apply_min_p, apply_top_k, apply_top_k_top_p
 
-# compute_prompt_logprobs lives in logprobs.py; it is re-exported here for the model runner.
-__all__ = ["Sampler", "SamplerOutput", "LogprobsTensors", "compute_prompt_logprobs", "random_sample"]
+__all__ = ["Sampler", "SamplerOutput", "LogprobsTensors", "random_sample"]
 
 
 @dataclass

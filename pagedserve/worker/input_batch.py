@@ -80,6 +80,7 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
+    positions_cpu: np.ndarray  # the same positions on the host (slot mapping needs them; no device sync)
     request_ids: list[str]  # in batch order
     rows: np.ndarray  # [num_requests] the requests' rows in the InputBatch
     num_scheduled: np.ndarray  # [num_requests]

@@ -1,16 +1,12 @@
 """Sizing and allocating the paged KV cache (one tensor per attention layer)."""
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from pagedserve.platforms.interface import Platform
 from pagedserve.config.cache import (DEFAULT_KV_CACHE_MAX_BYTES, DEFAULT_KV_CACHE_RAM_FRACTION,
                                      CacheConfig)
-
-logger = logging.getLogger(__name__)
+from pagedserve.platforms.interface import Platform
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:

@@ -10,8 +10,6 @@ logprobs), sample, and write the sampled tokens back into the persistent batch.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from torch import nn
@@ -20,13 +18,11 @@ from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.sampler import Sampler
-from pagedserve.sample.sampler import compute_prompt_logprobs
-from pagedserve.sample.sampling_metadata import build_sampling_metadata
+from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from pagedserve.worker.kv_cache_allocation import attention_layers
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -130,6 +126,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
+            positions_cpu=positions,
             request_ids=request_ids,
             rows=rows,
             num_scheduled=num_scheduled,
@@ -145,7 +142,7 @@ class ModelRunner:
         max_num_blocks = int(-(-seq_lens.max() // block_size))
         block_table = batch.block_table[step.rows, :max_num_blocks]
         token_rows = np.repeat(np.arange(len(step.rows)), step.num_scheduled)
-        positions = step.positions.cpu().numpy() if step.positions.device.type != "cpu" else step.positions.numpy()
+        positions = step.positions_cpu
         slot_mapping = block_table[token_rows, positions // block_size].astype(np.int64) * block_size \
             + positions % block_size
         num_decodes = int(np.count_nonzero(step.num_scheduled == 1))
@@ -166,7 +163,7 @@ class ModelRunner:
             block_size=block_size,
         )
 
-    def _sampling_metadata(self, states: list[RequestState]):
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         batch = self.input_batch
         params = [s.sampling_params for s in states]
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
