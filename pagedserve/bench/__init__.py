@@ -1,0 +1,1 @@
+"""Benchmarks behind `pagedserve bench` (serve: an HTTP load generator)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `pagedserve serve` (see docs/serving.md)."""

@@ -1,0 +1,152 @@
+"""POST /v1/chat/completions: messages through the model's chat template, then one engine request.
+
+Streaming sends, per choice, a first chunk with the assistant role, then content deltas; the chunk
+that finishes a choice carries its finish_reason; an optional usage chunk precedes `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.engine.async_llm import EngineDeadError, RequestStream
+from pagedserve.outputs import CompletionOutput
+from pagedserve.server.disconnect import run_until_disconnected
+from pagedserve.server.errors import OpenAIError, error_body
+from pagedserve.server.logprobs_format import chat_logprobs
+from pagedserve.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
+                                        ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
+                                        ChatStreamChoice, ChatTokenLogprob, DeltaMessage, UsageInfo)
+from pagedserve.server.state import ServerState, new_request_id
+from pagedserve.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
+
+
+@dataclass
+class _ChatChoice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.engine = state.engine
+
+    def decode(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def prompt_token_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """The rendered conversation's token ids; a template that rejects the messages is a 400."""
+        messages = body.template_messages()
+        try:
+            return self.engine.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                   chat_template=body.chat_template,
+                                                   **(body.chat_template_kwargs or {}))
+        except ValueError:
+            raise
+        except Exception as error:  # jinja2 errors: the template refused these messages
+            raise ValueError(f"messages could not be rendered by the chat template: {error}") from None
+
+    async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
+        model_name = self.state.resolve_model(body.model)
+        num_top = body.top_logprobs or 0
+        params = body.sampling_params(max_tokens=body.effective_max_tokens(),
+                                      logprobs=num_top if body.logprobs else None)
+        prompt_token_ids = self.prompt_token_ids(body)
+        self.state.admit(params.n)
+        request_id = new_request_id("chatcmpl")
+        stream = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
+                                               priority=body.priority)
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream(body, request_id, model_name, created, stream),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return await run_until_disconnected(raw_request, self._full(body, request_id, model_name, created, stream))
+
+    def _delta_logprobs(self, body: ChatCompletionRequest,
+                        completion: CompletionOutput) -> list[ChatTokenLogprob] | None:
+        if not body.logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0, self.decode)
+
+    async def _full(self, body: ChatCompletionRequest, request_id: str, model_name: str, created: int,
+                    stream: RequestStream) -> Response:
+        choices = [_ChatChoice() for _ in range(body.n)]
+        try:
+            async for output in stream.stream():
+                for completion in output.outputs:
+                    choice = choices[completion.index]
+                    choice.text.append(completion.text)
+                    choice.token_ids.extend(completion.token_ids)
+                    delta_logprobs = self._delta_logprobs(body, completion)
+                    if delta_logprobs is not None:
+                        choice.logprobs = (choice.logprobs or []) + delta_logprobs
+                    if completion.finish_reason is not None:
+                        choice.finish_reason = completion.finish_reason
+                        choice.stop_reason = completion.stop_reason
+        except EngineDeadError as error:
+            raise OpenAIError(503, f"the engine failed while generating: {error}") from None
+        num_completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        response = ChatCompletionResponse(
+            id=request_id, created=created, model=model_name,
+            choices=[ChatCompletionChoice(
+                index=index, message=ChatResponseMessage(content="".join(choice.text)),
+                logprobs=ChatChoiceLogprobs(content=choice.logprobs or []) if body.logprobs else None,
+                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                token_ids=choice.token_ids if body.return_token_ids else None)
+                for index, choice in enumerate(choices)],
+            usage=UsageInfo(prompt_tokens=stream.num_prompt_tokens, completion_tokens=num_completion_tokens,
+                            total_tokens=stream.num_prompt_tokens + num_completion_tokens))
+        return JSONResponse(response.model_dump())
+
+    async def _stream(self, body: ChatCompletionRequest, request_id: str, model_name: str, created: int,
+                      stream: RequestStream):
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options is not None and options.continuous_usage_stats
+        num_prompt_tokens = stream.num_prompt_tokens
+        num_completion_tokens = 0
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
+                                                 usage=usage).model_dump_json())
+
+        def usage() -> UsageInfo:
+            return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                             total_tokens=num_prompt_tokens + num_completion_tokens)
+
+        try:
+            try:
+                # The role comes first, once per choice, before any content (OpenAI's order).
+                for index in range(body.n):
+                    yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                                usage() if continuous_usage else None)
+                async for output in stream.stream():
+                    chunk_choices = []
+                    for completion in output.outputs:
+                        num_completion_tokens += len(completion.token_ids)
+                        if not completion.text and completion.finish_reason is None and not (
+                                body.logprobs or body.return_token_ids):
+                            continue  # e.g. half a UTF-8 character: OpenAI sends no empty content deltas
+                        delta_logprobs = self._delta_logprobs(body, completion)
+                        chunk_choices.append(ChatStreamChoice(
+                            index=completion.index, delta=DeltaMessage(content=completion.text),
+                            logprobs=ChatChoiceLogprobs(content=delta_logprobs) if delta_logprobs is not None else None,
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                            token_ids=list(completion.token_ids) if body.return_token_ids else None))
+                    if chunk_choices:
+                        yield chunk(chunk_choices, usage() if continuous_usage else None)
+                if include_usage:
+                    yield chunk([], usage())
+            except EngineDeadError as error:
+                yield sse_event(json.dumps(error_body(503, f"the engine failed while generating: {error}")))
+            yield SSE_DONE
+
+        finally:
+            stream.close()

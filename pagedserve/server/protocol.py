@@ -1,0 +1,280 @@
+"""OpenAI API request and response bodies (pydantic), plus vLLM's extra sampling fields.
+
+Requests accept what the official openai client sends; fields OpenAI defines but pagedserve does not
+implement (logit_bias, suffix, tools, best_of != n) are rejected with a 400 rather than ignored, so a
+client never silently gets something other than what it asked for. Unknown extra fields are ignored,
+like OpenAI's server does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling knobs shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    priority: int = 0
+    # vLLM extension: also return the generated token ids (choices[].token_ids).
+    return_token_ids: bool = False
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported: it must equal n={self.n} or be omitted")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream=true")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The SamplingParams of this request (ValueError names any bad field and its range)."""
+        self.check_unsupported()
+        values: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            values[name] = default if value is None else value
+        return SamplingParams(**values)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+
+    def effective_max_tokens(self) -> int | None:
+        """max_completion_tokens (the newer name) wins over max_tokens; None means 'fill the context'."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: content parts of type 'text' joined into one string."""
+        messages: list[dict[str, Any]] = []
+        for index, message in enumerate(self.messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ValueError(f"messages[{index}].content part {part!r} is not supported: "
+                                         "only {'type': 'text', 'text': ...} parts are")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+            if message.name is not None:
+                entry["name"] = message.name
+            messages.append(entry)
+        return messages
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
