@@ -23,6 +23,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parallel = parser.add_argument_group("parallel")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parallel.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=False)
+    parallel.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+    parallel.add_argument("--lmhead-tensor-parallel-size", type=int, default=0,
+                          help="LM head TP degree, dividing --tensor-parallel-size (0: same)")
+    parallel.add_argument("--embedding-tensor-parallel-size", type=int, default=0,
+                          help="word embedding TP degree, dividing --tensor-parallel-size (0: same)")
+    parallel.add_argument("--oproj-tensor-parallel-size", type=int, default=0,
+                          help="attention o_proj TP degree, dividing --tensor-parallel-size (0: same)")
+    parallel.add_argument("--enable-reduce-sample", action=argparse.BooleanOptionalAction, default=False)
+    parallel.add_argument("--enable-balance-scheduling", action=argparse.BooleanOptionalAction, default=False)
+    parallel.add_argument("--dyntra-lb-config", default=None,
+                          help='JSON object, e.g. \'{"enabled": true, "bubble_threshold": 4}\'')
+    group.add_argument("--num-cpu-threads", type=int, default=None,
+                       help="torch threads of the engine (default: every core; `serve` leaves one core "
+                            "to the HTTP front end when there are two or more)")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -31,7 +50,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-        seed=args.seed, scheduling_policy=args.scheduling_policy,
+        seed=args.seed, scheduling_policy=args.scheduling_policy, num_cpu_threads=args.num_cpu_threads,
     )
 
 

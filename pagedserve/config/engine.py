@@ -7,10 +7,12 @@ the chosen attention backend) are not written back here: the worker returns them
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.config.cache import CacheConfig, parse_memory_size
 from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
+from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.scheduler import SchedulerConfig
 
 
@@ -20,6 +22,9 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     attention_backend: str = "torch_paged"
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # Intra-op threads of the worker's torch ops; None keeps torch's default (every core).
+    num_cpu_threads: int | None = None
 
     @staticmethod
     def create(
@@ -39,13 +44,29 @@ class EngineConfig:
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
         attention_backend: str | None = None,
+        num_cpu_threads: int | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
 
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            distributed_executor_backend=distributed_executor_backend,
+            lmhead_tensor_parallel_size=lmhead_tensor_parallel_size,
+            embedding_tensor_parallel_size=embedding_tensor_parallel_size,
+            oproj_tensor_parallel_size=oproj_tensor_parallel_size,
+            enable_reduce_sample=enable_reduce_sample,
+            enable_balance_scheduling=enable_balance_scheduling,
+            dyntra_lb_config=DyntraLBConfig.parse(dyntra_lb_config),
+        )
         source = open_model_source(model)
         hf_config = source.hf_config
         platform = current_platform()
+        parallel_config.validate_for_model(hf_config, num_cpus=os.cpu_count(),
+                                           num_devices=_num_devices(platform.device_type))
         torch_dtype = resolve_dtype(dtype, hf_config)
         platform.check_dtype(torch_dtype)
 
@@ -82,12 +103,25 @@ class EngineConfig:
             policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
         )
+        if num_cpu_threads is not None and (not isinstance(num_cpu_threads, int) or num_cpu_threads < 1):
+            raise ValueError(f"num_cpu_threads={num_cpu_threads!r} must be an integer >= 1 (or None: all cores)")
         return EngineConfig(
+            num_cpu_threads=num_cpu_threads,
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             attention_backend=attention_backend or platform.default_attention_backend(),
+            parallel_config=parallel_config,
         )
+
+
+def _num_devices(device_type: str) -> int | None:
+    """Accelerators a TP x PP world may spread over (None on the CPU, where cores are the limit)."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return None
 
 
 def engine_kwargs_names() -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -107,6 +108,16 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
     return EXIT_ENGINE_DEAD if state.engine_dead_error is not None else 0
 
 
+def default_engine_threads_when_serving(num_cores: int | None = None) -> int:
+    """Leave one core to the HTTP process (tokenizing, detokenizing, streaming) when there are two or more.
+
+    The engine's OpenMP threads spin-wait at every op boundary: a thread descheduled by the front end
+    stalls the whole team, which on a 2-core machine made steps several times slower than one thread.
+    """
+    num_cores = num_cores or os.cpu_count() or 1
+    return max(1, num_cores - 1)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """The `pagedserve serve` handler."""
     from pagedserve.config.cli_args import engine_kwargs_from_args
@@ -127,8 +138,12 @@ def run_serve(args: argparse.Namespace) -> int:
         nonlocal is_starting
         is_starting = False
 
+    engine_kwargs = engine_kwargs_from_args(args)
+    if engine_kwargs.get("num_cpu_threads") is None:
+        engine_kwargs["num_cpu_threads"] = default_engine_threads_when_serving()
+
     async def main() -> int:
-        task = serve(engine_kwargs_from_args(args), host=args.host, port=args.port, api_key=api_key,
+        task = serve(engine_kwargs, host=args.host, port=args.port, api_key=api_key,
                      served_model_names=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                      max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                      engine_death_exit_delay=args.engine_death_exit_delay,

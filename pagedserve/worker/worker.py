@@ -32,6 +32,8 @@ class Worker:
         self.config = config
         self.platform = current_platform()
         self.device = self.platform.device
+        if config.num_cpu_threads is not None:
+            torch.set_num_threads(config.num_cpu_threads)
         torch.manual_seed(config.model_config.seed)
         model_config = config.model_config
         source = open_model_source(model_config.model)

@@ -106,4 +106,6 @@ def test_bad_engine_knobs(tiny_model_dir) -> None:
         LLM(folder, kv_cache_memory="lots")
     with pytest.raises(ValueError, match="max_num_batched_tokens=64"):
         LLM(folder, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="num_cpu_threads=0"):
+        LLM(folder, num_cpu_threads=0)
     assert torch.get_default_dtype() == torch.float32

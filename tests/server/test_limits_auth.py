@@ -72,3 +72,11 @@ def test_admission_bound():
     with pytest.raises(OpenAIError) as caught:  # can never fit: a client mistake, not overload
         check_admission(num_engine_requests=0, num_new=5, max_num_seqs=2, max_waiting_requests=2)
     assert caught.value.status_code == 400 and "4" in caught.value.message
+
+
+def test_serving_leaves_one_core_to_the_front_end() -> None:
+    from pagedserve.server.launcher import default_engine_threads_when_serving
+
+    assert default_engine_threads_when_serving(1) == 1
+    assert default_engine_threads_when_serving(2) == 1
+    assert default_engine_threads_when_serving(16) == 15
