@@ -13,7 +13,8 @@ are single-token decodes when the runner orders them that way (it does: decodes 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    # Per-step scratch for backends: anything derived from this metadata alone (e.g. a decode plan)
+    # is built by the first layer and reused by the others. A new metadata object comes every step.
+    backend_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

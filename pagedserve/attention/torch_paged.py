@@ -20,6 +20,8 @@ No device->host syncs: lengths come from the metadata's host lists.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -178,50 +180,86 @@ def _decode_chunks(seq_lens: list[int], max_chunk_tokens: int) -> list[list[int]
     return chunks
 
 
+@dataclass
+class _DecodeChunk:
+    """One chunk of decodes sharing a padded context length: what every layer needs to attend it."""
+
+    start: int  # rows [start, end) of the length-sorted decodes
+    end: int
+    block_ids: torch.Tensor  # [(end - start) * num_span_blocks] int64, flat
+    padded_len: int
+    mask: torch.Tensor  # [end - start, 1, 1, padded_len] additive float mask
+
+
+@dataclass
+class _DecodePlan:
+    order: torch.Tensor  # decode rows in chunk order (longest contexts first)
+    chunks: list[_DecodeChunk]
+
+
+def _plan_decodes(metadata: AttentionMetadata, sliding_window: int | None, bytes_per_token: int,
+                  dtype: torch.dtype, device: torch.device) -> _DecodePlan:
+    """Sort decodes by visible context length, cut them into chunks, and build each chunk's block ids and
+    mask. The plan depends on the step's metadata only, so one plan serves every layer of the step."""
+    num_decodes = metadata.num_decodes
+    block_size = metadata.block_size
+    seq_lens = metadata.seq_lens_cpu[:num_decodes]
+    # With a sliding window only the blocks from the first visible one on are read.
+    first_blocks = [first_visible_block(n - 1, sliding_window, block_size) for n in seq_lens]
+    visible_lens = [n - first * block_size for n, first in zip(seq_lens, first_blocks)]
+    index_chunks = _decode_chunks(visible_lens, max(1, DECODE_CHUNK_BYTES // bytes_per_token))
+    order = [index for chunk in index_chunks for index in chunk]
+    order_tensor = torch.tensor(order, dtype=torch.long, device=device)
+    block_table = metadata.block_table.to(device).index_select(0, order_tensor).to(torch.long)
+    sorted_seq_lens = torch.tensor([seq_lens[i] for i in order], dtype=torch.long, device=device)
+    sorted_first_blocks = torch.tensor([first_blocks[i] for i in order], dtype=torch.long, device=device)
+    chunks = []
+    start = 0
+    for index_chunk in index_chunks:
+        end = start + len(index_chunk)
+        num_span_blocks = (visible_lens[index_chunk[0]] + block_size - 1) // block_size
+        padded_len = num_span_blocks * block_size
+        span = torch.arange(num_span_blocks, device=device)
+        key_positions = torch.arange(padded_len, device=device)[None, :]
+        if sliding_window is None:
+            block_ids = block_table[start:end, :num_span_blocks]
+        else:
+            first = sorted_first_blocks[start:end]
+            # Past the end of a row's table the index is clamped; those slots lie beyond seq_len (masked).
+            table_indices = (first[:, None] + span[None, :]).clamp_(max=block_table.shape[1] - 1)
+            block_ids = block_table[start:end].gather(1, table_indices)
+            key_positions = key_positions + (first * block_size)[:, None]
+        last_positions = (sorted_seq_lens[start:end] - 1)[:, None]
+        hidden = key_positions > last_positions
+        if sliding_window is not None:
+            hidden |= key_positions <= last_positions - sliding_window
+        # An additive float mask: the CPU SDPA kernel is markedly slower with a boolean one.
+        mask = torch.zeros(end - start, 1, 1, padded_len, dtype=dtype, device=device)
+        mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        chunks.append(_DecodeChunk(start, end, block_ids.reshape(-1), padded_len, mask))
+        start = end
+    return _DecodePlan(order_tensor, chunks)
+
+
 def _attend_decode_chunk(
     query: torch.Tensor,  # [B, H, D]
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [B, max_num_blocks] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    first_blocks: torch.Tensor | None,  # [B] int64: first visible block per request (sliding window)
-    max_visible_len: int,  # max over the chunk of seq_len - first_block * block_size
+    chunk: _DecodeChunk,
     scale: float,
-    sliding_window: int | None,
 ) -> torch.Tensor:  # [B, H, D]
     batch, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    num_span_blocks = (max_visible_len + block_size - 1) // block_size
-    padded_len = num_span_blocks * block_size
-    span = torch.arange(num_span_blocks, device=query.device)
-    if first_blocks is None:
-        block_ids = block_table[:, :num_span_blocks]
-        first_positions = None
-    else:
-        # Past the end of a row's table the index is clamped; those slots lie beyond seq_len and are masked.
-        table_indices = (first_blocks[:, None] + span[None, :]).clamp_(max=block_table.shape[1] - 1)
-        block_ids = block_table.gather(1, table_indices)
-        first_positions = first_blocks * block_size
     # index_select with flat int64 ids is several times faster on the CPU than advanced indexing with a
     # 2-D int32 table. [2, B*n, block_size, H_kv, D] -> [2, B, H_kv, padded_len, D] (a strided view):
-    # padded rows read the null block or stale slots and are masked out below.
-    context = kv_cache.index_select(1, block_ids.reshape(-1))
-    context = context.view(2, batch, padded_len, num_kv_heads, head_dim).transpose(2, 3)
+    # padded rows read the null block or stale slots and are masked out.
+    context = kv_cache.index_select(1, chunk.block_ids)
+    context = context.view(2, batch, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     if context.dtype != query.dtype:
         context = context.to(query.dtype)
-    key_positions = torch.arange(padded_len, device=query.device)[None, :]
-    if first_positions is not None:
-        key_positions = key_positions + first_positions[:, None]
-    last_positions = (seq_lens - 1)[:, None]
-    hidden = key_positions > last_positions
-    if sliding_window is not None:
-        hidden |= key_positions <= last_positions - sliding_window
-    # An additive float mask: the CPU SDPA kernel is markedly slower with a boolean one.
-    mask = torch.zeros(batch, 1, 1, padded_len, dtype=query.dtype, device=query.device)
-    mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
     # The `group` query heads sharing one KV head become that head's query rows: no K/V expansion.
     grouped_query = query.view(batch, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(grouped_query, context[0], context[1], attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped_query, context[0], context[1], attn_mask=chunk.mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -285,32 +323,17 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> None:
         """Attends the first `num_decodes` requests (one new token each; decode i's query is row i)."""
         num_decodes = metadata.num_decodes
-        block_size = metadata.block_size
-        seq_lens = metadata.seq_lens_cpu[:num_decodes]
-        # With a sliding window only the blocks from the first visible one on are read.
-        first_blocks = [first_visible_block(n - 1, sliding_window, block_size) for n in seq_lens]
-        visible_lens = [n - first * block_size for n, first in zip(seq_lens, first_blocks)]
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         bytes_per_token = 2 * num_kv_heads * head_dim * max(query.element_size(), kv_cache.element_size())
-        chunks = _decode_chunks(visible_lens, max(1, DECODE_CHUNK_BYTES // bytes_per_token))
-        order = [index for chunk in chunks for index in chunk]
+        key = ("torch_paged_decode_plan", sliding_window, query.dtype, bytes_per_token, query.device)
+        plan = metadata.backend_cache.get(key)
+        if plan is None:
+            plan = _plan_decodes(metadata, sliding_window, bytes_per_token, query.dtype, query.device)
+            metadata.backend_cache[key] = plan
         # Permute once into chunk order so that every chunk is a contiguous slice.
-        device = query.device
-        order_tensor = torch.tensor(order, dtype=torch.long, device=device)
-        sorted_query = query.index_select(0, order_tensor)
-        sorted_block_table = metadata.block_table.to(device).index_select(0, order_tensor).to(torch.long)
-        sorted_seq_lens = torch.tensor([seq_lens[i] for i in order], dtype=torch.long, device=device)
-        sorted_first_blocks = None
-        if sliding_window is not None:
-            sorted_first_blocks = torch.tensor([first_blocks[i] for i in order], dtype=torch.long, device=device)
+        sorted_query = query[:num_decodes].index_select(0, plan.order)
         sorted_output = torch.empty_like(sorted_query)
-        start = 0
-        for chunk in chunks:
-            end = start + len(chunk)
-            sorted_output[start:end] = _attend_decode_chunk(
-                sorted_query[start:end], kv_cache, sorted_block_table[start:end], sorted_seq_lens[start:end],
-                None if sorted_first_blocks is None else sorted_first_blocks[start:end],
-                visible_lens[chunk[0]], scale, sliding_window,
-            )
-            start = end
-        output[:num_decodes].index_copy_(0, order_tensor, sorted_output)
+        for chunk in plan.chunks:
+            sorted_output[chunk.start:chunk.end] = _attend_decode_chunk(
+                sorted_query[chunk.start:chunk.end], kv_cache, chunk, scale)
+        output[:num_decodes].index_copy_(0, plan.order, sorted_output)
