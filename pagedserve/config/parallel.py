@@ -1,0 +1,184 @@
+"""ParallelConfig: how one model is spread over processes (TP, PP, DP, EP, fine-grained TP, DP balance).
+
+Self-contained checks run in __post_init__; the checks that need the model (heads, KV heads, vocab,
+layers) and the machine (cores / devices) run in `validate_for_model`, called by EngineConfig.create.
+Every error names the knob, its value and what is allowed; impossible combinations name both knobs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DYNTRA_LB_MODES = ("dynamic", "static")
+
+
+@dataclass(frozen=True)
+class DyntraLBConfig:
+    """DyntraLB knobs (vllm-ascend names and defaults). pagedserve builds the admission gate driven by
+    `bubble_threshold` (values >= 1 are KV blocks above the mean, < 1 a ratio (max - mean) / max);
+    the other fields are validated and kept for the swap planner, which is not built."""
+
+    enabled: bool = False
+    mode: str = "dynamic"
+    start_step: int = 250
+    end_step: int = -1
+    bubble_threshold: float = 5.0
+    long_req_block_threshold: int = 700
+    dynamic_max_step: int = 256
+    enable_diagnostics: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"dyntra_lb_config.enabled={self.enabled!r} must be a bool")
+        if self.mode not in DYNTRA_LB_MODES:
+            raise ValueError(f"dyntra_lb_config.mode={self.mode!r} must be one of {DYNTRA_LB_MODES}")
+        if not isinstance(self.bubble_threshold, (int, float)) or not self.bubble_threshold > 0:
+            raise ValueError(f"dyntra_lb_config.bubble_threshold={self.bubble_threshold!r} must be a number > 0 "
+                             f"(>= 1: KV blocks above the mean; < 1: ratio (max - mean) / max)")
+        for name in ("start_step", "long_req_block_threshold", "dynamic_max_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"dyntra_lb_config.{name}={value!r} must be an integer >= 0")
+        if not isinstance(self.end_step, int) or self.end_step < -1:
+            raise ValueError(f"dyntra_lb_config.end_step={self.end_step!r} must be an integer >= -1 (-1: no end)")
+
+    @staticmethod
+    def parse(value: "DyntraLBConfig | dict[str, Any] | str | None") -> "DyntraLBConfig":
+        """From a DyntraLBConfig, a dict, a JSON object string (the CLI form) or None (defaults)."""
+        if value is None:
+            return DyntraLBConfig()
+        if isinstance(value, DyntraLBConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"dyntra_lb_config={value!r} is not a JSON object: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"dyntra_lb_config={value!r} must be a dict or a JSON object string")
+        allowed = {f.name for f in fields(DyntraLBConfig)}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(f"dyntra_lb_config has unknown keys {unknown}; allowed: {sorted(allowed)}")
+        return DyntraLBConfig(**value)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # None: 'uni' for a single process, else 'mp'.
+    distributed_executor_backend: str | None = None
+    # Fine-grained TP degrees, carved from each TP group (0: same as tensor_parallel_size).
+    lmhead_tensor_parallel_size: int = 0
+    embedding_tensor_parallel_size: int = 0
+    oproj_tensor_parallel_size: int = 0
+    enable_reduce_sample: bool = False
+    enable_balance_scheduling: bool = False
+    dyntra_lb_config: DyntraLBConfig = field(default_factory=DyntraLBConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        for name in ("enable_expert_parallel", "enable_reduce_sample", "enable_balance_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        tp = self.tensor_parallel_size
+        for name in ("lmhead_tensor_parallel_size", "embedding_tensor_parallel_size",
+                     "oproj_tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0 (0: same as tensor_parallel_size)")
+            if value and tp % value:
+                allowed = [d for d in range(1, tp + 1) if tp % d == 0]
+                raise ValueError(f"{name}={value} must divide tensor_parallel_size={tp} (fine-grained groups "
+                                 f"are carved from the TP group); allowed: 0 or one of {allowed}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} must be one of {EXECUTOR_BACKENDS}")
+        if backend == "uni" and self.world_size_per_engine > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process but tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size_per_engine}; use 'mp' or 'ray'")
+        if self.enable_reduce_sample and self.lmhead_degree == 1:
+            raise ValueError("enable_reduce_sample=True needs a vocabulary-sharded LM head, but "
+                             f"tensor_parallel_size={tp} / lmhead_tensor_parallel_size="
+                             f"{self.lmhead_tensor_parallel_size} leave the LM head on one rank")
+        if not isinstance(self.dyntra_lb_config, DyntraLBConfig):
+            raise ValueError(f"dyntra_lb_config={self.dyntra_lb_config!r} must be a DyntraLBConfig "
+                             f"(EngineConfig.create accepts a dict or a JSON string)")
+        if self.enable_balance_scheduling and self.dyntra_lb_config.enabled:
+            raise ValueError("enable_balance_scheduling=True and dyntra_lb_config.enabled=True are mutually "
+                             "exclusive (two different DP admission gates); choose one")
+        if self.data_parallel_size == 1 and (self.enable_balance_scheduling or self.dyntra_lb_config.enabled):
+            knob = "enable_balance_scheduling" if self.enable_balance_scheduling else "dyntra_lb_config.enabled"
+            raise ValueError(f"{knob}=True balances data-parallel ranks but data_parallel_size=1; "
+                             f"set data_parallel_size >= 2 or turn it off")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def world_size_per_engine(self) -> int:
+        """Processes one engine core drives (its executor's world): TP x PP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Every process of the deployment: DP x PP x TP."""
+        return self.data_parallel_size * self.world_size_per_engine
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size_per_engine == 1 else "mp"
+
+    @property
+    def lmhead_degree(self) -> int:
+        return self.lmhead_tensor_parallel_size or self.tensor_parallel_size
+
+    @property
+    def embedding_degree(self) -> int:
+        return self.embedding_tensor_parallel_size or self.tensor_parallel_size
+
+    @property
+    def oproj_degree(self) -> int:
+        return self.oproj_tensor_parallel_size or self.tensor_parallel_size
+
+    def validate_for_model(self, hf_config: Any, num_cpus: int | None, num_devices: int | None) -> None:
+        """Checks that need the model and the machine (called once by EngineConfig.create)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        if num_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_attention_heads={num_heads}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={num_kv_heads} or be a "
+                             f"multiple of it (KV heads are then replicated)")
+        intermediate_size = getattr(hf_config, "intermediate_size", None)
+        if intermediate_size is not None and int(intermediate_size) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size="
+                             f"{intermediate_size}")
+        vocab_size = int(hf_config.vocab_size)
+        for name, degree in (("tensor_parallel_size", tp), ("lmhead_tensor_parallel_size", self.lmhead_degree),
+                             ("embedding_tensor_parallel_size", self.embedding_degree)):
+            if degree > vocab_size:
+                raise ValueError(f"{name}={degree} exceeds the model's vocab_size={vocab_size}")
+        num_layers = int(hf_config.num_hidden_layers)
+        if pp > num_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's num_hidden_layers={num_layers}")
+        if bool(getattr(hf_config, "tie_word_embeddings", False)) and self.lmhead_degree != self.embedding_degree:
+            raise ValueError(
+                f"the model ties its LM head to its word embedding, so lmhead_tensor_parallel_size="
+                f"{self.lmhead_tensor_parallel_size} and embedding_tensor_parallel_size="
+                f"{self.embedding_tensor_parallel_size} must give the same degree")
+        if num_devices is not None and self.world_size_per_engine > num_devices:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size_per_engine} "
+                             f"exceeds the {num_devices} device(s) of this machine")
+        if num_cpus is not None and self.world_size > num_cpus:
+            raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size = "
+                             f"{self.world_size} processes exceed the {num_cpus} CPU core(s) of this machine")

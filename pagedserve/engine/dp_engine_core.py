@@ -1,0 +1,113 @@
+"""DataParallelEngineCore: data_parallel_size engine cores behind the EngineCore interface.
+
+Each DP rank is a full EngineCore (its own scheduler, KV cache manager and executor — 'mp' or 'ray'
+when it is itself tensor/pipeline parallel). New requests go to the DPCoordinator's choice; a request
+no rank may take now waits here and is offered again each step. Steps run the ranks one after the
+other in this process (dense models need no cross-rank collective; MoE expert parallelism across DP
+ranks would need lock-stepped ranks with dummy batches, which this does not build).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from pagedserve.config.engine import EngineConfig
+from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.distributed.dp_coordinator import DPCoordinator, RankLoad
+from pagedserve.engine.engine_core import EngineCore
+
+
+class DataParallelEngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel_config
+        self.config = config
+        self.cores: list[EngineCore] = []
+        try:
+            for _ in range(parallel.data_parallel_size):
+                self.cores.append(EngineCore(config))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.runtime_info = self.cores[0].runtime_info
+        self.coordinator = DPCoordinator(parallel.data_parallel_size, config.scheduler_config.max_num_seqs,
+                                         parallel.enable_balance_scheduling, parallel.dyntra_lb_config)
+        self.held: deque[Request] = deque()
+        self.owner: dict[str, int] = {}
+        self.tokens_served_per_rank = [0] * parallel.data_parallel_size
+        self.requests_routed_per_rank = [0] * parallel.data_parallel_size
+
+    def rank_loads(self) -> list[RankLoad]:
+        loads = []
+        for core in self.cores:
+            scheduler = core.scheduler
+            manager = core.kv_cache_manager
+            loads.append(RankLoad(num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+                                  num_kv_blocks_used=round(manager.usage * (core.runtime_info.num_kv_blocks - 1))))
+        return loads
+
+    def add_request(self, request: Request) -> None:
+        self.held.append(request)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.held:
+            rank = self.coordinator.choose_rank(self.rank_loads())
+            if rank is None:
+                return
+            request = self.held.popleft()
+            self.owner[request.request_id] = rank
+            self.requests_routed_per_rank[rank] += 1
+            self.cores[rank].add_request(request)
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        doomed = set(request_ids)
+        self.held = deque(r for r in self.held if r.request_id not in doomed)
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self.owner.pop(request_id, None)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self.cores[rank].abort_requests(ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.held) or any(core.has_unfinished_requests() for core in self.cores)
+
+    def step(self) -> list[EngineCoreOutput]:
+        self._dispatch()
+        outputs: list[EngineCoreOutput] = []
+        for rank, core in enumerate(self.cores):
+            rank_outputs = core.step()
+            for output in rank_outputs:
+                self.tokens_served_per_rank[rank] += len(output.new_token_ids)
+                if output.finished:
+                    self.owner.pop(output.request_id, None)
+            outputs.extend(rank_outputs)
+        return outputs
+
+    def make_stats_per_rank(self) -> list[SchedulerStats]:
+        return [core.make_stats() for core in self.cores]
+
+    def make_stats(self) -> SchedulerStats:
+        """All ranks together (held requests count as waiting; KV usage is the mean)."""
+        per_rank = self.make_stats_per_rank()
+        return SchedulerStats(
+            num_running_requests=sum(s.num_running_requests for s in per_rank),
+            num_waiting_requests=sum(s.num_waiting_requests for s in per_rank) + len(self.held),
+            kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
+            num_preemptions=sum(s.num_preemptions for s in per_rank),
+        )
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            core.shutdown()
+
+
+def create_engine_core(config: EngineConfig) -> EngineCore | DataParallelEngineCore:
+    """One EngineCore, or one per DP rank behind a coordinator when data_parallel_size > 1."""
+    if config.parallel_config.data_parallel_size > 1:
+        return DataParallelEngineCore(config)
+    return EngineCore(config)

@@ -1,0 +1,210 @@
+"""MultiprocExecutor ('mp'): one spawned process per rank of the engine's TP x PP world.
+
+Start: every worker is spawned (torch.multiprocessing 'spawn' context: no forked torch state), joins a
+torch.distributed world through a TCP store on a free loopback port, builds its shard of the model and
+its KV cache, and reports WorkerReady. Per step: the SchedulerOutput is msgpack-encoded once and the
+same bytes are written to every worker's pipe (a local OS pipe, raw bytes: nothing is pickled); rank 0
+sends back the ModelRunnerOutput (all ranks hold identical sampled tokens).
+
+Failure: the executor waits on the result pipe together with every worker's process sentinel and pipe,
+so a worker that dies (or reports an exception) turns into FatalExecutorError within milliseconds, and
+the survivors — possibly blocked in a collective — are killed. No worker outlives its executor: normal
+shutdown, garbage collection of the LLM and interpreter exit all run the same reaper (weakref.finalize),
+and a worker whose parent vanishes sees its pipe close and exits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from pagedserve.config.engine import EngineConfig
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.worker_init import free_loopback_port
+from pagedserve.executor.abstract import Executor, FatalExecutorError
+from pagedserve.executor.worker_messages import (ExecuteModel, ShutdownWorker, StepResult, WorkerCodec,
+                                                 WorkerFailure, WorkerReady)
+from pagedserve.worker.worker import RuntimeInfo
+
+logger = logging.getLogger(__name__)
+
+# Building the model can take a while on a busy machine; a step waits as long as it needs (deaths are
+# noticed through the sentinels, not through this timeout).
+STARTUP_TIMEOUT_S = 300.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+def worker_threads(world_size: int) -> int:
+    """Intra-op threads per worker: the ranks share the machine's cores."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+    """Entry point of one worker process: build the Worker, then serve steps until told to stop."""
+    codec = WorkerCodec()
+    torch.set_num_threads(worker_threads(config.parallel_config.world_size_per_engine))
+    try:
+        from pagedserve.model_loader.checkpoint_slice import bytes_read
+        from pagedserve.worker.worker import Worker
+
+        worker = Worker(config, rank=rank, distributed_init_method=init_method)
+        info = worker.runtime_info
+        conn.send_bytes(codec.encode(WorkerReady(
+            rank=rank, pid=os.getpid(), num_kv_blocks=info.num_kv_blocks, kv_cache_bytes=info.kv_cache_bytes,
+            attention_backend=info.attention_backend, weight_bytes_read=bytes_read())))
+        while True:
+            message = codec.decode_to_worker(conn.recv_bytes())
+            if isinstance(message, ShutdownWorker):
+                break
+            output = worker.execute_model(message.scheduler_output)
+            if rank == 0:
+                conn.send_bytes(codec.encode(StepResult(output=output)))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the executor is gone: nothing to report to
+    except BaseException:
+        try:
+            conn.send_bytes(codec.encode(WorkerFailure(rank=rank, message=traceback.format_exc())))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    finally:
+        if torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # a peer may already be gone
+                pass
+
+
+def _reap_workers(processes: list[Any], conns: list[Connection], codec: WorkerCodec) -> None:
+    """Stop every worker: ask politely, then terminate, then kill; always join (no zombies)."""
+    shutdown = codec.encode(ShutdownWorker())
+    for process, conn in zip(processes, conns):
+        if process.is_alive():
+            try:
+                conn.send_bytes(shutdown)
+            except OSError:
+                pass
+    for process in processes:
+        process.join(SHUTDOWN_GRACE_S)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(SHUTDOWN_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = config.parallel_config.world_size_per_engine
+        self.codec = WorkerCodec()
+        self.is_dead = False
+        self._pending: dict[int, list[Any]] = {}
+        context = torch.multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        # Registered before the first spawn, so a failure half way through still reaps what started.
+        self._finalizer = weakref.finalize(self, _reap_workers, self.processes, self.conns, self.codec)
+        for rank in range(self.world_size):
+            parent_end, child_end = context.Pipe(duplex=True)
+            process = context.Process(target=run_worker_process, args=(config, rank, init_method, child_end),
+                                      name=f"pagedserve-worker-{rank}", daemon=True)
+            process.start()
+            child_end.close()  # only the child holds it now: its death closes the pipe
+            self.processes.append(process)
+            self.conns.append(parent_end)
+        try:
+            ready = [self._receive(rank, STARTUP_TIMEOUT_S) for rank in range(self.world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        for message in ready:
+            if not isinstance(message, WorkerReady):
+                self.shutdown()
+                raise FatalExecutorError(f"worker sent {type(message).__name__} instead of WorkerReady")
+        self.worker_pids = [message.pid for message in ready]
+        self.weight_bytes_read = [message.weight_bytes_read for message in ready]
+        self.runtime_info = RuntimeInfo(num_kv_blocks=ready[0].num_kv_blocks, kv_cache_bytes=ready[0].kv_cache_bytes,
+                                        attention_backend=ready[0].attention_backend)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.is_dead:
+            raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
+        data = self.codec.encode(ExecuteModel(scheduler_output=scheduler_output))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(f"worker rank {rank} is gone (its pipe is closed)")
+        message = self._receive(0, None)
+        if not isinstance(message, StepResult):
+            self._fail(f"worker rank 0 sent {type(message).__name__} instead of a step result")
+        return message.output  # type: ignore[union-attr]
+
+    def _receive(self, rank: int, timeout: float | None) -> Any:
+        """The next message from worker `rank`, watching every worker for death or failure meanwhile.
+
+        Messages other ranks send meanwhile (start-up reports arrive in any order) are kept for later.
+        """
+        if self._pending.get(rank):
+            return self._pending[rank].pop(0)
+        sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
+        pipes = {id(conn): index for index, conn in enumerate(self.conns)}
+        while True:
+            ready = wait([*self.conns, *sentinels], timeout)
+            if not ready:
+                self._fail(f"worker rank {rank} did not answer within {timeout:.0f} s")
+            for item in ready:
+                if isinstance(item, Connection):
+                    index = pipes[id(item)]
+                    try:
+                        message = self.codec.decode_from_worker(item.recv_bytes())
+                    except (EOFError, OSError):
+                        self._fail(self._death_message(index))
+                    if isinstance(message, WorkerFailure):
+                        self._fail(self._failure_message(message))
+                    self._pending.setdefault(index, []).append(message)
+            if self._pending.get(rank):
+                return self._pending[rank].pop(0)
+            for item in ready:
+                if not isinstance(item, Connection):
+                    index = sentinels[item]
+                    if self.conns[index].poll():
+                        continue  # read its last words on the next pass
+                    self._fail(self._death_message(index))
+
+    def _failure_message(self, failure: WorkerFailure) -> str:
+        """A rank's exception is often only the echo of a peer's death (its collective broke): name the
+        dead peer first when there is one."""
+        for index, process in enumerate(self.processes):
+            if index != failure.rank:
+                process.join(0.2)
+                if process.exitcode is not None:
+                    return f"{self._death_message(index)}\n(then rank {failure.rank} failed:\n{failure.message})"
+        return f"worker rank {failure.rank} failed:\n{failure.message}"
+
+    def _death_message(self, index: int) -> str:
+        process = self.processes[index]
+        process.join(0.5)
+        return (f"worker rank {index} (pid {process.pid}) died (exit code {process.exitcode}); "
+                f"the engine cannot continue")
+
+    def _fail(self, message: str) -> None:
+        self.is_dead = True
+        logger.error("multiprocess executor: %s", message)
+        self.shutdown()
+        raise FatalExecutorError(message)
+
+    def shutdown(self) -> None:
+        self._finalizer()
