@@ -1,0 +1,1 @@
+"""Graph compilation helpers: FX fusion passes and the fused operators they target."""
