@@ -62,6 +62,107 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/e2e/test_feature_equivalence.py::test_batch_of_32_equals_alone",
                "tests/e2e/test_hf_parity.py"),
     ),
+    Feature(
+        line="model", family="parallel", feature="tensor parallel over spawned gloo/nccl workers, sharded "
+                                                 "safetensors loading, KV-head replication",
+        modules=("pagedserve.distributed.parallel_state", "pagedserve.executor.multiproc",
+                 "pagedserve.model_loader.checkpoint_slice", "pagedserve.config.parallel"),
+        knobs=("tensor_parallel_size", "distributed_executor_backend"),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_tensor_parallel.py", "tests/distributed/test_worker_death.py",
+               "tests/distributed/test_parallel_config.py"),
+    ),
+    Feature(
+        line="model", family="parallel", feature="fine-grained TP: LM head, word embedding, o_proj degrees",
+        modules=("pagedserve.layers.output_projection", "pagedserve.layers.embedding"),
+        knobs=("lmhead_tensor_parallel_size", "embedding_tensor_parallel_size", "oproj_tensor_parallel_size"),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_fine_grained_tp.py::"
+               "test_replicated_head_embedding_oproj_and_kv_head_replication",),
+    ),
+    Feature(
+        line="framework", family="sample", feature="reduce_sample: gather top-k candidates, not full logits",
+        modules=("pagedserve.sample.reduce_sample",),
+        knobs=("enable_reduce_sample",),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_fine_grained_tp.py::test_reduce_sample_exact_for_greedy_and_top_k",),
+    ),
+    Feature(
+        line="framework", family="DPLB", feature="data parallel engine cores with least-loaded routing, "
+                                               "balance gate and DyntraLB bubble gate",
+        modules=("pagedserve.engine.dp_engine_core", "pagedserve.distributed.dp_coordinator"),
+        knobs=("data_parallel_size", "enable_balance_scheduling", "dyntra_lb_config"),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_data_parallel.py",),
+    ),
+    Feature(
+        line="framework", family="CPU-side", feature="CPU binding: ranks and torch threads on distinct "
+                                                    "physical cores, NUMA-aware, engine core kept",
+        modules=("pagedserve.platforms.cpu_binding",),
+        knobs=("enable_cpu_binding",),
+        docs="docs/params-02-cpu-binding.md",
+        tests=("tests/platforms/test_cpu_binding.py",
+               "tests/e2e/test_execution_features.py::test_cpu_binding_same_tokens"),
+    ),
+    Feature(
+        line="framework", family="chunked prefill", feature="profiling-tuned chunk sizes: start-up latency "
+                                                          "fit, TPOT-budgeted, smoothed, block-aligned",
+        modules=("pagedserve.core.profiling_chunk_predictor", "pagedserve.core.prefill_chunk_policy",
+                 "pagedserve.worker.chunk_latency_profiler", "pagedserve.config.profiling_chunk"),
+        knobs=("profiling_chunk_config",),
+        docs="docs/params-01-scheduling.md",
+        tests=("tests/core/test_profiling_chunk_predictor.py", "tests/core/test_prefill_chunk_policy.py",
+               "tests/e2e/test_execution_features.py::test_profiling_chunk_same_tokens_and_caps_chunks"),
+    ),
+    Feature(
+        line="framework", family="fused ops", feature="FX fusion passes (add+RMSNorm, q/k-norm+RoPE, muls_add) "
+                                                    "and pass manager; engine use awaits graph capture",
+        modules=("pagedserve.compilation.pass_manager", "pagedserve.compilation.fused_operators"),
+        knobs=(),
+        docs="docs/params-03-fused-operators.md",
+        tests=("tests/compilation/test_fusion_passes.py",),
+    ),
+    Feature(
+        line="model", family="MoE", feature="fused MoE on the CPU (grouped experts, DeepSeek/GLM routing); "
+                                            "Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4.5 MoE models",
+        modules=("pagedserve.layers.moe.fused_moe", "pagedserve.layers.moe.router", "pagedserve.models.qwen_moe",
+                 "pagedserve.models.mixtral", "pagedserve.models.deepseek_v2", "pagedserve.models.glm4_moe"),
+        knobs=(),
+        docs="docs/params-05-eplb-moe.md",
+        tests=("tests/moe/test_fused_moe.py", "tests/moe/test_moe_hf_parity.py"),
+    ),
+    Feature(
+        line="model", family="MLA", feature="multi-head latent attention: latent KV cache, weight absorption, "
+                                            "per-layer KV cache specs",
+        modules=("pagedserve.layers.mla_attention", "pagedserve.attention.mla_paged",
+                 "pagedserve.attention.kv_cache_spec"),
+        knobs=(),
+        docs="docs/params-05-eplb-moe.md",
+        tests=("tests/moe/test_mla_cache.py",),
+    ),
+    Feature(
+        line="model", family="parallel", feature="expert parallel: experts over the EP group, all_to_all "
+                                                 "dispatch/combine",
+        modules=("pagedserve.layers.moe.fused_moe",),
+        knobs=("enable_expert_parallel",),
+        docs="docs/params-05-eplb-moe.md",
+        tests=("tests/moe/test_expert_parallel.py", "tests/moe/test_expert_parallel_engine.py"),
+    ),
+    Feature(
+        line="framework", family="EPLB", feature="expert load balancing: load recorder, 'default' and 'flashlb' "
+                                                 "policies, weight moves, imbalance metrics",
+        modules=("pagedserve.eplb.eplb_step_hook", "pagedserve.eplb.flashlb_policy", "pagedserve.eplb.rebalancer"),
+        knobs=("eplb_config",),
+        docs="docs/params-05-eplb-moe.md",
+        tests=("tests/moe/test_eplb.py",),
+    ),
+    Feature(
+        line="model", family="multi-stream", feature="shared-expert overlap on a side stream (no-op on the CPU)",
+        modules=("pagedserve.layers.moe.shared_expert_overlap",),
+        knobs=("multistream_overlap_shared_expert",),
+        docs="docs/params-02-multistream.md",
+        tests=("tests/moe/test_fused_moe.py::test_shared_expert_overlap_flag_changes_nothing_on_cpu",),
+    ),
 )
 
 

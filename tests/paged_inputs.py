@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
-from pagedserve.layers.attention import Attention
+from pagedserve.worker.kv_cache_allocation import attention_layers
 
 
 def build_attention_metadata(num_new_tokens: list[int], num_computed_tokens: list[int],
@@ -62,10 +62,11 @@ class ScratchPagedRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        layers = [module for module in model.modules() if isinstance(module, Attention)]
+        # Every attention layer (dense or MLA) gets a cache of the shape its kv_cache_spec() declares.
+        layers = attention_layers(model)
         parameter = next(model.parameters())
         for layer in layers:
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim,
+            layer.kv_cache = torch.zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size),
                                          dtype=dtype or parameter.dtype, device=parameter.device)
         # Blocks are handed out in a scrambled order so tables are not trivially contiguous.
         self._free_blocks = list(range(num_blocks - 1, 0, -1))

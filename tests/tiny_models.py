@@ -127,7 +127,40 @@ MODEL_KINDS = (
     "llama-rope-linear",
     "llama-rope-dynamic",
     "llama-rope-yarn",
+    "qwen3-moe",
+    "qwen2-moe",
+    "mixtral",
+    "deepseek-v2",
+    "deepseek-v3",
+    "glm4-moe",
 )
+
+# MoE kinds: 8 experts, top-2, tiny experts; the DeepSeek kinds use MLA (num_key_value_heads must equal
+# num_attention_heads for HF's MLA) and a dense first layer (first_k_dense_replace=1).
+MOE_KINDS = ("qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v2", "deepseek-v3", "glm4-moe")
+_MOE_COMMON: dict[str, Any] = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+_MLA: dict[str, Any] = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                            v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                            first_k_dense_replace=1)
+_MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+                                         decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                                         mlp_only_layers=[], use_sliding_window=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, intermediate_size=32, sliding_window=None)),
+    "deepseek-v2": ("DeepseekV2Config", dict(_MLA, q_lora_rank=None, topk_method="group_limited_greedy",
+                                             n_group=2, topk_group=1, routed_scaling_factor=1.5)),
+    "deepseek-v3": ("DeepseekV3Config", dict(_MLA, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                                             routed_scaling_factor=2.5)),
+    "glm4-moe": ("Glm4MoeConfig", dict(head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                                       moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                       first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                                       routed_scaling_factor=1.8)),
+}
+# Router weights are scaled up (and correction biases randomised) so that expert choices stand clear of
+# float noise, as the LM head is for tokens.
+ROUTER_WEIGHT_SCALE = 4.0
 
 _ROPE_SCALING: dict[str, dict[str, Any]] = {
     "llama3": {
@@ -170,6 +203,16 @@ def _config_for(kind: str, vocab_size: int, special_ids: dict[str, int], dtype: 
         # head_dim (32) * heads (4) = 128 != hidden (64): exercises head_dim taken from the config.
         config_class = Qwen3Config
         kwargs.update(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)
+    elif kind in _MOE_CONFIGS:
+        import transformers
+
+        class_name, moe_kwargs = _MOE_CONFIGS[kind]
+        config_class = getattr(transformers, class_name)
+        kwargs.update(_MOE_COMMON, **moe_kwargs)
+        partial = kwargs.pop("partial_rotary_factor", None)
+        if partial is not None:
+            kwargs["rope_scaling"] = {"rope_type": "default", "rope_theta": kwargs["rope_theta"],
+                                      "partial_rotary_factor": partial}
     elif kind == "mistral":
         # A window shorter than the test prompts, so sliding-window masking really matters.
         config_class = MistralConfig
@@ -226,6 +269,13 @@ def build_tiny_model(
         else:
             # Scale the output projection so the argmax stands clear of float noise (see module docstring).
             model.get_output_embeddings().weight.mul_(lm_head_scale)
+        if kind in MOE_KINDS:
+            for name, tensor in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    tensor.mul_(ROUTER_WEIGHT_SCALE)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
     model = model.to(dtype)
     model.eval()
     save_kwargs: dict[str, Any] = {"safe_serialization": True}

@@ -24,9 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parallel = parser.add_argument_group("parallel")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parallel.add_argument("--tensor-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parallel.add_argument("--data-parallel-size", type=int, default=1)
     parallel.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction, default=False)
     parallel.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     parallel.add_argument("--lmhead-tensor-parallel-size", type=int, default=0,
@@ -39,13 +39,44 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--enable-balance-scheduling", action=argparse.BooleanOptionalAction, default=False)
     parallel.add_argument("--dyntra-lb-config", default=None,
                           help='JSON object, e.g. \'{"enabled": true, "bubble_threshold": 4}\'')
+    moe = parser.add_argument_group("moe")
+    moe.add_argument("--eplb-config", default=None,
+                     help='EPLB as a JSON object, e.g. \'{"enable": true, "step_interval": 600, '
+                          '"num_redundant_experts": 2, "policy": "flashlb"}\'')
+    moe.add_argument("--multistream-overlap-shared-expert", action=argparse.BooleanOptionalAction, default=False,
+                     help="run MoE shared experts on a second device stream (no effect on the CPU)")
     group.add_argument("--num-cpu-threads", type=int, default=None,
                        help="torch threads of the engine (default: every core; `serve` leaves one core "
                             "to the HTTP front end when there are two or more)")
+    execution = parser.add_argument_group("execution")
+    execution.add_argument("--enable-cpu-binding", action=argparse.BooleanOptionalAction, default=False,
+                           help="pin each worker and its torch threads to distinct physical cores (NUMA-aware)")
+    execution.add_argument("--profiling-chunk-config", default=None,
+                           help='profiling-tuned prefill chunks as a JSON object, e.g. '
+                                '\'{"enable": true, "target_tpot_ms": 50}\'')
+
+
+def moe_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(eplb_config=getattr(args, "eplb_config", None),
+                multistream_overlap_shared_expert=getattr(args, "multistream_overlap_shared_expert", False))
+
+
+def parallel_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The parallel group's flags as EngineConfig.create keywords (same names)."""
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
+             "distributed_executor_backend", "lmhead_tensor_parallel_size", "embedding_tensor_parallel_size",
+             "oproj_tensor_parallel_size", "enable_reduce_sample", "enable_balance_scheduling", "dyntra_lb_config")
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(enable_cpu_binding=getattr(args, "enable_cpu_binding", False),
+                profiling_chunk_config=getattr(args, "profiling_chunk_config", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+    return execution_engine_kwargs_from_args(args) | moe_engine_kwargs_from_args(args) | \
+        parallel_engine_kwargs_from_args(args) | dict(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,

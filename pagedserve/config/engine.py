@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.config.cache import CacheConfig, parse_memory_size
+from pagedserve.config.eplb import EplbConfig
 from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
+from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
 
 
@@ -25,6 +27,13 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     # Intra-op threads of the worker's torch ops; None keeps torch's default (every core).
     num_cpu_threads: int | None = None
+    # MoE: expert-parallel load balancing, and the shared experts on a side stream (a no-op on the CPU).
+    eplb_config: EplbConfig = field(default_factory=EplbConfig)
+    multistream_overlap_shared_expert: bool = False
+    # Pin each worker rank and its torch threads to distinct physical cores (platforms/cpu_binding.py).
+    enable_cpu_binding: bool = False
+    # Profiling-tuned prefill chunk sizes (core/profiling_chunk_predictor.py); off by default.
+    profiling_chunk_config: ProfilingChunkConfig = field(default_factory=ProfilingChunkConfig)
 
     @staticmethod
     def create(
@@ -45,6 +54,21 @@ class EngineConfig:
         long_prefill_token_threshold: int = 0,
         attention_backend: str | None = None,
         num_cpu_threads: int | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        distributed_executor_backend: str | None = None,
+        lmhead_tensor_parallel_size: int = 0,
+        embedding_tensor_parallel_size: int = 0,
+        oproj_tensor_parallel_size: int = 0,
+        enable_reduce_sample: bool = False,
+        enable_balance_scheduling: bool = False,
+        dyntra_lb_config: DyntraLBConfig | dict[str, Any] | str | None = None,
+        eplb_config: EplbConfig | dict[str, Any] | str | None = None,
+        multistream_overlap_shared_expert: bool = False,
+        enable_cpu_binding: bool = False,
+        profiling_chunk_config: ProfilingChunkConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -105,7 +129,20 @@ class EngineConfig:
         )
         if num_cpu_threads is not None and (not isinstance(num_cpu_threads, int) or num_cpu_threads < 1):
             raise ValueError(f"num_cpu_threads={num_cpu_threads!r} must be an integer >= 1 (or None: all cores)")
+        if not isinstance(multistream_overlap_shared_expert, bool):
+            raise ValueError(f"multistream_overlap_shared_expert={multistream_overlap_shared_expert!r} must be "
+                             f"true or false")
+        if not isinstance(enable_cpu_binding, bool):
+            raise ValueError(f"enable_cpu_binding={enable_cpu_binding!r} must be true or false")
+        profiling_chunk = ProfilingChunkConfig.parse(profiling_chunk_config)
+        if profiling_chunk.enable and not enable_chunked_prefill:
+            raise ValueError("profiling_chunk_config.enable=True sizes prefill chunks, but "
+                             "enable_chunked_prefill=False: enable chunked prefill or disable profiling_chunk_config")
         return EngineConfig(
+            enable_cpu_binding=enable_cpu_binding,
+            profiling_chunk_config=profiling_chunk,
+            eplb_config=EplbConfig.from_value(eplb_config),
+            multistream_overlap_shared_expert=multistream_overlap_shared_expert,
             num_cpu_threads=num_cpu_threads,
             model_config=model_config,
             cache_config=cache_config,

@@ -1,7 +1,7 @@
 """What the engine core reports per request per step (produced by Scheduler.update_from_output)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.core.scheduler_output import LogprobsLists
 
@@ -31,3 +31,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
     num_preemptions: int = 0  # cumulative
+    # EPLB (MoE expert load balancing): rebalances so far, and per MoE layer the max/mean tokens per rank
+    # over the window before and after the latest one (empty lists before the first rebalance).
+    eplb_num_rebalances: int = 0
+    eplb_imbalance_before: list[float] = field(default_factory=list)
+    eplb_imbalance_after: list[float] = field(default_factory=list)

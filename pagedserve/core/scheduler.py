@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy, UncappedPrefillChunkPolicy
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.scheduler_output import (
@@ -32,7 +33,8 @@ if TYPE_CHECKING:  # the config package imports torch; core stays importable wit
 class Scheduler:
     """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
+                 prefill_chunk_policy: PrefillChunkPolicy | None = None) -> None:
         if block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size={block_size} must equal the KV cache manager's block_size={kv_cache_manager.block_size}")
@@ -45,6 +47,10 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.policy = scheduler_config.policy
+        # Caps each prefill chunk (chunked prefill only); the default adds no cap.
+        self.prefill_chunk_policy = prefill_chunk_policy or UncappedPrefillChunkPolicy()
+        # Tokens of this step a prefill chunk shares it with (running decodes + chunks already taken).
+        self._num_other_step_tokens = 0
 
         # Every unfinished request, by id. Finished requests are dropped at once.
         self.requests: dict[str, Request] = {}
@@ -135,6 +141,8 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        self._num_other_step_tokens = sum(
+            1 for request in self.running if request.num_tokens - request.num_computed_tokens == 1)
 
         # 1. Running requests.
         request_index = 0
@@ -163,6 +171,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             scheduled_running.append(request)
+            if num_new_tokens > 1:
+                self._num_other_step_tokens += num_new_tokens
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
             token_budget -= num_new_tokens
@@ -178,6 +188,8 @@ class Scheduler:
                 self.waiting.pop_request()
                 self.running.append(request)
                 scheduled_new.append(request)
+                if num_new_tokens > 1:
+                    self._num_other_step_tokens += num_new_tokens
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
 
@@ -190,7 +202,12 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
         # No position may reach max_model_len (add_request bounds the prompt, the stop check the rest).
         num_new_tokens = min(num_new_tokens, self.max_model_len - num_computed_tokens)
-        return max(0, min(num_new_tokens, token_budget))
+        num_new_tokens = max(0, min(num_new_tokens, token_budget))
+        if num_new_tokens > 1 and self.enable_chunked_prefill:  # a prefill chunk: the policy may cap it
+            cap = self.prefill_chunk_policy.prefill_token_cap(self._num_other_step_tokens, num_computed_tokens)
+            if cap is not None:
+                num_new_tokens = min(num_new_tokens, cap)
+        return num_new_tokens
 
     def _admit(self, request: Request, token_budget: int) -> int:
         """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted)."""

@@ -89,5 +89,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # request id -> logprobs for the prompt positions computed this step (position i predicts token i+1).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # EPLB: (imbalance before, after) per MoE layer when this step ended with a rebalance, else None.
+    eplb_imbalance: list[tuple[float, float]] | None = None
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

@@ -77,10 +77,10 @@ class EngineCoreProc:
     def start(self) -> None:
         """Build the EngineCore (loads the model, allocates KV) and announce readiness."""
         from pagedserve.config.engine import EngineConfig
-        from pagedserve.engine.engine_core import EngineCore
+        from pagedserve.engine.dp_engine_core import create_engine_core
 
         config = EngineConfig.create(**self.engine_kwargs)
-        self.engine_core = EngineCore(config)
+        self.engine_core = create_engine_core(config)
         self.send(EngineReady(pid=os.getpid(), num_kv_blocks=int(self.engine_core.runtime_info.num_kv_blocks),
                               max_model_len=config.model_config.max_model_len))
 

@@ -12,11 +12,12 @@ from typing import Any
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.request import RequestStatus
-from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.dp_engine_core import create_engine_core
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
+from pagedserve.sample.reduce_sample import check_reduce_sample_params
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class LLMEngine:
         self.config = config
         source = open_model_source(config.model_config.model)
         self.tokenizer = source.load_tokenizer(config.model_config.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = create_engine_core(config)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
             vocab_size=config.model_config.vocab_size,
@@ -49,6 +50,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     priority: int = 0, output_kind: str = "cumulative") -> None:
         """Validate and enqueue one prompt (n > 1 fans out into n engine requests)."""
+        if self.config.parallel_config.enable_reduce_sample:
+            check_reduce_sample_params(params)
         requests = self.input_processor.process(request_id, prompt, params, priority=priority)
         prompt_text = prompt if isinstance(prompt, str) else prompt.get("prompt")
         self.output_processor.add_request(request_id, prompt_text, requests, params, output_kind=output_kind)

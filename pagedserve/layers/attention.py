@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.attention import get_attention_backend
 from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.kv_cache_spec import KVCacheSpec
 from pagedserve.platforms import current_platform
 
 
@@ -41,6 +42,10 @@ class Attention(nn.Module):
         self.backend = get_attention_backend(backend_name or current_platform().default_attention_backend())
         # Plain attribute (not a buffer): the cache is runtime state, never part of the checkpoint.
         self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Full K and V per token: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return KVCacheSpec(per_token_shape=(self.num_kv_heads, self.head_dim), leading_shape=(2,))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         num_tokens = query.shape[0]

@@ -10,11 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.distributed import (
-    resolve_tensor_parallel,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
 
 # Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -29,11 +25,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype | None = None,
                  padding_size: int = DEFAULT_VOCAB_PADDING_SIZE, tp_rank: int | None = None,
-                 tp_size: int | None = None, prefix: str = "") -> None:
+                 tp_size: int | None = None, group: GroupCoordinator | None = None, prefix: str = "") -> None:
         super().__init__()
         if num_embeddings < 1:
             raise ValueError(f"num_embeddings={num_embeddings} must be >= 1")
-        self.tp_rank, self.tp_size = resolve_tensor_parallel(tp_rank, tp_size)
+        # The group the vocabulary is split over: the TP group, or a fine-grained one (lm_head/embedding
+        # degree). Looked up at call time when None, so layers built before the groups still work.
+        self.group = group
+        self.tp_rank, self.tp_size = resolve_tensor_parallel(tp_rank, tp_size, group)
         self.org_vocab_size = num_embeddings
         self.embedding_dim = embedding_dim
         self.prefix = prefix
@@ -69,7 +68,10 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = torch.where(is_outside, torch.zeros_like(input_ids), input_ids - self.vocab_start_index)
         output = F.embedding(local_ids, self.weight)
         output = output.masked_fill(is_outside.unsqueeze(-1), 0)
-        return tensor_model_parallel_all_reduce(output)
+        return self._group().all_reduce(output)
+
+    def _group(self) -> GroupCoordinator:
+        return self.group if self.group is not None else get_tp_group()
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.org_vocab_size}, padded_per_partition={self.num_embeddings_per_partition}, "
@@ -85,9 +87,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False,
                  params_dtype: torch.dtype | None = None, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
-                 tp_rank: int | None = None, tp_size: int | None = None, prefix: str = "") -> None:
+                 tp_rank: int | None = None, tp_size: int | None = None, group: GroupCoordinator | None = None,
+                 prefix: str = "") -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, padding_size=padding_size,
-                         tp_rank=tp_rank, tp_size=tp_size, prefix=prefix)
+                         tp_rank=tp_rank, tp_size=tp_size, group=group, prefix=prefix)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
                                      requires_grad=False)
@@ -97,8 +100,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Share the input embedding's parameter (tie_word_embeddings)."""
-        if embedding.num_embeddings_per_partition != self.num_embeddings_per_partition:
-            raise ValueError("cannot tie an LM head and an embedding with different vocabulary partitions")
+        if (embedding.num_embeddings_per_partition != self.num_embeddings_per_partition
+                or embedding.vocab_start_index != self.vocab_start_index):
+            raise ValueError("cannot tie an LM head and an embedding with different vocabulary partitions "
+                             "(lmhead_tensor_parallel_size and embedding_tensor_parallel_size must match)")
         self.weight = embedding.weight
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
@@ -113,9 +118,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> float32 logits [num_tokens, org_vocab_size] (all ranks see all columns)."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        logits = self._group().all_gather(self.compute_local_logits(hidden_states), dim=-1)
         return logits[..., : self.org_vocab_size].float()
+
+    def compute_local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, [num_tokens, num_embeddings_per_partition]
+        (padding columns included; global id = column + vocab_start_index)."""
+        return F.linear(hidden_states, self.weight, self.bias)
+
+    @property
+    def parallel_group(self) -> GroupCoordinator:
+        """The group the vocabulary is split over."""
+        return self._group()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called directly; use compute_logits(hidden_states)")

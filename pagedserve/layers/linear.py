@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import (
+    GroupCoordinator,
+    get_tp_group,
     resolve_tensor_parallel,
     tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
 )
 from pagedserve.layers.weight_loading import check_shape, divide
 
@@ -251,8 +252,12 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
-                 tp_rank: int | None = None, tp_size: int | None = None, prefix: str = "") -> None:
-        tp_rank, tp_size = resolve_tensor_parallel(tp_rank, tp_size)
+                 tp_rank: int | None = None, tp_size: int | None = None, group: GroupCoordinator | None = None,
+                 prefix: str = "") -> None:
+        # `group`: the ranks whose partial products are summed (default: the TP group; the o_proj's
+        # fine-grained degree passes its own).
+        self.group = group
+        tp_rank, tp_size = resolve_tensor_parallel(tp_rank, tp_size, group)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         input_per_partition = divide(input_size, tp_size, "RowParallelLinear input_size")
@@ -282,5 +287,5 @@ class RowParallelLinear(LinearBase):
         bias = self.bias if self.tp_rank == 0 else None
         output = F.linear(x, self.weight, bias)
         if self.reduce_results and self.tp_size > 1:
-            output = tensor_model_parallel_all_reduce(output)
+            output = (self.group if self.group is not None else get_tp_group()).all_reduce(output)
         return output

@@ -11,11 +11,13 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from pagedserve.distributed import get_embedding_tp_group, get_lmhead_tp_group
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.output_projection import AttentionOutputProjection
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from pagedserve.layers.weight_loading import default_weight_loader
 
@@ -75,8 +77,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, self.hidden_size, bias=o_proj_bias,
-                                        params_dtype=params_dtype, prefix=f"{prefix}.o_proj")
+        self.o_proj = AttentionOutputProjection(self.total_num_heads * self.head_dim, self.hidden_size,
+                                                bias=o_proj_bias, params_dtype=params_dtype,
+                                                prefix=f"{prefix}.o_proj")
         # Shared across layers: the module is registered in every layer but holds one table.
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
@@ -125,7 +128,8 @@ class LlamaModel(nn.Module):
                  prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   params_dtype=params_dtype, prefix=f"{prefix}.embed_tokens")
+                                                   params_dtype=params_dtype, group=get_embedding_tp_group(),
+                                                   prefix=f"{prefix}.embed_tokens")
         rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),
                               rope_parameters_from_config(hf_config))
         self.rotary_emb = rotary_emb  # shared by every layer's attention
@@ -172,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(hf_config, self.attention_class, params_dtype=dtype, prefix="model")
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      prefix="lm_head")
+                                      group=get_lmhead_tp_group(), prefix="lm_head")
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)

@@ -12,6 +12,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagedserve.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("pagedserve.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagedserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pagedserve.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pagedserve.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("pagedserve.models.mixtral", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("pagedserve.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("pagedserve.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "Glm4MoeForCausalLM": ("pagedserve.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 

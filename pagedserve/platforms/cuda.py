@@ -6,7 +6,7 @@ from typing import Any, Iterator
 
 import torch
 
-from pagedserve.platforms.interface import Platform
+from pagedserve.platforms.interface import Event, Platform
 
 
 class CudaPlatform(Platform):
@@ -27,3 +27,26 @@ class CudaPlatform(Platform):
     def stream(self, stream: Any) -> Iterator[None]:
         with torch.cuda.stream(stream):
             yield
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
+    def new_event(self) -> "CudaEvent":
+        return CudaEvent()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        (stream or torch.cuda.current_stream()).wait_event(event.event)
+
+    def record_stream(self, tensor: Any, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+class CudaEvent(Event):
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+
+    def record(self, stream: Any = None) -> None:
+        self.event.record(stream)

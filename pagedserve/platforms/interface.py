@@ -46,3 +46,38 @@ class Platform(ABC):
     def stream(self, stream: Any) -> Iterator[None]:
         # No streams on the CPU: work runs in program order.
         yield
+
+    # ---- streams and events (multistream overlap) -------------------------------------------------
+    # On the CPU every operation runs in program order, so streams are None and events are no-ops;
+    # device platforms return real objects. Callers never branch on the platform.
+    def new_stream(self) -> Any:
+        """A side stream for overlapping work (None where there are no streams)."""
+        return None
+
+    def current_stream(self) -> Any:
+        return None
+
+    def new_event(self) -> "Event":
+        return NullEvent()
+
+    def wait_event(self, stream: Any, event: "Event") -> None:
+        """Make `stream` (None: the current stream) wait until `event` has completed."""
+        return None
+
+    def record_stream(self, tensor: Any, stream: Any) -> None:
+        """Tell the caching allocator that `tensor` is used on `stream` (memory safety across streams)."""
+        return None
+
+
+class Event:
+    """The platform-neutral event interface: record on a stream, wait on another."""
+
+    def record(self, stream: Any = None) -> None:
+        raise NotImplementedError
+
+
+class NullEvent(Event):
+    """The event of a platform without streams: program order already orders everything."""
+
+    def record(self, stream: Any = None) -> None:
+        return None

@@ -62,6 +62,11 @@ class ServerMetrics:
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self._success_family = success
         self._model_name = model_name
+        # EPLB: per MoE layer, max/mean tokens per rank before and after the latest rebalance.
+        self.eplb_num_rebalances = gauge("pagedserve:eplb_num_rebalances", "EPLB rebalances so far.")
+        self._eplb_imbalance = Gauge("pagedserve:eplb_imbalance",
+                                     "EPLB per-layer load imbalance (max/mean tokens per rank) before and after "
+                                     "the latest rebalance.", ["model_name", "layer", "phase"], registry=registry)
         # Last cumulative values seen from the engine (counters advance by the difference).
         self._last_stats = SchedulerStats()
 
@@ -70,6 +75,11 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running_requests)
         self.num_requests_waiting.set(stats.num_waiting_requests)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.eplb_num_rebalances:
+            self.eplb_num_rebalances.set(stats.eplb_num_rebalances)
+            for phase, values in (("before", stats.eplb_imbalance_before), ("after", stats.eplb_imbalance_after)):
+                for layer, value in enumerate(values):
+                    self._eplb_imbalance.labels(self._model_name, str(layer), phase).set(value)
         last = self._last_stats
         for counter, now, before in (
                 (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),

@@ -10,16 +10,15 @@ from pagedserve.platforms.interface import Platform
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's attention layers (modules holding a `kv_cache`), in layer order."""
-    from pagedserve.layers.attention import Attention
-
-    return [module for module in model.modules() if isinstance(module, Attention)]
+    """The model's attention layers (modules holding a `kv_cache` and declaring a `kv_cache_spec()`), in
+    layer order. Layers of different kinds (dense, MLA) may be mixed; each gets a cache of its own shape."""
+    return [module for module in model.modules()
+            if hasattr(module, "kv_cache") and callable(getattr(module, "kv_cache_spec", None))]
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * element_size
-               for layer in attention_layers(model))
+    """Bytes one block id costs over all layers (each layer per its own spec)."""
+    return sum(layer.kv_cache_spec().bytes_per_block(block_size, dtype) for layer in attention_layers(model))
 
 
 def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, available_bytes: int,
@@ -56,5 +55,5 @@ def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, ava
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                        platform: Platform) -> list[torch.Tensor]:
     # Zero-filled: padded reads of unwritten slots (masked out by attention) must never see NaN.
-    return [platform.allocate_zeros((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype)
+    return [platform.allocate_zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size), dtype)
             for layer in attention_layers(model)]

@@ -19,6 +19,7 @@ from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.logprobs import compute_prompt_logprobs
+from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
@@ -38,6 +39,8 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self.sampler = Sampler()
+        # Logits at the sampled positions: full logits, or reduce-sample candidates (sample/reduce_sample.py).
+        self.sample_logits = sample_logits_function(model, config.parallel_config.enable_reduce_sample)
         # Seeded requests keep their generator across preemption, so a seed gives the same tokens
         # whatever happens to the batch; dropped only when the request finishes.
         self.generators: dict[str, torch.Generator] = {}
@@ -65,8 +68,8 @@ class ModelRunner:
         output = ModelRunnerOutput(request_ids=step.request_ids, sampled_token_ids=sampled_token_ids)
         if len(sampled_rows):
             logits_indices = torch.from_numpy(step.query_start_loc[1:][sampled_rows] - 1)
-            logits = self.model.compute_logits(hidden_states[logits_indices])
             states = [self.input_batch.requests[step.request_ids[i]] for i in sampled_rows]
+            logits = self.sample_logits(hidden_states[logits_indices], [s.sampling_params for s in states])
             sampler_output = self.sampler(logits, self._sampling_metadata(states))
             token_ids = sampler_output.sampled_token_ids.tolist()
             logprobs_lists = None

@@ -8,9 +8,14 @@ import torch
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.worker_init import agree_on_min, initialize_worker_distributed
+from pagedserve.eplb.eplb_step_hook import EplbStepHook
+from pagedserve.layers.moe.moe_options import moe_options_from_engine_config, use_moe_options
 from pagedserve.model_loader import load_model
+from pagedserve.model_loader.checkpoint_slice import iterate_safetensors_slices
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.platforms import current_platform
+from pagedserve.platforms.cpu_binding import bind_worker_cpus
 from pagedserve.worker.kv_cache_allocation import (allocate_kv_caches, determine_num_kv_blocks,
                                                    kv_bytes_per_block)
 from pagedserve.worker.model_runner import ModelRunner
@@ -25,19 +30,40 @@ class RuntimeInfo:
     num_kv_blocks: int
     kv_cache_bytes: int
     attention_backend: str
+    # (num_tokens, num_history_tokens, seconds) of the start-up chunk profiling; empty when it is off.
+    chunk_latency_samples: tuple[tuple[int, int, float], ...] = ()
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """`rank` / `distributed_init_method` place this worker in its engine's TP x PP world (the
+    multiprocess and Ray executors pass them; a single-process engine leaves them at their defaults)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.rank = rank
         self.platform = current_platform()
+        self.world_size = config.parallel_config.world_size_per_engine
+        if self.world_size > 1:
+            initialize_worker_distributed(config.parallel_config, rank, distributed_init_method, self.platform)
         self.device = self.platform.device
         if config.num_cpu_threads is not None:
             torch.set_num_threads(config.num_cpu_threads)
+        if config.enable_cpu_binding and self.device.type == "cpu":
+            bind_worker_cpus(rank, self.world_size, keep_num_threads=config.num_cpu_threads is not None)
+        # Every rank seeds alike: ranks sample from identical (gathered) logits with identical RNG
+        # streams, so their persistent batches append the same tokens without a broadcast.
         torch.manual_seed(config.model_config.seed)
         model_config = config.model_config
         source = open_model_source(model_config.model)
-        model = load_model(model_config, self.device, weights=source.weights(model_config.dtype))
+        weights = source.weights(model_config.dtype)
+        if weights is None and self.world_size > 1:
+            # Each rank reads only the slices its weight loaders keep.
+            weights = iterate_safetensors_slices(model_config.model, model_config.dtype)
+        # MoE layers read the EP / redundant-expert / overlap options while they are built.
+        with use_moe_options(moe_options_from_engine_config(config)):
+            model = load_model(model_config, self.device, weights=weights)
+        # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.
+        self.eplb_hook = EplbStepHook(model, config.eplb_config) if config.eplb_config.enable else None
         self.model_runner = ModelRunner(config, model, self.device)
         cache_config = config.cache_config
         bytes_per_block = kv_bytes_per_block(model, cache_config.block_size, model_config.dtype)
@@ -45,14 +71,41 @@ class Worker:
                                              self.platform.available_memory_bytes(),
                                              model_config.max_model_len,
                                              config.scheduler_config.max_num_seqs)
+        if self.world_size > 1:
+            # Ranks see different free memory: all of them use the smallest count.
+            num_blocks = agree_on_min(num_blocks, self.device)
         kv_caches = allocate_kv_caches(model, num_blocks, cache_config.block_size, model_config.dtype,
                                        self.platform)
         self.model_runner.bind_kv_caches(kv_caches)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
-                                        attention_backend=config.attention_backend)
+                                        attention_backend=config.attention_backend,
+                                        chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
                     num_blocks, cache_config.block_size, num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * cache_config.block_size)
 
+    def _profile_chunk_latencies(self, model: torch.nn.Module,
+                                 num_blocks: int) -> tuple[tuple[int, int, float], ...]:
+        """Start-up forward timings for profiling-tuned chunked prefill (empty when it is off)."""
+        profiling = self.config.profiling_chunk_config
+        if not profiling.enable:
+            return ()
+        from pagedserve.worker.chunk_latency_profiler import profile_chunk_latencies, profile_points
+
+        block_size = self.config.cache_config.block_size
+        points = profile_points(profiling.chunk_sizes, profiling.history_sizes,
+                                self.config.scheduler_config.max_num_batched_tokens,
+                                self.config.model_config.max_model_len, (num_blocks - 1) * block_size)
+        samples = profile_chunk_latencies(model, self.device, block_size, self.config.model_config.vocab_size,
+                                          points)
+        logger.info("chunk profiling: %s", ", ".join(
+            f"{s.num_tokens}+{s.num_history_tokens}h: {s.seconds * 1000:.1f} ms" for s in samples))
+        return tuple((s.num_tokens, s.num_history_tokens, s.seconds) for s in samples)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self.eplb_hook is not None and scheduler_output.total_num_scheduled_tokens:
+            report = self.eplb_hook.after_step()
+            if report is not None:
+                output.eplb_imbalance = list(zip(report.imbalance_before, report.imbalance_after))
+        return output

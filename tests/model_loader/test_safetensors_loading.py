@@ -126,8 +126,10 @@ def test_index_naming_a_missing_shard_is_reported(tiny_model_dir, tmp_path) -> N
 def test_registry_resolves_and_rejects_architectures(tiny_model_dir) -> None:
     config = AutoConfig.from_pretrained(tiny_model_dir("qwen3"), local_files_only=True)
     assert resolve_model_class(config).__name__ == "Qwen3ForCausalLM"
-    assert supported_architectures() == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                          "Qwen3ForCausalLM"]
+    assert supported_architectures() == sorted([
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])
     config.architectures = ["GPTNeoXForCausalLM"]
     with pytest.raises(ValueError, match=r"architecture 'GPTNeoXForCausalLM' is not supported; supported: \["):
         resolve_model_class(config)
