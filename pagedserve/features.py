@@ -115,14 +115,6 @@ FEATURES: tuple[Feature, ...] = (
                "tests/e2e/test_execution_features.py::test_profiling_chunk_same_tokens_and_caps_chunks"),
     ),
     Feature(
-        line="framework", family="fused ops", feature="FX fusion passes (add+RMSNorm, q/k-norm+RoPE, muls_add) "
-                                                    "and pass manager; engine use awaits graph capture",
-        modules=("pagedserve.compilation.pass_manager", "pagedserve.compilation.fused_operators"),
-        knobs=(),
-        docs="docs/params-03-fused-operators.md",
-        tests=("tests/compilation/test_fusion_passes.py",),
-    ),
-    Feature(
         line="model", family="MoE", feature="fused MoE on the CPU (grouped experts, DeepSeek/GLM routing); "
                                             "Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4.5 MoE models",
         modules=("pagedserve.layers.moe.fused_moe", "pagedserve.layers.moe.router", "pagedserve.models.qwen_moe",
@@ -157,7 +149,8 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/moe/test_eplb.py",),
     ),
     Feature(
-        line="model", family="multi-stream", feature="shared-expert overlap on a side stream (no-op on the CPU)",
+        line="model", family="multi-stream", feature="shared-expert overlap flag: equal outputs on the CPU (streams are no-ops); "
+                                                       "the CUDA side-stream path is not yet run on a GPU",
         modules=("pagedserve.layers.moe.shared_expert_overlap",),
         knobs=("multistream_overlap_shared_expert",),
         docs="docs/params-02-multistream.md",
