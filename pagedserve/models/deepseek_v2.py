@@ -133,15 +133,22 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def build_mlp(self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding,
                   params_dtype: torch.dtype, prefix: str) -> nn.Module:
-        if layer_index < int(getattr(hf_config, "first_k_dense_replace", 0) or 0):
-            return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, bias=False,
-                            params_dtype=params_dtype, prefix=prefix)
-        num_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
-        return SparseMoeBlock(hf_config.hidden_size, int(hf_config.n_routed_experts),
-                              int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
-                              params_dtype=params_dtype, prefix=prefix, router_in_float32=True,
-                              shared_intermediate_size=int(hf_config.moe_intermediate_size) * num_shared,
-                              shared_expert_name="shared_experts", **self.routing(hf_config))
+        return deepseek_style_mlp(hf_config, layer_index, params_dtype, prefix, self.routing(hf_config))
+
+
+def deepseek_style_mlp(hf_config: Any, layer_index: int, params_dtype: torch.dtype, prefix: str,
+                       routing: dict[str, Any]) -> nn.Module:
+    """The first `first_k_dense_replace` layers are dense; the rest are routed experts plus
+    `n_shared_experts` shared ones (DeepSeek-V2/V3 and GLM-4.5 MoE share this layout)."""
+    if layer_index < int(getattr(hf_config, "first_k_dense_replace", 0) or 0):
+        return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, bias=False,
+                        params_dtype=params_dtype, prefix=prefix)
+    num_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
+    return SparseMoeBlock(hf_config.hidden_size, int(hf_config.n_routed_experts),
+                          int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
+                          params_dtype=params_dtype, prefix=prefix, router_in_float32=True,
+                          shared_intermediate_size=int(hf_config.moe_intermediate_size) * num_shared,
+                          shared_expert_name="shared_experts", **routing)
 
 
 def noaux_tc_routing(hf_config: Any) -> dict[str, Any]:

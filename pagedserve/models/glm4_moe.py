@@ -13,9 +13,9 @@ from torch import nn
 
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from pagedserve.models.deepseek_v2 import noaux_tc_routing
-from pagedserve.models.llama import LlamaAttention, LlamaMLP, config_head_dim
-from pagedserve.models.moe_model import MoeForCausalLM, SparseMoeBlock
+from pagedserve.models.deepseek_v2 import deepseek_style_mlp, noaux_tc_routing
+from pagedserve.models.llama import LlamaAttention, config_head_dim
+from pagedserve.models.moe_model import MoeForCausalLM
 
 
 def rotary_dim(hf_config: Any) -> int:
@@ -65,12 +65,4 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
 
     def build_mlp(self, hf_config: Any, layer_index: int, rotary_emb: RotaryEmbedding,
                   params_dtype: torch.dtype, prefix: str) -> nn.Module:
-        if layer_index < int(getattr(hf_config, "first_k_dense_replace", 0) or 0):
-            return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, bias=False,
-                            params_dtype=params_dtype, prefix=prefix)
-        num_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
-        return SparseMoeBlock(hf_config.hidden_size, int(hf_config.n_routed_experts),
-                              int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size),
-                              params_dtype=params_dtype, prefix=prefix, router_in_float32=True,
-                              shared_intermediate_size=int(hf_config.moe_intermediate_size) * num_shared,
-                              shared_expert_name="shared_experts", **noaux_tc_routing(hf_config))
+        return deepseek_style_mlp(hf_config, layer_index, params_dtype, prefix, noaux_tc_routing(hf_config))
