@@ -119,6 +119,12 @@ class ParallelConfig:
             knob = "enable_balance_scheduling" if self.enable_balance_scheduling else "dyntra_lb_config.enabled"
             raise ValueError(f"{knob}=True balances data-parallel ranks but data_parallel_size=1; "
                              f"set data_parallel_size >= 2 or turn it off")
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            # Expert all_to_all needs every EP rank in every step; our DP cores step independently (no
+            # lock-step dummy batches yet), so the combination would deadlock instead of serving.
+            raise ValueError(f"enable_expert_parallel=True with data_parallel_size={self.data_parallel_size} is "
+                             f"not supported yet (DP ranks do not step in lock-step); use data_parallel_size=1 "
+                             f"with tensor_parallel_size for the EP group")
 
     # ---- derived -------------------------------------------------------------------------------
     @property

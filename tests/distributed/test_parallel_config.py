@@ -26,6 +26,7 @@ from pagedserve.distributed.parallel_state import GroupCoordinator, ParallelSize
     (dict(data_parallel_size=2, enable_balance_scheduling=True, dyntra_lb_config={"enabled": True}),
      "mutually exclusive"),
     (dict(data_parallel_size=64), "CPU core"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True), "enable_expert_parallel=True with data_parallel_size=2"),
     (dict(dyntra_lb_config={"bubble": 1}), "unknown keys"),
     (dict(dyntra_lb_config='{"bubble_threshold": 0}'), "bubble_threshold=0"),
 ])
