@@ -139,16 +139,16 @@ class EngineConfig:
             raise ValueError("profiling_chunk_config.enable=True sizes prefill chunks, but "
                              "enable_chunked_prefill=False: enable chunked prefill or disable profiling_chunk_config")
         return EngineConfig(
-            enable_cpu_binding=enable_cpu_binding,
-            profiling_chunk_config=profiling_chunk,
-            eplb_config=EplbConfig.from_value(eplb_config),
-            multistream_overlap_shared_expert=multistream_overlap_shared_expert,
-            num_cpu_threads=num_cpu_threads,
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             attention_backend=attention_backend or platform.default_attention_backend(),
             parallel_config=parallel_config,
+            num_cpu_threads=num_cpu_threads,
+            eplb_config=EplbConfig.from_value(eplb_config),
+            multistream_overlap_shared_expert=multistream_overlap_shared_expert,
+            enable_cpu_binding=enable_cpu_binding,
+            profiling_chunk_config=profiling_chunk,
         )
 
 
@@ -167,8 +167,4 @@ def engine_kwargs_names() -> tuple[str, ...]:
     return code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
 
 
-def is_model_folder(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
-__all__ = ["EngineConfig", "engine_kwargs_names", "is_model_folder"]
+__all__ = ["EngineConfig", "engine_kwargs_names"]
