@@ -44,6 +44,17 @@ def write_to_kv_cache(
     flat_cache[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_cache[:, block_ids] as [2, len(block_ids), block_size, H_kv, D], with int64 ids.
+
+    Gathering rows of a [2, num_blocks, block_size * H_kv * D] view is ~3x faster on the CPU in float32
+    than index_select over the 5-D cache (and never slower in bf16); both beat advanced indexing.
+    """
+    num_blocks = kv_cache.shape[1]
+    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids)
+    return rows.view(2, block_ids.numel(), *kv_cache.shape[2:])
+
+
 def gather_context(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +62,8 @@ def gather_context(
     K and V as [num_kv_heads, seq_len - first_block * block_size, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_used_blocks = (seq_len + block_size - 1) // block_size - first_block
-    # index_select with int64 ids: several times faster on the CPU than advanced indexing.
     used_block_ids = block_ids[first_block:first_block + num_used_blocks].to(torch.long)
-    blocks = kv_cache.index_select(1, used_block_ids)  # [2, n, block_size, H_kv, D]
+    blocks = gather_blocks(kv_cache, used_block_ids)  # [2, n, block_size, H_kv, D]
     context = blocks.reshape(2, num_used_blocks * block_size, num_kv_heads, head_dim)
     context = context[:, :seq_len - first_block * block_size].transpose(1, 2)  # [2, H_kv, length, D]
     return context[0], context[1]
@@ -253,7 +263,7 @@ def _attend_decode_chunk(
     # index_select with flat int64 ids is several times faster on the CPU than advanced indexing with a
     # 2-D int32 table. [2, B*n, block_size, H_kv, D] -> [2, B, H_kv, padded_len, D] (a strided view):
     # padded rows read the null block or stale slots and are masked out.
-    context = kv_cache.index_select(1, chunk.block_ids)
+    context = gather_blocks(kv_cache, chunk.block_ids)
     context = context.view(2, batch, chunk.padded_len, num_kv_heads, head_dim).transpose(2, 3)
     if context.dtype != query.dtype:
         context = context.to(query.dtype)
@@ -325,7 +335,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         num_decodes = metadata.num_decodes
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         bytes_per_token = 2 * num_kv_heads * head_dim * max(query.element_size(), kv_cache.element_size())
-        key = ("torch_paged_decode_plan", sliding_window, query.dtype, bytes_per_token, query.device)
+        key = ("torch_paged_decode_plan", sliding_window, query.dtype, bytes_per_token, query.device,
+               DECODE_CHUNK_BYTES)
         plan = metadata.backend_cache.get(key)
         if plan is None:
             plan = _plan_decodes(metadata, sliding_window, bytes_per_token, query.dtype, query.device)
