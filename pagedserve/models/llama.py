@@ -120,7 +120,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self.feed_forward(hidden_states), residual
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MLP sub-block (MoE layers override it: their MLP may carry another HF name)."""
+        return self.mlp(hidden_states)
 
 
 class LlamaModel(nn.Module):

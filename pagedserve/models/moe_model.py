@@ -22,7 +22,7 @@ from pagedserve.layers.moe.moe_options import current_moe_options
 from pagedserve.layers.moe.shared_expert_overlap import SharedExpertOverlap
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 # checkpoint projection name -> FusedMoE shard id
 EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
@@ -78,12 +78,13 @@ class SparseMoeBlock(nn.Module):
         return routed_output + shared_output
 
 
-class MoeDecoderLayer(nn.Module):
-    """Pre-norm decoder layer with any attention block and any MLP (dense or sparse)."""
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """Pre-norm decoder layer with any attention block and any MLP (dense or sparse); Llama's forward."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
                  params_dtype: torch.dtype, mlp_name: str = "mlp") -> None:
-        super().__init__()
+        # LlamaDecoderLayer.__init__ builds Llama's own blocks: the given ones are set here instead.
+        nn.Module.__init__(self)
         self.self_attn = self_attn
         # The HF name of the MLP ('mlp'; Mixtral: 'block_sparse_moe').
         self.mlp_name = mlp_name
@@ -91,27 +92,22 @@ class MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, params_dtype=params_dtype)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, params_dtype=params_dtype)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return getattr(self, self.mlp_name)(hidden_states), residual
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.mlp_name)(hidden_states)
 
 
 # (hf_config, layer_index, rotary_emb, params_dtype, prefix) -> module
 ModuleFactory = Callable[[Any, int, RotaryEmbedding, torch.dtype, str], nn.Module]
 
 
-class MoeModel(nn.Module):
+class MoeModel(LlamaModel):
+    """LlamaModel's forward over layers built by the family's attention and MLP factories."""
+
     def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding, attention_factory: ModuleFactory,
                  mlp_factory: ModuleFactory, *, params_dtype: torch.dtype, prefix: str = "model",
                  mlp_name: str = "mlp") -> None:
-        super().__init__()
+        # LlamaModel.__init__ builds dense Llama layers: the same attributes are set up here instead.
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
                                                    params_dtype=params_dtype, prefix=f"{prefix}.embed_tokens")
         self.rotary_emb = rotary_emb
@@ -124,16 +120,6 @@ class MoeModel(nn.Module):
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.rotary_emb.clear_memo()
-        hidden_states = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class MoeForCausalLM(LlamaForCausalLM):
