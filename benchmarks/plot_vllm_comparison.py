@@ -1,0 +1,92 @@
+"""Plot issue #7's side-by-side results (recipes A, B, C) into one PNG for benchmarks/README.md.
+
+Reads the JSON files the recipes write (missing ones are left out of the figure):
+  results/offline_vs_vllm_{bfloat16,float32}.json   (offline_vs_vllm.py --json-out)
+  results/decode_roofline_{bfloat16,float32}.json   (decode_roofline.py --json-out)
+  results/serving_vs_vllm_{bfloat16,float32}.json   (serving_vs_vllm.py --result-file)
+
+    pip install matplotlib   # benchmark-only, not a dependency of pagedserve
+    python benchmarks/plot_vllm_comparison.py --out benchmarks/results/vllm_comparison.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DTYPES = ("bfloat16", "float32")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load(name: str) -> dict | list | None:
+    path = os.path.join(RESULTS, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, ylabel: str) -> None:
+    width = 0.8 / max(1, len(series))
+    for index, (label, values) in enumerate(series.items()):
+        positions = [g + index * width for g in range(len(groups))]
+        drawn = axis.bar(positions, values, width, label=label)
+        axis.bar_label(drawn, fmt="%.0f", fontsize=7)
+    axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups, fontsize=8)
+    axis.set_title(title, fontsize=9)
+    axis.set_ylabel(ylabel, fontsize=8)
+    axis.legend(fontsize=7)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(RESULTS, "vllm_comparison.png"))
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    offline = {dtype: load(f"offline_vs_vllm_{dtype}.json") for dtype in DTYPES}
+    groups = [dtype for dtype in DTYPES if offline[dtype]]
+    series: dict[str, list[float]] = {"pagedserve": [], "vLLM CPU": []}
+    for dtype in groups:
+        by_engine = {r["engine"]: r for r in offline[dtype]}
+        series["pagedserve"].append(by_engine["pagedserve"]["output_tokens_per_s"])
+        series["vLLM CPU"].append(by_engine["vllm-cpu"]["output_tokens_per_s"])
+    bars(axes[0], groups, series, "A. offline throughput (64 requests)", "output tokens/s")
+
+    roofline = {dtype: load(f"decode_roofline_{dtype}.json") for dtype in DTYPES}
+    groups = [dtype for dtype in DTYPES if roofline[dtype]]
+    series = {"roofline": [], "pagedserve": [], "vLLM CPU": []}
+    for dtype in groups:
+        result = roofline[dtype]
+        series["roofline"].append(result["roofline_tokens_per_s"])
+        series["pagedserve"].append(result["pagedserve_tokens_per_s"])
+        series["vLLM CPU"].append(result.get("vllm_tokens_per_s", 0.0))
+    bars(axes[1], groups, series, "B. batch-1 decode vs bandwidth roofline", "tokens/s")
+
+    groups, series = [], {"pagedserve TPOT p50": [], "vLLM TPOT p50": [], "pagedserve TTFT p50": [],
+                          "vLLM TTFT p50": []}
+    for dtype in DTYPES:
+        serving = load(f"serving_vs_vllm_{dtype}.json")
+        if not serving or len(serving["reports"]) < 2:
+            continue
+        ours, theirs = serving["reports"][0]["rates"], serving["reports"][1]["rates"]
+        for rate in ours:
+            groups.append(f"{dtype[:4]} {float(rate):g} req/s")
+            series["pagedserve TPOT p50"].append(ours[rate]["tpot"]["p50"])
+            series["vLLM TPOT p50"].append(theirs[rate]["tpot"]["p50"])
+            series["pagedserve TTFT p50"].append(ours[rate]["ttft"]["p50"])
+            series["vLLM TTFT p50"].append(theirs[rate]["ttft"]["p50"])
+    bars(axes[2], groups, series, "C. serving latency (lower is better)", "ms")
+    figure.suptitle("pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model, 2 cores", fontsize=10)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    figure.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
