@@ -24,6 +24,13 @@ class CpuPlatform(Platform):
         raw = np.zeros(shape, dtype=np.dtype(f"u{element_size}"))
         return torch.from_numpy(raw).view(dtype)
 
+    def default_attention_backend(self) -> str:
+        """'cpu_native' (in-place paged decode kernels) when its C++ extension builds and loads, else the
+        portable 'torch_paged'; a failed build is logged once (attention/cpu_native_extension.py)."""
+        from pagedserve.attention.cpu_native_extension import is_native_extension_available
+
+        return "cpu_native" if is_native_extension_available() else "torch_paged"
+
     def available_memory_bytes(self) -> int:
         try:
             with open("/proc/meminfo") as f:

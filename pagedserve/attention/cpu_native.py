@@ -1,0 +1,96 @@
+"""The 'cpu_native' attention backend: decodes through a native paged kernel, the rest as torch_paged.
+
+Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve::paged_decode_attention`
+(attention/native/paged_attention.cpp), which reads K/V in place through the block table: one pass over
+the KV bytes instead of torch_paged's gather + SDPA (three passes). Everything else (the K/V write,
+prefill chunks, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so the two
+backends differ only in how decodes are attended and torch_paged stays the oracle.
+
+The kernel is a torch.library op with a fake (meta) implementation, so torch.compile treats it as one
+opaque node. Each decode's result depends only on that request (fixed context partitions, fixed
+summation order): batch invariant, and independent of the thread count.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.cpu_native_extension import load_native_extension
+from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
+
+# Context tokens per work item of the kernel (flash-decoding partitions, merged in order). Part of the
+# numerics: changing it changes results in the last bits, never with the batch. 256 keeps items of similar
+# cost (good static load balance) while the merge stays negligible.
+DECODE_PARTITION_TOKENS = 256
+
+_fake_registered = False
+
+
+def _register_fake() -> None:
+    """The op's shape function for torch.compile / meta tensors (registered once, after the library loads)."""
+    global _fake_registered
+    if _fake_registered:
+        return
+
+    @torch.library.register_fake("pagedserve::paged_decode_attention")
+    def _paged_decode_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                                     partition_size: int) -> torch.Tensor:
+        return query.new_empty(query.shape)
+
+    _fake_registered = True
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                           partition_size: int = DECODE_PARTITION_TOKENS) -> torch.Tensor:
+    """Attention of one query token per request over its paged context.
+
+    query [num_decodes, num_heads, head_dim] (head_dim contiguous; row/head strides may be any),
+    kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous, float32 or bfloat16),
+    block_table [num_decodes, max_blocks] int32, seq_lens [num_decodes] int32 (the query sits at
+    seq_len - 1). Returns [num_decodes, num_heads, head_dim] in the query's dtype.
+    Builds/loads the kernels at first use (RuntimeError when they are unavailable).
+    """
+    if not _fake_registered:
+        load_native_extension()
+        _register_fake()
+    return torch.ops.pagedserve.paged_decode_attention(query, kv_cache, block_table, seq_lens, scale,
+                                                       sliding_window, partition_size)
+
+
+class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
+    """torch_paged with decodes attended by the native in-place paged kernel (CPU tensors only)."""
+
+    name = "cpu_native"
+
+    def __init__(self) -> None:
+        load_native_extension()  # RuntimeError naming the cause when the kernels cannot be built
+        _register_fake()
+
+    def _forward_decodes(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        if query.device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu_native' runs on the CPU only, got tensors on "
+                             f"{query.device}; use attention_backend='torch_paged'")
+        num_decodes = metadata.num_decodes
+        # int32 views the kernel reads directly; built once per step and shared by every layer.
+        key = ("cpu_native_decode_inputs", num_decodes)
+        inputs = metadata.backend_cache.get(key)
+        if inputs is None:
+            block_table = metadata.block_table[:num_decodes].to(torch.int32)
+            if block_table.stride(-1) != 1:
+                block_table = block_table.contiguous()
+            seq_lens = torch.tensor(metadata.seq_lens_cpu[:num_decodes], dtype=torch.int32)
+            inputs = (block_table, seq_lens)
+            metadata.backend_cache[key] = inputs
+        block_table, seq_lens = inputs
+        output[:num_decodes] = paged_decode_attention(query[:num_decodes], kv_cache, block_table, seq_lens, scale,
+                                                      sliding_window)

@@ -1,0 +1,125 @@
+"""Builds and loads the native CPU attention kernels (attention/native/*.cpp) as torch ops.
+
+The C++ source is compiled at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`)
+into ~/.cache/pagedserve/extensions/<key>/, where <key> hashes the source, the compiler flags, the CPU's
+flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same
+kind of CPU. A later start finds the built library there and just loads it (no compiler needed).
+
+`load_native_extension()` raises on failure (for callers that asked for the native backend);
+`is_native_extension_available()` never raises: a failed build logs one warning and returns False (the CPU
+platform then keeps the portable torch_paged backend).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform as python_platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "native"
+SOURCES = ("paged_attention.cpp",)
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
+# Overrides the cache root (tests and read-only homes).
+CACHE_DIR_ENV = "PAGEDSERVE_EXTENSION_CACHE"
+
+_lock = threading.Lock()
+# None: not tried yet; True: loaded in this process; an Exception: the failure, kept so it is reported once.
+_state: bool | BaseException | None = None
+
+
+def _cpu_description() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        model = next((line for line in lines if line.startswith("model name")), "")
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+        return f"{model}\n{flags}"
+    except OSError:
+        return f"{python_platform.machine()} {python_platform.processor()}"
+
+
+def extension_key() -> str:
+    """Hash of everything the built library depends on: the source, flags, CPU, compiler, torch and Python."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update(name.encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(repr((COMPILE_FLAGS, LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())
+    digest.update(_cpu_description().encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return digest.hexdigest()[:20]
+
+
+def extension_dir() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve",
+                                                          "extensions")
+    return Path(root) / extension_key()
+
+
+def _library_name() -> str:
+    # The key in the name keeps two builds from ever sharing a name inside one process.
+    return f"pagedserve_cpu_attention_{extension_key()}"
+
+
+def _build_and_load() -> None:
+    """Loads the cached library, building it first when it is missing."""
+    directory = extension_dir()
+    library = directory / f"{_library_name()}.so"
+    if not library.exists():
+        from torch.utils import cpp_extension
+
+        build_dir = directory / "build"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("building the native CPU attention kernels into %s (once per CPU and source)", directory)
+        # Builds into build/ (torch's lock file there serialises concurrent builders), then publishes the
+        # library by an atomic rename, so a concurrent process never loads a half-written file.
+        cpp_extension.load(
+            name=_library_name(), sources=[str(SOURCE_DIR / name) for name in SOURCES],
+            extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
+            is_python_module=False, verbose=False,
+        )
+        temporary = directory / f"{library.name}.{os.getpid()}.tmp"
+        shutil.copyfile(build_dir / library.name, temporary)
+        os.replace(temporary, library)
+        return  # cpp_extension.load already loaded the library it built
+    torch.ops.load_library(str(library))
+
+
+def load_native_extension() -> None:
+    """Makes torch.ops.pagedserve.paged_decode_attention available (building it at first use).
+
+    Raises RuntimeError naming the cause when the extension cannot be built or loaded.
+    """
+    global _state
+    with _lock:
+        if _state is None:
+            try:
+                _build_and_load()
+                _state = True
+            except Exception as error:  # a missing compiler/ninja, a compile error, a bad cached file
+                _state = error
+                logger.warning("native CPU attention kernels unavailable (%s: %s); using the torch_paged "
+                               "attention backend", type(error).__name__, error)
+        if _state is not True:
+            raise RuntimeError(f"attention backend 'cpu_native' is unavailable: the native kernels could not be "
+                               f"built or loaded ({type(_state).__name__}: {_state}); install a C++ compiler "
+                               f"and ninja, or use attention_backend='torch_paged'") from _state
+
+
+def is_native_extension_available() -> bool:
+    """True when the native kernels are loaded (building them at first use); a failure is warned once."""
+    try:
+        load_native_extension()
+    except RuntimeError:
+        return False
+    return True
