@@ -182,9 +182,11 @@ class ParallelConfig:
                 f"the model ties its LM head to its word embedding, so lmhead_tensor_parallel_size="
                 f"{self.lmhead_tensor_parallel_size} and embedding_tensor_parallel_size="
                 f"{self.embedding_tensor_parallel_size} must give the same degree")
-        if num_devices is not None and self.world_size_per_engine > num_devices:
+        # Ray actors may span several machines: the Ray executor checks the cluster's resources instead.
+        on_this_machine = self.executor_backend != "ray"
+        if on_this_machine and num_devices is not None and self.world_size_per_engine > num_devices:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size_per_engine} "
                              f"exceeds the {num_devices} device(s) of this machine")
-        if num_cpus is not None and self.world_size > num_cpus:
+        if on_this_machine and num_cpus is not None and self.world_size > num_cpus:
             raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size = "
                              f"{self.world_size} processes exceed the {num_cpus} CPU core(s) of this machine")

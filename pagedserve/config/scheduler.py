@@ -15,12 +15,16 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # A single prefill chunk never exceeds this many tokens (0: no extra cap beyond the budget).
     long_prefill_token_threshold: int = 0
+    # Schedule step t+1 while step t executes (the engine keeps a queue of steps in flight).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens!r} must be an integer >= 1")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r} must be an integer >= 1")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be true or false")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy={self.policy!r} must be one of {SCHEDULING_POLICIES}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

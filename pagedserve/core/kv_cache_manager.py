@@ -10,6 +10,7 @@ window) but costs memory; freeing out-of-window blocks is a later optimisation.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.core.block_hash import update_request_block_hashes
@@ -156,6 +157,18 @@ class KVCacheManager:
             if block.ref_cnt == 1:
                 self.block_pool.evict_cached_block(block)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids_of_positions(self, request_id: str, start: int, end: int) -> list[int]:
+        """Ids of the request's blocks holding token positions [start, end) (the blocks a step writes)."""
+        if end <= start:
+            return []
+        blocks = self.request_to_blocks.get(request_id, [])
+        return [block.block_id for block in blocks[start // self.block_size:(end - 1) // self.block_size + 1]]
+
+    def uncache_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop these blocks from the prefix cache (their KV was never written: a failed step)."""
+        for block_id in block_ids:
+            self.block_pool.evict_cached_block(self.block_pool.blocks[block_id])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty for an unknown request)."""

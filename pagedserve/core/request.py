@@ -1,8 +1,12 @@
 """Request: the scheduler's view of one sequence being generated.
 
-Invariant: `num_computed_tokens <= num_tokens`. Each step the scheduler lets computed tokens catch up
-with known tokens (prompt + generated); that one rule covers prefill, chunked prefill, decode, prefix
-cache hits (they advance num_computed_tokens) and recompute after preemption.
+Invariant: `num_computed_tokens <= num_tokens + num_output_placeholders`. Each step the scheduler lets
+computed tokens catch up with known tokens (prompt + generated); that one rule covers prefill, chunked
+prefill, decode, prefix cache hits (they advance num_computed_tokens) and recompute after preemption.
+
+With async scheduling a step can be scheduled before the previous step's sampled token is back: that
+token is a *placeholder* (counted, its id unknown to the scheduler). The worker, which runs steps in
+order, already holds its id when the next step runs, so the position can be computed anyway.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by scheduled steps whose ids have not come back yet (0 between synchronous steps).
+    num_output_placeholders: int = 0
     # Prompt tokens served from the prefix cache at first admission (for metrics and RequestOutput).
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING

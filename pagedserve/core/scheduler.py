@@ -6,6 +6,13 @@ one token budget. Running requests are served first, in order; waiting requests 
 rest of the budget. When the KV cache runs out, running requests are preempted by recompute: their
 blocks are freed and they go back to the waiting queue with `num_computed_tokens = 0`.
 
+Async scheduling (the engine keeps up to N steps in flight) adds one rule: a token sampled by a step
+still in flight counts as a placeholder (`Request.num_output_placeholders`), so a running request whose
+last step samples can be given its next decode step at once; the worker feeds it the token it sampled
+itself (steps run in order on the worker). Outputs that come back for a request that finished
+meanwhile are dropped; a request preempted meanwhile still receives its token (it joins the tokens to
+recompute), and is not admitted again until every output in flight for it is back.
+
 Pure Python: no torch, no device code. The scheduler sees KV blocks only through KVCacheManager.
 """
 from __future__ import annotations
@@ -34,7 +41,10 @@ class Scheduler:
     """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
-                 prefill_chunk_policy: PrefillChunkPolicy | None = None) -> None:
+                 prefill_chunk_policy: PrefillChunkPolicy | None = None,
+                 include_new_token_ids: bool = False) -> None:
+        """`include_new_token_ids`: send the generated tokens each step computes in its cached-request
+        deltas (pipeline parallel: only the last stage samples; the other stages learn the tokens there)."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size={block_size} must equal the KV cache manager's block_size={kv_cache_manager.block_size}")
@@ -47,8 +57,11 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.policy = scheduler_config.policy
+        # Schedule a request again while its sampled token is still in flight (see the module docstring).
+        self.async_scheduling = scheduler_config.async_scheduling
         # Caps each prefill chunk (chunked prefill only); the default adds no cap.
         self.prefill_chunk_policy = prefill_chunk_policy or UncappedPrefillChunkPolicy()
+        self.include_new_token_ids = include_new_token_ids
         # Tokens of this step a prefill chunk shares it with (running decodes + chunks already taken).
         self._num_other_step_tokens = 0
 
@@ -142,7 +155,7 @@ class Scheduler:
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
         self._num_other_step_tokens = sum(
-            1 for request in self.running if request.num_tokens - request.num_computed_tokens == 1)
+            1 for request in self.running if self._num_pending_tokens(request) - request.num_computed_tokens == 1)
 
         # 1. Running requests.
         request_index = 0
@@ -182,6 +195,8 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()
+                if request.num_output_placeholders:
+                    break  # preempted with a step in flight: its token must come back first
                 num_new_tokens = self._admit(request, token_budget)
                 if num_new_tokens == 0:
                     break
@@ -196,8 +211,19 @@ class Scheduler:
         return self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        """Tokens the request lacks, capped by the budget, the long-prefill threshold and max_model_len."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        """Tokens the request lacks, capped by the budget, the long-prefill threshold and max_model_len.
+
+        Placeholders (tokens sampled by steps in flight) count as known; a request whose pending tokens
+        already reach max_tokens or max_model_len gets nothing more (its last token is on its way).
+        """
+        num_pending_tokens = self._num_pending_tokens(request)
+        if num_pending_tokens > request.num_tokens and (
+                num_pending_tokens >= self.max_model_len
+                or (request.sampling_params.max_tokens is not None
+                    and request.num_output_tokens + request.num_output_placeholders
+                    >= request.sampling_params.max_tokens)):
+            return 0
+        num_new_tokens = num_pending_tokens - num_computed_tokens
         if self.long_prefill_token_threshold > 0:
             num_new_tokens = min(num_new_tokens, self.long_prefill_token_threshold)
         # No position may reach max_model_len (add_request bounds the prompt, the stop check the rest).
@@ -208,6 +234,15 @@ class Scheduler:
             if cap is not None:
                 num_new_tokens = min(num_new_tokens, cap)
         return num_new_tokens
+
+    def _num_pending_tokens(self, request: Request) -> int:
+        """Known tokens plus, with async scheduling, the placeholders of tokens sampled by steps in flight.
+
+        Without async scheduling a request whose sampled token is in flight (pipeline micro-batches) has
+        nothing to compute until it comes back."""
+        if self.async_scheduling:
+            return request.num_tokens + request.num_output_placeholders
+        return request.num_tokens
 
     def _admit(self, request: Request, token_budget: int) -> int:
         """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted)."""
@@ -266,9 +301,14 @@ class Scheduler:
             request_ids=[request.request_id for request in scheduled_running],
             new_block_ids=[new_block_ids[request.request_id] for request in scheduled_running],
             num_computed_tokens=[request.num_computed_tokens for request in scheduled_running],
+            new_token_ids=[_generated_tokens_to_compute(request, num_scheduled_tokens[request.request_id])
+                           for request in scheduled_running] if self.include_new_token_ids else [],
         )
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                # This step samples the request's next token: a placeholder until update_from_output.
+                request.num_output_placeholders += 1
 
         output = SchedulerOutput(
             scheduled_new_requests=new_requests_data,
@@ -289,17 +329,21 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests, report per request.
 
         An output is emitted for each request that got tokens or prompt logprobs, or finished.
-        Requests finished between schedule() and this call (aborts) are skipped.
+        Requests finished between schedule() and this call (aborts, or a stop found in an earlier
+        step's output while this one was in flight) are skipped: their blocks were freed then, once.
+        A request preempted while this step was in flight still takes its token (async scheduling).
         """
         index_of = {request_id: index for index, request_id in enumerate(model_runner_output.request_ids)}
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished():
                 continue
             index = index_of.get(request_id)
             sampled_token_ids = model_runner_output.sampled_token_ids[index] if index is not None else []
+            request.num_output_placeholders -= len(sampled_token_ids)
+            was_running = request.status == RequestStatus.RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled_token_ids:
                 request.append_output_token_ids([token_id])
@@ -312,7 +356,10 @@ class Scheduler:
             prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
             is_finished = request.is_finished()
             if is_finished:
-                stopped.add(request)
+                if was_running:
+                    stopped.add(request)
+                else:  # preempted while this step was in flight: it waits for recompute
+                    self.waiting.remove_requests([request])
                 self._free_request(request)
             if new_token_ids or prompt_logprobs is not None or is_finished:
                 outputs.append(EngineCoreOutput(
@@ -349,6 +396,14 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+
+def _generated_tokens_to_compute(request: Request, num_scheduled_tokens: int) -> list[int]:
+    """The generated tokens among the positions a step computes, from position
+    max(num_computed_tokens, num_prompt_tokens) (CachedRequestData.new_token_ids)."""
+    start = max(request.num_computed_tokens - request.num_prompt_tokens, 0)
+    return request.output_token_ids[start:request.num_computed_tokens + num_scheduled_tokens
+                                    - request.num_prompt_tokens]
 
 
 def _truncate_logprobs(logprobs: LogprobsLists, num_rows: int) -> LogprobsLists:

@@ -28,12 +28,17 @@ class NewRequestData:
 class CachedRequestData:
     """Deltas for requests the worker already holds: new blocks and the new computed-token count.
 
-    The worker appended the last sampled token itself, so no token ids travel here.
+    The worker that samples appends the token itself, so no token ids travel here — except with
+    pipeline parallelism, where only the last stage samples: then `new_token_ids[i]` holds the
+    generated tokens among the positions this step computes for request i (those from position
+    max(num_computed_tokens[i], num_prompt_tokens) on), and the other stages append the ones they lack.
+    Empty when not needed.
     """
 
     request_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:

@@ -3,6 +3,10 @@
 One failing step never takes the engine down: the requests of that batch finish with
 finish_reason='error' and the next step runs normally. Their computed-token counts are rolled back
 first, so the blocks the failed step was writing (which may hold partial KV) leave the prefix cache.
+
+With `max_concurrent_batches` > 1 (async scheduling) `step()` runs `step_with_batch_queue()`: it
+schedules and submits steps while the batch queue has room, then waits for the oldest one and returns
+its outputs, so the next step is already queued on the worker when the current one ends.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy
 from pagedserve.core.profiling_chunk_predictor import LatencySample, build_profiling_chunk_policy
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.engine.batch_queue import BatchQueue, InFlightStep
 from pagedserve.executor.abstract import Executor, FatalExecutorError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +38,15 @@ class EngineCore:
             enable_caching=cache_config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, cache_config.block_size,
-                                   prefill_chunk_policy=self._prefill_chunk_policy())
+                                   prefill_chunk_policy=self._prefill_chunk_policy(),
+                                   # Pipeline stages before the last learn the sampled tokens from the deltas.
+                                   include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+        # Steps in flight (async scheduling, pipeline micro-batches); None: one step at a time.
+        max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue = (BatchQueue(max_concurrent_batches, self.kv_cache_manager)
+                            if max_concurrent_batches > 1 else None)
+        # Set once the executor failed fatally with steps in flight: every later step raises it again.
+        self._fatal_error: FatalExecutorError | None = None
 
     def _prefill_chunk_policy(self) -> PrefillChunkPolicy | None:
         """The profiling-tuned chunk policy when enabled and the worker sent its timings, else None."""
@@ -62,7 +76,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or steps still in flight (their outputs must be collected)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
@@ -74,6 +89,9 @@ class EngineCore:
         return stats
 
     def step(self) -> list[EngineCoreOutput]:
+        """One engine iteration: the outputs of one finished model step (none when idle)."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -84,7 +102,47 @@ class EngineCore:
         except Exception:
             logger.exception("model step failed; failing the %d requests of this batch",
                              len(scheduler_output.num_scheduled_tokens))
-            return self._fail_batch(scheduler_output.num_scheduled_tokens)
+            return self._fail_batch(scheduler_output)
+        return self._update_from_output(scheduler_output, model_output)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Fill the batch queue, then collect the oldest step in flight.
+
+        While the queue has room and there is work, schedule and submit (step t+1 is scheduled while
+        step t runs). An empty schedule is submitted only when it carries finished or preempted ids for
+        the workers, and stops the filling. Then wait for the oldest step and apply its outputs.
+        """
+        queue = self.batch_queue
+        assert queue is not None
+        fatal_error = self._fatal_error
+        if fatal_error is not None:
+            # Without async scheduling a request whose step died in flight has nothing left to schedule:
+            # without this the engine would idle forever instead of failing.
+            raise FatalExecutorError(f"the executor failed in an earlier step: {fatal_error}")
+        while not queue.is_full and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            has_notices = bool(scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids)
+            if not scheduler_output.is_empty or has_notices:
+                queue.submit(scheduler_output, self.executor.execute_model_async(scheduler_output),
+                             self.scheduler.requests)
+            if scheduler_output.is_empty:
+                break  # nothing more to run until an output comes back
+        if not queue:
+            return []
+        step = queue.pop_oldest()
+        try:
+            model_output = step.future.result()
+        except FatalExecutorError as error:
+            self._fatal_error = error
+            raise
+        except Exception:
+            logger.exception("model step failed; failing the %d requests of this batch",
+                             len(step.scheduler_output.num_scheduled_tokens))
+            return self._fail_batch(step.scheduler_output, step)
+        return self._update_from_output(step.scheduler_output, model_output)
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput,
+                            model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         if model_output.eplb_imbalance is not None:
             self._record_eplb(model_output.eplb_imbalance)
         return self.scheduler.update_from_output(scheduler_output, model_output)
@@ -94,16 +152,37 @@ class EngineCore:
         self._eplb_num_rebalances = getattr(self, "_eplb_num_rebalances", 0) + 1
         self._eplb_imbalance = imbalance
 
-    def _fail_batch(self, num_scheduled_tokens: dict[str, int]) -> list[EngineCoreOutput]:
-        for request_id, num_tokens in num_scheduled_tokens.items():
+    def _fail_batch(self, scheduler_output: SchedulerOutput,
+                    in_flight: InFlightStep | None = None) -> list[EngineCoreOutput]:
+        """Finish the batch's requests with finish_reason='error'; roll their KV back.
+
+        `in_flight` (the failed step of the batch queue) also fails the requests of later queued steps
+        that read KV the failed step never wrote, and uncaches every block such KV sits in.
+        """
+        # Where the failed step's tokens started, per request (as sent to the worker).
+        start_of_step = {new.request_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_requests}
+        cached = scheduler_output.scheduled_cached_requests
+        start_of_step.update(zip(cached.request_ids, cached.num_computed_tokens))
+        request_ids = list(scheduler_output.num_scheduled_tokens)
+        for request_id in request_ids:
             request = self.scheduler.requests.get(request_id)
-            if request is not None:
+            if request is not None and request.status == RequestStatus.RUNNING:
                 # The KV manager only uncaches blocks past num_computed_tokens.
-                request.num_computed_tokens -= num_tokens
-        request_ids = list(num_scheduled_tokens)
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error")
-                for rid in request_ids]
+                request.num_computed_tokens = start_of_step[request_id]
+        poisoned_block_ids: set[int] = set()
+        if in_flight is not None and self.batch_queue is not None:
+            poisoned = self.batch_queue.poisoned_by(in_flight, self.kv_cache_manager.block_size)
+            request_ids += poisoned.request_ids
+            poisoned_block_ids = poisoned.block_ids
+            if poisoned.request_ids:
+                logger.error("failing %d requests of later steps too: they read KV the failed step never "
+                             "wrote", len(poisoned.request_ids))
+        live_ids = [rid for rid in request_ids if rid in self.scheduler.requests]
+        self.scheduler.finish_requests(live_ids, RequestStatus.FINISHED_ERROR)
+        self.kv_cache_manager.uncache_blocks(poisoned_block_ids)
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason="error") for rid in live_ids]
 
     def shutdown(self) -> None:
+        if self.batch_queue is not None:
+            self.batch_queue.clear()  # the executor's shutdown joins or cancels what is still running
         self.executor.shutdown()

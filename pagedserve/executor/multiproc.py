@@ -3,8 +3,10 @@
 Start: every worker is spawned (torch.multiprocessing 'spawn' context: no forked torch state), joins a
 torch.distributed world through a TCP store on a free loopback port, builds its shard of the model and
 its KV cache, and reports WorkerReady. Per step: the SchedulerOutput is msgpack-encoded once and the
-same bytes are written to every worker's pipe (a local OS pipe, raw bytes: nothing is pickled); rank 0
-sends back the ModelRunnerOutput (all ranks hold identical sampled tokens).
+same bytes are written to every worker's pipe (a local OS pipe, raw bytes: nothing is pickled); the
+output rank — the first TP rank of the last pipeline stage, rank 0 without pipeline parallelism — sends
+back the ModelRunnerOutput (all ranks of that stage hold identical sampled tokens; earlier stages do not
+sample).
 
 Failure: the executor waits on the result pipe together with every worker's process sentinel and pipe,
 so a worker that dies (or reports an exception) turns into FatalExecutorError within milliseconds, and
@@ -18,6 +20,9 @@ import logging
 import os
 import traceback
 import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -25,6 +30,7 @@ import torch
 import torch.multiprocessing
 
 from pagedserve.config.engine import EngineConfig
+from pagedserve.config.parallel import ParallelConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.worker_init import free_loopback_port
 from pagedserve.executor.abstract import Executor, FatalExecutorError
@@ -38,6 +44,8 @@ logger = logging.getLogger(__name__)
 # noticed through the sentinels, not through this timeout).
 STARTUP_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0
+# A step sent while earlier steps are in flight must fit in the pipe's socket buffer (Linux: ~200 KiB).
+MAX_STEP_BYTES_AHEAD = 64 * 1024
 
 
 def worker_threads(world_size: int) -> int:
@@ -45,9 +53,29 @@ def worker_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def output_rank(parallel_config: ParallelConfig) -> int:
+    """The rank whose ModelRunnerOutput the engine gets: TP rank 0 of the last pipeline stage (ranks are
+    ordered pp_rank * tp_size + tp_rank, distributed/parallel_state.py)."""
+    return parallel_config.world_size_per_engine - parallel_config.tensor_parallel_size
+
+
+class _StepFuture(Future):
+    """A step's future that, when waited on, reads step results from the pipes until it is done."""
+
+    def __init__(self, resolve_oldest: Callable[[], None]) -> None:
+        super().__init__()
+        self._resolve_oldest = resolve_oldest
+
+    def result(self, timeout: float | None = None) -> Any:
+        while not self.done():
+            self._resolve_oldest()
+        return super().result(timeout)
+
+
 def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
     """Entry point of one worker process: build the Worker, then serve steps until told to stop."""
     codec = WorkerCodec()
+    is_output_rank = rank == output_rank(config.parallel_config)
     torch.set_num_threads(worker_threads(config.parallel_config.world_size_per_engine))
     try:
         from pagedserve.model_loader.checkpoint_slice import bytes_read
@@ -55,15 +83,18 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
 
         worker = Worker(config, rank=rank, distributed_init_method=init_method)
         info = worker.runtime_info
+        parameters = list(worker.model_runner.model.parameters())
         conn.send_bytes(codec.encode(WorkerReady(
             rank=rank, pid=os.getpid(), num_kv_blocks=info.num_kv_blocks, kv_cache_bytes=info.kv_cache_bytes,
-            attention_backend=info.attention_backend, weight_bytes_read=bytes_read())))
+            attention_backend=info.attention_backend, weight_bytes_read=bytes_read(),
+            num_parameters=sum(p.numel() for p in parameters),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters))))
         while True:
             message = codec.decode_to_worker(conn.recv_bytes())
             if isinstance(message, ShutdownWorker):
                 break
             output = worker.execute_model(message.scheduler_output)
-            if rank == 0:
+            if is_output_rank:
                 conn.send_bytes(codec.encode(StepResult(output=output)))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the executor is gone: nothing to report to
@@ -107,9 +138,12 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.world_size_per_engine
+        self.output_rank = output_rank(config.parallel_config)
         self.codec = WorkerCodec()
         self.is_dead = False
         self._pending: dict[int, list[Any]] = {}
+        # Futures of steps sent but not read back yet (execute_model_async), oldest first.
+        self._unresolved_steps: deque[_StepFuture] = deque()
         context = torch.multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
         self.processes: list[Any] = []
@@ -135,6 +169,9 @@ class MultiprocExecutor(Executor):
                 raise FatalExecutorError(f"worker sent {type(message).__name__} instead of WorkerReady")
         self.worker_pids = [message.pid for message in ready]
         self.weight_bytes_read = [message.weight_bytes_read for message in ready]
+        self.parameter_bytes = [message.parameter_bytes for message in ready]
+        self.kv_cache_bytes = [message.kv_cache_bytes for message in ready]
+        self.num_parameters = [message.num_parameters for message in ready]
         self.runtime_info = RuntimeInfo(num_kv_blocks=ready[0].num_kv_blocks, kv_cache_bytes=ready[0].kv_cache_bytes,
                                         attention_backend=ready[0].attention_backend)
 
@@ -147,10 +184,50 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(data)
             except OSError:
                 self._fail(f"worker rank {rank} is gone (its pipe is closed)")
-        message = self._receive(0, None)
+        message = self._receive(self.output_rank, None)
         if not isinstance(message, StepResult):
-            self._fail(f"worker rank 0 sent {type(message).__name__} instead of a step result")
+            self._fail(f"worker rank {self.output_rank} sent {type(message).__name__} instead of a step result")
         return message.output  # type: ignore[union-attr]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Pipeline parallel: up to one micro-batch per stage in flight, so a stage can run the next
+        batch while later stages finish the previous one."""
+        return max(super().max_concurrent_batches, self.config.parallel_config.pipeline_parallel_size)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        """Send the step to every worker now; its future resolves when the output rank's StepResult is
+        read. Workers run messages in order, so results arrive in submission order; they are read by
+        whoever waits on a future (no reader thread), oldest first."""
+        if self.is_dead:
+            raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
+        data = self.codec.encode(ExecuteModel(scheduler_output=scheduler_output))
+        if len(data) > MAX_STEP_BYTES_AHEAD:
+            # A write that may not fit in the socket buffer must not wait on a worker that is itself
+            # blocked writing a large result nobody reads: collect the steps in flight first.
+            while self._unresolved_steps:
+                self._resolve_oldest_step()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(f"worker rank {rank} is gone (its pipe is closed)")
+        future = _StepFuture(self._resolve_oldest_step)
+        self._unresolved_steps.append(future)
+        return future
+
+    def _resolve_oldest_step(self) -> None:
+        try:
+            if self.is_dead:
+                raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
+            message = self._receive(self.output_rank, None)
+            if not isinstance(message, StepResult):
+                self._fail(f"worker rank {self.output_rank} sent {type(message).__name__} instead of a step result")
+        except BaseException as error:  # the workers are gone: every step in flight fails with it
+            while self._unresolved_steps:
+                self._unresolved_steps.popleft().set_exception(error)
+            return
+        self._unresolved_steps.popleft().set_result(message.output)  # type: ignore[union-attr]
 
     def _receive(self, rank: int, timeout: float | None) -> Any:
         """The next message from worker `rank`, watching every worker for death or failure meanwhile.

@@ -29,6 +29,9 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     attention_backend: str
     # Checkpoint bytes this rank materialised while loading (sharded loading reads only its slices).
     weight_bytes_read: int
+    # Parameters this rank holds (its TP shard of its pipeline stage's layers), as elements and bytes.
+    num_parameters: int = 0
+    parameter_bytes: int = 0
 
 
 class StepResult(msgspec.Struct, tag="result", kw_only=True):
