@@ -74,6 +74,8 @@ class DeepseekMLAAttentionBlock(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               self.total_num_heads * (self.qk_nope_head_dim + self.v_head_dim),
                                               bias=False, params_dtype=params_dtype, prefix=f"{prefix}.kv_b_proj")
+        # MLA attention reads this weight itself (weight absorption): it keeps the plain layout.
+        self.kv_b_proj.weight_read_elsewhere = True
         self.o_proj = RowParallelLinear(self.total_num_heads * self.v_head_dim, hidden_size, bias=bias,
                                         params_dtype=params_dtype, prefix=f"{prefix}.o_proj")
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.qk_nope_head_dim + self.v_head_dim)

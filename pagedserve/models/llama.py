@@ -6,12 +6,14 @@ lm_head); q/k/v and gate/up are fused at load time through `packed_modules_mappi
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from pagedserve.distributed import get_embedding_tp_group, get_lmhead_tp_group
+from pagedserve.distributed.pipeline_comm import IntermediateTensors
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -20,6 +22,7 @@ from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.output_projection import AttentionOutputProjection
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from pagedserve.layers.weight_loading import default_weight_loader
+from pagedserve.models.pipeline_split import PipelineMissingLayer, PipelineStage, make_stage_layers, stage_weights
 
 
 def config_head_dim(hf_config: Any) -> int:
@@ -128,28 +131,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm — of this process's pipeline stage only: the embedding on
+    the first stage, the final norm on the last, the stage's layer range (models/pipeline_split.py);
+    the other positions hold parameter-free placeholders."""
+
     def __init__(self, hf_config: Any, attention_class: type[LlamaAttention], *, params_dtype: torch.dtype,
                  prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   params_dtype=params_dtype, group=get_embedding_tp_group(),
-                                                   prefix=f"{prefix}.embed_tokens")
+        self.stage = PipelineStage.current(int(hf_config.num_hidden_layers))
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                    params_dtype=params_dtype, group=get_embedding_tp_group(),
+                                                    prefix=f"{prefix}.embed_tokens")
+                             if self.stage.is_first else PipelineMissingLayer())
         rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),
                               rope_parameters_from_config(hf_config))
         self.rotary_emb = rotary_emb  # shared by every layer's attention
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, index, rotary_emb, attention_class, params_dtype=params_dtype,
-                              prefix=f"{prefix}.layers.{index}")
-            for index in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
+        self.layers = make_stage_layers(
+            int(hf_config.num_hidden_layers), self.stage,
+            lambda index: LlamaDecoderLayer(hf_config, index, rotary_emb, attention_class, params_dtype=params_dtype,
+                                            prefix=f"{prefix}.layers.{index}"))
+        self.norm = (RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
+                     if self.stage.is_last else PipelineMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states on the last pipeline stage; the stage's IntermediateTensors on the others
+        (a stage after the first starts from the previous stage's `intermediate_tensors`)."""
         self.rotary_emb.clear_memo()
-        hidden_states = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer in islice(self.layers, self.stage.start_layer, self.stage.end_layer):
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         if residual is None:  # no layers
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -179,14 +196,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.dtype = dtype
         self.model = LlamaModel(hf_config, self.attention_class, params_dtype=dtype, prefix="model")
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      group=get_lmhead_tp_group(), prefix="lm_head")
+        self.attach_lm_head(hf_config, dtype, group=get_lmhead_tp_group())
+
+    def attach_lm_head(self, hf_config: Any, dtype: torch.dtype, **head_kwargs: Any) -> None:
+        """The LM head on the last pipeline stage (a placeholder elsewhere). Tied embeddings share one
+        parameter when one stage holds both ends; otherwise the last stage's head loads the embedding's
+        checkpoint tensor (pipeline_split.stage_weights)."""
+        stage: PipelineStage = self.model.stage
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # True when lm_head.weight is model.embed_tokens.weight itself (a single-stage tied model).
+        self.lm_head_is_tied = self.tie_word_embeddings and stage.is_first and stage.is_last
+        if not stage.is_last:
+            self.lm_head = PipelineMissingLayer()
+            return
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
+                                      prefix="lm_head", **head_kwargs)
+        if self.lm_head_is_tied:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> float32 logits [n, vocab_size]."""
@@ -195,9 +225,19 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (HF name, tensor) pairs; return the names of the parameters now fully loaded.
 
-        A fused parameter counts as loaded once every one of its shards has arrived. Unknown names
-        raise ValueError (a checkpoint that does not match the architecture should not load silently).
+        Tensors of modules other pipeline stages hold are skipped unread. A fused parameter counts as
+        loaded once every one of its shards has arrived. Unknown names raise ValueError (a checkpoint
+        that does not match the architecture should not load silently).
         """
+        return self.load_stage_weights(self.stage_weights(weights))
+
+    def stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The part of the checkpoint stream this pipeline stage loads (everything on a single stage)."""
+        return stage_weights(weights, self.model.stage, int(self.config.num_hidden_layers),
+                             self.tie_word_embeddings)
+
+    def load_stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """load_weights on a stream already cut to this stage (stage_weights)."""
         params = dict(self.named_parameters())
         fused_shard_ids = {fused: set(range(len(parts))) for fused, parts in self.packed_modules_mapping.items()}
         seen_shards: dict[str, set[int]] = {}
@@ -205,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         for name, loaded_weight in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
                 continue  # derived buffers some checkpoints carry
-            if self.tie_word_embeddings and name.startswith("lm_head."):
+            if self.lm_head_is_tied and name.startswith("lm_head."):
                 continue  # the head shares model.embed_tokens.weight
             for fused, checkpoint_name, shard_id in self.stacked_params_mapping:
                 if f".{checkpoint_name}." not in name:

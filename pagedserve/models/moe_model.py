@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.linear import ReplicatedLinear
 from pagedserve.layers.moe.fused_moe import FusedMoE
 from pagedserve.layers.moe.moe_options import current_moe_options
@@ -23,6 +23,7 @@ from pagedserve.layers.moe.shared_expert_overlap import SharedExpertOverlap
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from pagedserve.models.pipeline_split import PipelineMissingLayer, PipelineStage, make_stage_layers
 
 # checkpoint projection name -> FusedMoE shard id
 EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
@@ -46,6 +47,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False,
                                      params_dtype=torch.float32 if router_in_float32 else params_dtype,
                                      prefix=f"{prefix}.gate")
+        # The float32 router path reads gate.weight itself (routed()): it keeps the plain layout.
+        self.gate.weight_read_elsewhere = router_in_float32
         self.experts = FusedMoE(num_experts, top_k, hidden_size, moe_intermediate_size, params_dtype=params_dtype,
                                 prefix=f"{prefix}.experts", **routing)
         self.shared_expert_name = shared_expert_name if shared_intermediate_size else None
@@ -107,18 +110,21 @@ class MoeModel(LlamaModel):
                  mlp_factory: ModuleFactory, *, params_dtype: torch.dtype, prefix: str = "model",
                  mlp_name: str = "mlp") -> None:
         # LlamaModel.__init__ builds dense Llama layers: the same attributes are set up here instead.
+        # Like LlamaModel, only this pipeline stage's share is built (models/pipeline_split.py).
         nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   params_dtype=params_dtype, prefix=f"{prefix}.embed_tokens")
+        self.stage = PipelineStage.current(int(hf_config.num_hidden_layers))
+        self.embed_tokens = (VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                    params_dtype=params_dtype, prefix=f"{prefix}.embed_tokens")
+                             if self.stage.is_first else PipelineMissingLayer())
         self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(
-            MoeDecoderLayer(
+        self.layers = make_stage_layers(
+            int(hf_config.num_hidden_layers), self.stage,
+            lambda index: MoeDecoderLayer(
                 attention_factory(hf_config, index, rotary_emb, params_dtype, f"{prefix}.layers.{index}.self_attn"),
                 mlp_factory(hf_config, index, rotary_emb, params_dtype, f"{prefix}.layers.{index}.{mlp_name}"),
-                hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype, mlp_name)
-            for index in range(hf_config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
+                hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype, mlp_name))
+        self.norm = (RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
+                     if self.stage.is_last else PipelineMissingLayer())
 
 
 
@@ -137,11 +143,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.dtype = dtype
         self.model = MoeModel(hf_config, self.build_rotary_embedding(hf_config), self.build_attention,
                               self.build_mlp, params_dtype=dtype, prefix="model", mlp_name=self.mlp_name)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      prefix="lm_head")
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.attach_lm_head(hf_config, dtype)
 
     # ---- per-family hooks -----------------------------------------------------------------------
     def build_rotary_embedding(self, hf_config: Any) -> RotaryEmbedding:
@@ -160,6 +162,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         return [module for module in self.modules() if isinstance(module, FusedMoE)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Cut to this pipeline stage first: expert tensors of layers another stage holds are never read.
+        weights = self.stage_weights(weights)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         num_shards_seen: dict[str, int] = {}
@@ -188,5 +192,5 @@ class MoeForCausalLM(LlamaForCausalLM):
                     name = name.replace(old, new)
                 yield name, tensor
 
-        loaded |= super().load_weights(non_expert_weights())
+        loaded |= self.load_stage_weights(non_expert_weights())
         return loaded

@@ -67,6 +67,15 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
 
+    def extend_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Make `token_ids` the tokens from position `start` on, appending those the row lacks (tokens
+        it already holds are the same ones: pipeline stages learn sampled tokens this way)."""
+        num_tokens = int(self.num_tokens[row])
+        num_new = start + len(token_ids) - num_tokens
+        if num_new > 0:
+            self.token_ids[row, num_tokens:num_tokens + num_new] = token_ids[len(token_ids) - num_new:]
+            self.num_tokens[row] = num_tokens + num_new
+
     def prompt_token_ids(self, state: RequestState) -> list[int]:
         return self.token_ids[state.row, :state.num_prompt_tokens].tolist()
 
