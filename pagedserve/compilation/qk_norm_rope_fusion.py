@@ -33,12 +33,41 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     return (x * cos + rotated_half * sin).reshape(shape)
 
 
+def _rotate_sized(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                  num_tokens: Any) -> torch.Tensor:
+    """`_rotate` as Dynamo records it with a symbolic token count: `x.size()` kept whole, the count an input."""
+    size = x.size()
+    x = x.reshape(num_tokens, -1, head_dim)
+    half = head_dim // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated_half * sin).reshape(size)
+
+
+def _rotate_static(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                   num_tokens: int, width: int) -> torch.Tensor:
+    """`_rotate` as Dynamo records it with static shapes: literal sizes, the final shape a literal tuple."""
+    x = x.reshape(num_tokens, -1, head_dim)
+    half = head_dim // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated_half * sin).reshape((num_tokens, width))
+
+
+def _literal_token_counts(graph: fx.Graph) -> list[int]:
+    """n of every `t.reshape(n, heads, head_dim)` with a literal n (static-shape Dynamo graphs)."""
+    counts: dict[int, None] = {}
+    for node in graph.nodes:
+        if node.op == "call_method" and node.target == "reshape" and len(node.args) == 4 and \
+                all(isinstance(arg, int) for arg in node.args[1:]) and node.args[2] > 0:
+            counts[node.args[1]] = None
+    return list(counts)
+
+
 def _head_shapes(graph: fx.Graph) -> set[tuple[int, int]]:
     """(num_heads, head_dim) of every `t.reshape(n, num_heads, head_dim)` with literal head sizes."""
     shapes: set[tuple[int, int]] = set()
     for node in graph.nodes:
         if node.op == "call_method" and node.target == "reshape" and len(node.args) == 4 and \
-                isinstance(node.args[2], int) and isinstance(node.args[3], int):
+                isinstance(node.args[2], int) and isinstance(node.args[3], int) and node.args[2] > 0:
             shapes.add((node.args[2], node.args[3]))
     return shapes
 
@@ -55,11 +84,44 @@ class QKNormRopeFusionPass(FusionPass):
         for (num_heads, head_dim), (num_kv_heads, kv_head_dim) in itertools.product(sorted(shapes), repeat=2):
             if head_dim != kv_head_dim or head_dim % 2:
                 continue
-            for eps, dtype in itertools.product(eps_values, dtypes):
-                yield num_heads, num_kv_heads, head_dim, eps, dtype
+            # Forms: False (symbolic_trace), True (Dynamo, symbolic token count), n (Dynamo, static n).
+            forms: list[bool | int] = [False, True, *_literal_token_counts(graph)]
+            for eps, dtype, form in itertools.product(eps_values, dtypes, forms):
+                yield num_heads, num_kv_heads, head_dim, eps, dtype, form
 
     def pattern(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                dtype: torch.dtype | None) -> Callable[..., Any]:
+                dtype: torch.dtype | None, symbolic: bool | int = False) -> Callable[..., Any]:
+        """`symbolic`: True for the Dynamo form with a symbolic token count (an extra input: the SymInt
+        node); an int n for Dynamo's static form (literal sizes); False for the torch.fx.symbolic_trace
+        form (`query.shape[0]`)."""
+        if symbolic is not True and symbolic is not False:
+            num_tokens = int(symbolic)
+
+            def qk_norm_rope_static(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                                    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+                query = _rms_norm(query.reshape(num_tokens, num_heads, head_dim), q_weight, eps, dtype)
+                key = _rms_norm(key.reshape(num_tokens, num_kv_heads, head_dim), k_weight, eps, dtype)
+                query = query.reshape(num_tokens, num_heads * head_dim)
+                key = key.reshape(num_tokens, num_kv_heads * head_dim)
+                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+                return (_rotate_static(query, cos, sin, head_dim, num_tokens, num_heads * head_dim),
+                        _rotate_static(key, cos, sin, head_dim, num_tokens, num_kv_heads * head_dim))
+
+            return qk_norm_rope_static
+        if symbolic:
+            def qk_norm_rope_symbolic(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                                      k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                      num_tokens: Any) -> Any:
+                query = _rms_norm(query.reshape(num_tokens, num_heads, head_dim), q_weight, eps, dtype)
+                key = _rms_norm(key.reshape(num_tokens, num_kv_heads, head_dim), k_weight, eps, dtype)
+                query = query.reshape(num_tokens, num_heads * head_dim)
+                key = key.reshape(num_tokens, num_kv_heads * head_dim)
+                cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+                return (_rotate_sized(query, cos, sin, head_dim, num_tokens),
+                        _rotate_sized(key, cos, sin, head_dim, num_tokens))
+
+            return qk_norm_rope_symbolic
+
         def qk_norm_rope(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor) -> Any:
             num_tokens = query.shape[0]
@@ -73,7 +135,16 @@ class QKNormRopeFusionPass(FusionPass):
         return qk_norm_rope
 
     def replacement(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                    dtype: torch.dtype | None) -> Callable[..., Any]:
+                    dtype: torch.dtype | None, symbolic: bool | int = False) -> Callable[..., Any]:
+        if symbolic is True:
+            def fused_symbolic(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                               k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_tokens: Any) -> Any:
+                result = torch.ops.pagedserve.qk_norm_rope.default(query, key, q_weight, k_weight, cos, sin,
+                                                                   num_heads, num_kv_heads, head_dim, eps)
+                return result[0], result[1]
+
+            return fused_symbolic
+
         def fused(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> Any:
             result = torch.ops.pagedserve.qk_norm_rope.default(query, key, q_weight, k_weight, cos, sin,

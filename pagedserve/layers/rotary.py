@@ -129,8 +129,10 @@ class RotaryEmbedding(CustomOp):
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == dtype:
             return memo[2], memo[3]
-        # Checked on the CPU only: on an accelerator the check would cost a device->host sync.
-        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.max_positions:
+        # Checked on the CPU only: on an accelerator the check would cost a device->host sync. Not in a
+        # captured graph either (a data-dependent branch); the scheduler keeps positions < max_model_len.
+        if positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel() \
+                and int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
                              f"(max_positions={self.max_positions})")
         cos, sin = self.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)

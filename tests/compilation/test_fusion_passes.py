@@ -186,7 +186,8 @@ def test_pass_manager_applies_enabled_passes() -> None:
 
     unchanged = fx.symbolic_trace(module)
     code = unchanged.code
-    manager = build_fusion_pass_manager(CompilationConfig(False, False, False))
+    manager = build_fusion_pass_manager(CompilationConfig(fuse_norm_quant=False, fuse_qknorm_rope=False,
+                                                         fuse_muls_add=False))
     assert manager(unchanged).code == code and manager.passes == []
 
     graph_module = fx.symbolic_trace(module)
