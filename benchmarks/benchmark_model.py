@@ -42,3 +42,43 @@ def benchmark_model_folder(root: str | None = None) -> str:
     model.save_pretrained(folder)
     build_word_level_tokenizer(folder, SMOLLM2_SHAPE["vocab_size"])
     return folder
+
+
+def sharded_benchmark_model_folder(max_shard_bytes: int = 128 << 20, root: str | None = None) -> str:
+    """Build (once) and return a copy of the benchmark model cut into several safetensors shards of at
+    most `max_shard_bytes` (HF's model-XXXXX-of-XXXXX.safetensors + model.safetensors.index.json), for
+    loading benchmarks that need more than one file."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = benchmark_model_folder(root)
+    folder = f"{source}-sharded-{max_shard_bytes >> 20}mib"
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        return folder
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(source, name), folder)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    with safe_open(os.path.join(source, "model.safetensors"), framework="pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            num_bytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and sizes[-1] + num_bytes > max_shard_bytes:
+                shards.append({})
+                sizes.append(0)
+            shards[-1][name] = tensor
+            sizes[-1] += num_bytes
+    weight_map = {}
+    for index, shard in enumerate(shards):
+        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in shard})
+    with open(index_path, "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=2)
+    return folder

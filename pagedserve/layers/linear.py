@@ -8,6 +8,11 @@ naming the logical matrix and writes the local slice of it at the right offset.
 
 `tp_rank`/`tp_size` default to the process's tensor-parallel state; passing them explicitly builds the
 shard a given rank would hold (used by tests to simulate several ranks in one process).
+
+Every layer computes through its `linear_method` (vLLM's LinearMethodBase seam): the plain method is
+F.linear on the [out, in] weight; after loading, `process_weights_after_loading` may move the weight
+into a platform layout (layers/weight_layout.py: oneDNN pre-packed weights on the CPU) and swap the
+method. Weight loaders always see the plain layout: a layout is applied only once loading is done.
 """
 from __future__ import annotations
 
@@ -22,6 +27,29 @@ from pagedserve.distributed import (
     tensor_model_parallel_all_gather,
 )
 from pagedserve.layers.weight_loading import check_shape, divide
+
+
+class LinearMethodBase:
+    """How a linear layer stores its weight after loading and computes x W^T + b (vLLM's seam)."""
+
+    # The layout name this method keeps the weight in ('plain' or a platform layout).
+    layout: str = "plain"
+
+    def process_weights_after_loading(self, layer: "LinearBase") -> None:
+        """Called once every weight of `layer` is loaded; may replace `layer.weight` by another layout."""
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The plain layout: `weight` is [output_size_per_partition, input_size_per_partition]."""
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+UNQUANTIZED_LINEAR_METHOD = UnquantizedLinearMethod()
 
 
 class LinearBase(nn.Module):
@@ -47,6 +75,11 @@ class LinearBase(nn.Module):
         self.input_size_per_partition = input_size_per_partition
         self.output_size_per_partition = output_size_per_partition
         self.prefix = prefix
+        # Swapped by layers/weight_layout.py after loading; plain until then (loaders write [out, in]).
+        self.linear_method: LinearMethodBase = UNQUANTIZED_LINEAR_METHOD
+        # Set by owners that read `weight` outside this layer's forward (e.g. MLA's kv_b_proj): a layout
+        # transform then keeps the plain weight as it is.
+        self.weight_read_elsewhere = False
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         # Parameters are filled by the loader, so they start uninitialised (no wasted init pass).
         self.weight = nn.Parameter(
@@ -88,7 +121,7 @@ class ReplicatedLinear(LinearBase):
             param.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -122,7 +155,7 @@ class ColumnParallelLinear(LinearBase):
             param.copy_(local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = F.linear(x, self.weight, self.bias)
+        output = self.linear_method.apply(self, x, self.bias)
         if self.gather_output:
             output = tensor_model_parallel_all_gather(output, dim=-1)
         return output
@@ -285,7 +318,7 @@ class RowParallelLinear(LinearBase):
             shard_size = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard_size, shard_size)
         bias = self.bias if self.tp_rank == 0 else None
-        output = F.linear(x, self.weight, bias)
+        output = self.linear_method.apply(self, x, bias)
         if self.reduce_results and self.tp_size > 1:
             output = (self.group if self.group is not None else get_tp_group()).all_reduce(output)
         return output

@@ -11,6 +11,7 @@ tensor-parallel rank never materialises a full tensor it keeps only part of.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -24,6 +25,7 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 _bytes_read = 0
+_bytes_read_lock = threading.Lock()  # multithreaded loading materialises slices from several threads
 
 
 def bytes_read() -> int:
@@ -103,7 +105,8 @@ class CheckpointSlice:
             tensor = self._source[()] if self._source.get_shape() == [] else self._source[:]
         else:
             tensor = self._source[tuple(slice(start, end) for start, end in self._ranges)]
-        _bytes_read += tensor.numel() * tensor.element_size()
+        with _bytes_read_lock:
+            _bytes_read += tensor.numel() * tensor.element_size()
         if self.dtype != tensor.dtype:
             tensor = tensor.to(self.dtype)
         return tensor

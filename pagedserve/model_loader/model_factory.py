@@ -6,8 +6,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from pagedserve.config.load import LoadConfig
 from pagedserve.config.model import ModelConfig
-from pagedserve.model_loader.safetensors_loader import iterate_safetensors_weights, safetensors_weight_files
+from pagedserve.layers.weight_layout import apply_weight_layout
+from pagedserve.model_loader.load_strategies import load_checkpoint
+from pagedserve.model_loader.safetensors_loader import safetensors_weight_files
 from pagedserve.models.registry import resolve_model_class
 
 
@@ -20,27 +23,34 @@ def _hf_config(model_config: ModelConfig):  # type: ignore[no-untyped-def]
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str,
-               weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> nn.Module:
+               weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+               load_config: LoadConfig | None = None, read_slices: bool = False,
+               weight_layout: str = "plain") -> nn.Module:
     """Build the model for `model_config` on `device` in `model_config.dtype` and load its weights.
 
     `weights` is any stream of (HF parameter name, tensor) pairs (e.g. from a GGUF file); when None,
-    the *.safetensors files of the `model_config.model` folder are streamed. Every parameter must be
-    loaded, else ValueError names the missing ones.
+    the *.safetensors files of the `model_config.model` folder are read with `load_config`'s strategy
+    and threads (model_loader/load_strategies.py), as tensor-parallel slices when `read_slices`. Every
+    parameter must be loaded, else ValueError names the missing ones. Then the linear layers take
+    `weight_layout` ('plain' or 'prepacked', as resolved by layers/weight_layout.resolve_weight_layout).
     """
     if weights is None:
         # Fail on a bad folder before building anything.
         safetensors_weight_files(model_config.model)
-        weights = iterate_safetensors_weights(model_config.model, model_config.dtype)
     hf_config = _hf_config(model_config)
     model_class = resolve_model_class(hf_config)
     device = torch.device(device)
     # Parameters are allocated uninitialised directly on the target device; the loader fills them.
     with torch.device(device):
         model = model_class(hf_config, model_config.dtype)
-    loaded = model.load_weights(weights)
+    if weights is None:
+        loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices)
+    else:
+        loaded = model.load_weights(weights)
     missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)
     if missing:
         shown = missing[:20] + ([f"... and {len(missing) - 20} more"] if len(missing) > 20 else [])
         raise ValueError(f"model {model_config.model!r}: the checkpoint has no weights for {len(missing)} "
                          f"parameter(s): {shown}")
+    apply_weight_layout(model, weight_layout)
     return model.eval()
