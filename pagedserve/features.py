@@ -46,6 +46,16 @@ FEATURES: tuple[Feature, ...] = (
                "tests/core/test_block_pool.py", "tests/attention/test_torch_paged.py"),
     ),
     Feature(
+        line="framework", family="fused ops", feature="native CPU paged decode attention ('cpu_native'): K/V "
+                                                      "read in place through the block table, GQA-grouped, "
+                                                      "flash-decoding partitions, AVX-512 fp32/bf16, batch "
+                                                      "invariant; JIT-built, cached, torch_paged fallback",
+        modules=("pagedserve.attention.cpu_native", "pagedserve.attention.cpu_native_extension"),
+        knobs=("attention_backend",),
+        docs="docs/params-03-attention-backends.md",
+        tests=("tests/attention/test_cpu_native.py",),
+    ),
+    Feature(
         line="framework", family="sample", feature="sampler: greedy, temperature, top-k/p, min-p, penalties, "
                                                  "seeds, logprobs",
         modules=("pagedserve.sample.sampler", "pagedserve.sample.sampling_metadata"),
@@ -63,14 +73,28 @@ FEATURES: tuple[Feature, ...] = (
                "tests/e2e/test_hf_parity.py"),
     ),
     Feature(
-        line="model", family="parallel", feature="tensor parallel over spawned gloo/nccl workers, sharded "
+        line="model", family="parallel", feature="tensor parallel over spawned gloo/nccl workers ('mp') or "
+                                                 "Ray actors in a placement group ('ray', multi-node), sharded "
                                                  "safetensors loading, KV-head replication",
         modules=("pagedserve.distributed.parallel_state", "pagedserve.executor.multiproc",
-                 "pagedserve.model_loader.checkpoint_slice", "pagedserve.config.parallel"),
+                 "pagedserve.executor.ray_executor", "pagedserve.model_loader.checkpoint_slice",
+                 "pagedserve.config.parallel"),
         knobs=("tensor_parallel_size", "distributed_executor_backend"),
         docs="docs/params-05-parallel.md",
         tests=("tests/distributed/test_tensor_parallel.py", "tests/distributed/test_worker_death.py",
-               "tests/distributed/test_parallel_config.py"),
+               "tests/distributed/test_parallel_config.py", "tests/distributed/test_ray_executor.py",
+               "tests/distributed/test_ray_session.py"),
+    ),
+    Feature(
+        line="model", family="parallel", feature="pipeline parallel: layers split over stages (each builds, "
+                                                 "loads and caches only its own), intermediate tensors over "
+                                                 "send/recv, sampled tokens in the step deltas, one micro-batch "
+                                                 "per stage in flight",
+        modules=("pagedserve.models.pipeline_split", "pagedserve.distributed.pipeline_comm",
+                 "pagedserve.worker.pipeline_stage_forward", "pagedserve.executor.multiproc"),
+        knobs=("pipeline_parallel_size",),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_pipeline_parallel.py",),
     ),
     Feature(
         line="model", family="parallel", feature="fine-grained TP: LM head, word embedding, o_proj degrees",
@@ -115,6 +139,14 @@ FEATURES: tuple[Feature, ...] = (
                "tests/e2e/test_execution_features.py::test_profiling_chunk_same_tokens_and_caps_chunks"),
     ),
     Feature(
+        line="framework", family="async scheduling", feature="step t+1 scheduled while step t runs "
+                                                           "(batch queue, output placeholders)",
+        modules=("pagedserve.engine.batch_queue", "pagedserve.core.scheduler", "pagedserve.executor.uniproc"),
+        knobs=("async_scheduling",),
+        docs="docs/async-scheduling.md",
+        tests=("tests/engine/test_async_scheduling.py", "tests/core/test_async_scheduler.py"),
+    ),
+    Feature(
         line="model", family="MoE", feature="fused MoE on the CPU (grouped experts, DeepSeek/GLM routing); "
                                             "Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, GLM-4.5 MoE models",
         modules=("pagedserve.layers.moe.fused_moe", "pagedserve.layers.moe.router", "pagedserve.models.qwen_moe",
@@ -155,6 +187,61 @@ FEATURES: tuple[Feature, ...] = (
         knobs=("multistream_overlap_shared_expert",),
         docs="docs/params-02-multistream.md",
         tests=("tests/moe/test_fused_moe.py::test_shared_expert_overlap_flag_changes_nothing_on_cpu",),
+    ),
+    Feature(
+        line="framework", family="graph mode", feature="graph capture: torch.compile of the model forward on a "
+                                                       "padded token-count ladder, attention split out as an "
+                                                       "opaque op, on-disk Inductor cache, eager fallback "
+                                                       "(CPU; off by default there). CUDA piecewise graphs "
+                                                       "written but not yet run on a GPU",
+        modules=("pagedserve.worker.compiled_forward", "pagedserve.compilation.attention_op",
+                 "pagedserve.compilation.compiler_backend", "pagedserve.config.compilation"),
+        knobs=("compilation_config", "enforce_eager"),
+        docs="docs/params-06-compilation.md",
+        tests=("tests/compilation/test_graph_capture.py::test_compiled_equals_eager_with_padding",
+               "tests/compilation/test_graph_capture.py::test_chunked_prefill_mixed_batches_all_compiled",
+               "tests/compilation/test_graph_capture.py::"
+               "test_inductor_compiled_equals_eager_and_second_engine_hits_cache"),
+    ),
+    Feature(
+        line="framework", family="graph mode", feature="fusion passes wired into graph capture: add+RMSNorm, "
+                                                       "Qwen3 q/k-norm+RoPE, x*scale+y (replacements counted "
+                                                       "and logged; norm+quant awaits quantised models)",
+        modules=("pagedserve.compilation.pass_manager", "pagedserve.compilation.compiler_backend"),
+        knobs=("compilation_config",),
+        docs="docs/params-06-compilation.md",
+        tests=("tests/compilation/test_graph_capture.py::test_fusion_flags_off_no_replacements_same_tokens",
+               "tests/compilation/test_fusion_passes.py"),
+    ),
+    Feature(
+        line="framework", family="weight loading", feature="safetensors load strategies (lazy mmap, eager "
+                                                          "whole-file, prefetch read-ahead) and multithreaded "
+                                                          "loading; bit-identical, TP slices read per rank",
+        modules=("pagedserve.model_loader.checkpoint_reader", "pagedserve.model_loader.load_strategies",
+                 "pagedserve.config.load"),
+        knobs=("enable_multithread_load", "num_threads", "safetensors_load_strategy"),
+        docs="docs/params-06-weight-loading.md",
+        tests=("tests/model_loader/test_load_strategies.py",),
+    ),
+    Feature(
+        line="model", family="weight layout", feature="per-platform linear weight layout at load: oneDNN "
+                                                     "prepacked weights on the CPU (auto in bfloat16), "
+                                                     "bit-exact unpack, torch.compile-traceable",
+        modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear"),
+        knobs=("weight_layout",),
+        docs="docs/params-06-weight-loading.md",
+        tests=("tests/layers/test_weight_layout.py",),
+    ),
+    Feature(
+        line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "
+                                                            "alone or in any batch (fixed-tile GEMMs, fixed-order "
+                                                            "paged attention, invariant reductions)",
+        modules=("pagedserve.batch_invariant.step_mode", "pagedserve.batch_invariant.dispatch_mode",
+                 "pagedserve.batch_invariant.matmul", "pagedserve.batch_invariant.attention"),
+        knobs=("batch_invariant",),
+        docs="docs/batch-invariance.md",
+        tests=("tests/e2e/test_batch_invariance.py", "tests/batch_invariant/test_matmul.py",
+               "tests/batch_invariant/test_attention.py"),
     ),
 )
 

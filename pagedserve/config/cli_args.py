@@ -23,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                       help="schedule step t+1 while step t executes (less idle time between steps)")
     parallel = parser.add_argument_group("parallel")
     parallel.add_argument("--tensor-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-parallel-size", type=int, default=1)
@@ -54,6 +56,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument("--profiling-chunk-config", default=None,
                            help='profiling-tuned prefill chunks as a JSON object, e.g. '
                                 '\'{"enable": true, "target_tpot_ms": 50}\'')
+    execution.add_argument("--compilation-config", default=None,
+                           help='graph capture as a JSON object, e.g. \'{"mode": "compile", '
+                                '"cudagraph_capture_sizes": [1, 2, 4, 8], "fuse_norm_quant": true}\'')
+    execution.add_argument("--attention-backend", default=None, choices=["torch_paged", "cpu_native"],
+                           help="paged attention backend (default: the platform's; on the CPU 'cpu_native' "
+                                "when its C++ kernels build, else 'torch_paged')")
+    execution.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                           help="never capture/compile the model forward (overrides compilation_config.mode)")
+    execution.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                           help="bitwise-identical logits for a request whatever else is in the batch "
+                                "(slower; also VLLM_BATCH_INVARIANT=1)")
+    add_load_args(parser)
+
+
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """Checkpoint loading and the weight layout (config/load.py)."""
+    load = parser.add_argument_group("load")
+    load.add_argument("--enable-multithread-load", action=argparse.BooleanOptionalAction, default=False,
+                      help="read checkpoint tensors in a pool of --num-threads threads")
+    load.add_argument("--num-threads", type=int, default=8, help="threads of --enable-multithread-load (8)")
+    load.add_argument("--safetensors-load-strategy", default="lazy", choices=["lazy", "eager", "prefetch"],
+                      help="lazy: memory-mapped reads on demand; eager: whole files read first; prefetch: lazy "
+                           "with the next shard files read ahead")
+    load.add_argument("--weight-layout", default="auto", choices=["auto", "plain", "prepacked"],
+                      help="linear weight layout after loading (prepacked: the platform GEMM's packed layout; "
+                           "auto: prepacked where measured faster)")
+
+
+def load_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("enable_multithread_load", "num_threads", "safetensors_load_strategy", "weight_layout")
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def moe_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,17 +104,22 @@ def parallel_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]
 
 def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return dict(enable_cpu_binding=getattr(args, "enable_cpu_binding", False),
-                profiling_chunk_config=getattr(args, "profiling_chunk_config", None))
+                profiling_chunk_config=getattr(args, "profiling_chunk_config", None),
+                compilation_config=getattr(args, "compilation_config", None),
+                enforce_eager=getattr(args, "enforce_eager", False),
+                attention_backend=getattr(args, "attention_backend", None),
+                batch_invariant=getattr(args, "batch_invariant", False))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return execution_engine_kwargs_from_args(args) | moe_engine_kwargs_from_args(args) | \
-        parallel_engine_kwargs_from_args(args) | dict(
+        parallel_engine_kwargs_from_args(args) | load_engine_kwargs_from_args(args) | dict(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         seed=args.seed, scheduling_policy=args.scheduling_policy, num_cpu_threads=args.num_cpu_threads,
+        async_scheduling=getattr(args, "async_scheduling", False),
     )
 
 

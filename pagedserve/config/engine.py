@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.config.cache import CacheConfig, parse_memory_size
+from pagedserve.config.compilation import CompilationConfig
 from pagedserve.config.eplb import EplbConfig
+from pagedserve.config.load import LoadConfig
 from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.profiling_chunk import ProfilingChunkConfig
@@ -34,6 +36,12 @@ class EngineConfig:
     enable_cpu_binding: bool = False
     # Profiling-tuned prefill chunk sizes (core/profiling_chunk_predictor.py); off by default.
     profiling_chunk_config: ProfilingChunkConfig = field(default_factory=ProfilingChunkConfig)
+    # Graph capture of the model forward and its fusion passes, resolved (config/compilation.py).
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    # A request's logits are bitwise identical whatever else is in the batch (pagedserve/batch_invariant/).
+    batch_invariant: bool = False
+    # Checkpoint read strategy and threads, and the linear weight layout after loading (config/load.py).
+    load_config: LoadConfig = field(default_factory=LoadConfig)
 
     @staticmethod
     def create(
@@ -52,6 +60,7 @@ class EngineConfig:
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
+        async_scheduling: bool = False,
         attention_backend: str | None = None,
         num_cpu_threads: int | None = None,
         tensor_parallel_size: int = 1,
@@ -69,6 +78,13 @@ class EngineConfig:
         multistream_overlap_shared_expert: bool = False,
         enable_cpu_binding: bool = False,
         profiling_chunk_config: ProfilingChunkConfig | dict[str, Any] | str | None = None,
+        compilation_config: CompilationConfig | dict[str, Any] | str | None = None,
+        enforce_eager: bool = False,
+        batch_invariant: bool = False,
+        enable_multithread_load: bool = False,
+        num_threads: int = 8,
+        safetensors_load_strategy: str = "lazy",
+        weight_layout: str = "auto",
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -126,7 +142,13 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=scheduling_policy,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            async_scheduling=async_scheduling,
         )
+        from pagedserve.attention import attention_backend_names
+
+        if attention_backend is not None and attention_backend not in attention_backend_names():
+            raise ValueError(f"attention_backend={attention_backend!r} must be one of {attention_backend_names()} "
+                             f"(or None: the platform's default)")
         if num_cpu_threads is not None and (not isinstance(num_cpu_threads, int) or num_cpu_threads < 1):
             raise ValueError(f"num_cpu_threads={num_cpu_threads!r} must be an integer >= 1 (or None: all cores)")
         if not isinstance(multistream_overlap_shared_expert, bool):
@@ -138,6 +160,33 @@ class EngineConfig:
         if profiling_chunk.enable and not enable_chunked_prefill:
             raise ValueError("profiling_chunk_config.enable=True sizes prefill chunks, but "
                              "enable_chunked_prefill=False: enable chunked prefill or disable profiling_chunk_config")
+        if profiling_chunk.enable and parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"profiling_chunk_config.enable=True times whole-model forwards, but "
+                             f"pipeline_parallel_size={parallel_config.pipeline_parallel_size} splits the model "
+                             f"over stages: disable profiling_chunk_config or use pipeline_parallel_size=1")
+        if async_scheduling and parallel_config.pipeline_parallel_size > 1:
+            # A placeholder decode feeds the token sampled by the step before, which only the last stage
+            # holds; the other stages learn tokens from the scheduler, which has not seen it yet.
+            raise ValueError(f"async_scheduling=True is not supported with pipeline_parallel_size="
+                             f"{parallel_config.pipeline_parallel_size} (stages before the last learn sampled "
+                             f"tokens from the scheduler); pipeline micro-batches already overlap steps: "
+                             f"set async_scheduling=False or pipeline_parallel_size=1")
+        compilation = CompilationConfig.parse(compilation_config).resolve(
+            max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+            device_type=platform.device_type)
+        from pagedserve.batch_invariant import batch_invariant_from_env, check_batch_invariant_options
+
+        if batch_invariant is False and batch_invariant_from_env():  # vLLM's VLLM_BATCH_INVARIANT=1
+            batch_invariant = True
+        check_batch_invariant_options(batch_invariant, attention_backend, compilation.mode)
+        if batch_invariant:
+            attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form
+        load_config = LoadConfig(enable_multithread_load=enable_multithread_load, num_threads=num_threads,
+                                 safetensors_load_strategy=safetensors_load_strategy, weight_layout=weight_layout)
+        from pagedserve.layers.weight_layout import resolve_weight_layout
+
+        # Fails here, not in the worker, when the layout cannot be honoured (platform, dtype, modes).
+        resolve_weight_layout(weight_layout, platform.device_type, torch_dtype, batch_invariant)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -149,6 +198,9 @@ class EngineConfig:
             multistream_overlap_shared_expert=multistream_overlap_shared_expert,
             enable_cpu_binding=enable_cpu_binding,
             profiling_chunk_config=profiling_chunk,
+            compilation_config=compilation,
+            batch_invariant=batch_invariant,
+            load_config=load_config,
         )
 
 

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention import get_attention_backend
+from pagedserve.attention import current_attention_backend_name, get_attention_backend
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
-from pagedserve.platforms import current_platform
 
 
 class Attention(nn.Module):
@@ -39,7 +38,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.layer_name = prefix
-        self.backend = get_attention_backend(backend_name or current_platform().default_attention_backend())
+        self.backend = get_attention_backend(backend_name or current_attention_backend_name())
         # Plain attribute (not a buffer): the cache is runtime state, never part of the checkpoint.
         self.kv_cache: torch.Tensor | None = None
 
@@ -48,6 +47,12 @@ class Attention(nn.Module):
         return KVCacheSpec(per_token_shape=(self.num_kv_heads, self.head_dim), leading_shape=(2,))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Graph capture splits here: the backend call (host metadata, KV writes) stays out of the
+            # graph as one opaque op that calls this method again at run time (compilation/attention_op.py).
+            from pagedserve.compilation.attention_op import attention
+
+            return attention(query, key, value, self.layer_name)
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -7,6 +7,10 @@ Per step: apply the scheduler's deltas to the persistent InputBatch, build flat 
 then prefills), run the model under a forward context carrying the attention metadata, compute logits
 only at the positions that are sampled (plus prompt positions of requests that asked for prompt
 logprobs), sample, and write the sampled tokens back into the persistent batch.
+
+Async scheduling relies on that write-back: a decode step may be scheduled before the engine has seen
+the token it consumes (a placeholder), and its input position is read from the persistent batch, where
+the step before (run earlier on this worker, steps run in order) appended the token it sampled.
 """
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from pagedserve.worker.kv_cache_allocation import attention_layers
+from pagedserve.worker.pipeline_stage_forward import build_stage_forward
 
 
 class ModelRunner:
@@ -44,6 +50,17 @@ class ModelRunner:
         # Seeded requests keep their generator across preemption, so a seed gives the same tokens
         # whatever happens to the batch; dropped only when the request finishes.
         self.generators: dict[str, torch.Generator] = {}
+        # The model itself, or with pipeline parallelism this stage's receive / forward / send
+        # (worker/pipeline_stage_forward.py); it returns None on a stage that does not sample.
+        self.forward = build_stage_forward(model, config.model_config, device)
+        if self.forward is model:
+            # Graph capture (compilation_config / enforce_eager): the model itself when eager.
+            self.forward = build_model_forward(model, config, device)
+        if config.batch_invariant:
+            # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
+            from pagedserve.batch_invariant import batch_invariant_step
+
+            self.execute_model = batch_invariant_step(self.execute_model, model)  # type: ignore[method-assign]
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -61,7 +78,10 @@ class ModelRunner:
         step = self._prepare_inputs(scheduler_output)
         metadata = self._build_attention_metadata(step)
         with set_forward_context(metadata):
-            hidden_states = self.model(step.input_ids, step.positions)
+            hidden_states = self.forward(step.input_ids, step.positions)
+        if hidden_states is None:  # a pipeline stage before the last: the last stage samples
+            return ModelRunnerOutput(request_ids=step.request_ids,
+                                     sampled_token_ids=[[] for _ in step.request_ids])
 
         sampled_rows = np.nonzero(step.is_sampled)[0]
         sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
@@ -107,6 +127,12 @@ class ModelRunner:
             row = batch.requests[request_id].row
             batch.append_blocks(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
+        if cached.new_token_ids:
+            # Pipeline parallel: a stage that does not sample learns the sampled tokens here.
+            for request_id, token_ids, num_computed in zip(
+                    cached.request_ids, cached.new_token_ids, cached.num_computed_tokens):
+                state = batch.requests[request_id]
+                batch.extend_tokens(state.row, max(num_computed, state.num_prompt_tokens), token_ids)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.input_batch

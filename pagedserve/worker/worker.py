@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.attention import use_attention_backend
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.worker_init import agree_on_min, initialize_worker_distributed
 from pagedserve.eplb.eplb_step_hook import EplbStepHook
 from pagedserve.layers.moe.moe_options import moe_options_from_engine_config, use_moe_options
 from pagedserve.model_loader import load_model
-from pagedserve.model_loader.checkpoint_slice import iterate_safetensors_slices
+from pagedserve.layers.weight_layout import resolve_weight_layout
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.platforms import current_platform
 from pagedserve.platforms.cpu_binding import bind_worker_cpus
@@ -56,12 +57,16 @@ class Worker:
         model_config = config.model_config
         source = open_model_source(model_config.model)
         weights = source.weights(model_config.dtype)
-        if weights is None and self.world_size > 1:
-            # Each rank reads only the slices its weight loaders keep.
-            weights = iterate_safetensors_slices(model_config.model, model_config.dtype)
-        # MoE layers read the EP / redundant-expert / overlap options while they are built.
-        with use_moe_options(moe_options_from_engine_config(config)):
-            model = load_model(model_config, self.device, weights=weights)
+        # After loading, linear weights take the platform's preferred layout (layers/weight_layout.py).
+        weight_layout = resolve_weight_layout(config.load_config.weight_layout, self.device.type,
+                                              model_config.dtype, config.batch_invariant)
+        # MoE layers read the EP / redundant-expert / overlap options while they are built; attention
+        # layers take the configured backend.
+        with use_moe_options(moe_options_from_engine_config(config)), \
+                use_attention_backend(config.attention_backend):
+            # With several ranks each reads only the checkpoint slices its weight loaders keep.
+            model = load_model(model_config, self.device, weights=weights, load_config=config.load_config,
+                               read_slices=self.world_size > 1, weight_layout=weight_layout)
         # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.
         self.eplb_hook = EplbStepHook(model, config.eplb_config) if config.eplb_config.enable else None
         self.model_runner = ModelRunner(config, model, self.device)
