@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
-import time
 
 import pytest
 import torch
@@ -21,12 +19,12 @@ from pagedserve.distributed import parallel_state
 from pagedserve.distributed.parallel_state import GroupCoordinator, ParallelSizes, group_rank_lists
 from pagedserve.distributed.pipeline_comm import IntermediateTensors
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.executor.abstract import FatalExecutorError
 from pagedserve.executor.multiproc import output_rank
 from pagedserve.model_loader import load_model
 from pagedserve.models.pipeline_split import (PipelineMissingLayer, PipelineStage, pipeline_layer_counts,
                                               pipeline_layer_range, stage_weights)
 from pagedserve.worker.kv_cache_allocation import attention_layers
+from worker_death_checks import kill_worker_mid_generation
 
 NUM_LAYERS = 5  # split [3, 2] over two stages
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -326,19 +324,8 @@ def test_killed_stage_raises_promptly_and_leaves_no_process(folder: str) -> None
     executor = engine.engine_core.executor
     processes = list(executor.processes)
     try:
-        engine.add_request("a", {"prompt_token_ids": list(range(10, 40))},
-                           SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
         # The first stage dies: the last stage is left blocked in its receive, the executor waits on it.
-        os.kill(executor.worker_pids[0], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(FatalExecutorError, match="rank 0"):
-            for _ in range(50):
-                engine.step()
-        assert time.monotonic() - start < 10.0
-        with pytest.raises(FatalExecutorError):
-            engine.step()
+        kill_worker_mid_generation(engine, executor.worker_pids[0], rank=0)
     finally:
         engine.shutdown()
     for process in processes:

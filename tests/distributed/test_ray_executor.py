@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 import time
 
-import psutil
 import pytest
 import ray
 from ray.util import placement_group_table
@@ -25,6 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor import ray_executor
 from pagedserve.executor.abstract import FatalExecutorError
 from pagedserve.executor.ray_executor import RayExecutor
+from worker_death_checks import kill_worker_mid_generation, pids_still_running
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 ENGINE_KWARGS = dict(max_model_len=256, num_kv_blocks=96, max_num_batched_tokens=64)
@@ -37,22 +36,6 @@ def _prompts() -> list[dict]:
 
 def _tokens(llm: LLM, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
-
-
-def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
-    """The pids still running (zombies count as gone) after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -108,22 +91,10 @@ def test_killed_actor_raises_promptly_and_leaves_nothing(ray_tp2: LLM, reference
     pids = list(executor.worker_pids)
     group = executor.placement_group
     try:
-        engine.add_request("a", {"prompt_token_ids": list(range(10, 40))},
-                           SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-        for _ in range(3):
-            engine.step()
-        os.kill(pids[1], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(FatalExecutorError, match="rank 1"):
-            for _ in range(50):
-                engine.step()
-        assert time.monotonic() - start < 10.0
-        # Later steps keep failing loudly instead of hanging.
-        with pytest.raises(FatalExecutorError):
-            engine.step()
+        kill_worker_mid_generation(engine, pids[1], rank=1)
     finally:
         engine.shutdown()
-    assert _wait_gone(pids) == []
+    assert pids_still_running(pids) == []
     assert placement_group_table(group)["state"] == "REMOVED"
     # The module engine shares the Ray session and is untouched.
     assert ray.is_initialized()
@@ -154,7 +125,7 @@ def test_async_scheduling_equals_single_process_then_a_failing_actor_is_fatal(ra
             executor.execute_model(bogus)
     finally:
         engine.shutdown()
-    assert _wait_gone(pids) == []
+    assert pids_still_running(pids) == []
 
 
 def test_pipeline_parallel_under_ray_equals_single_process(ray_tp2: LLM, reference: LLM, folder: str) -> None:

@@ -5,7 +5,6 @@ own so that no other Ray session is up.)"""
 from __future__ import annotations
 
 import os
-import time
 
 import psutil
 import pytest
@@ -13,22 +12,7 @@ import ray
 from ray.util import placement_group_table
 
 from pagedserve import LLM, SamplingParams
-
-
-def _alive(pids: list[int], timeout_s: float = 10.0) -> list[int]:
-    """The pids still running (zombies count as gone) after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
+from worker_death_checks import pids_still_running
 
 
 def test_engines_start_share_and_end_their_own_local_cluster(tiny_model_dir) -> None:
@@ -66,6 +50,6 @@ def test_engines_start_share_and_end_their_own_local_cluster(tiny_model_dir) -> 
     finally:
         llm.llm_engine.shutdown()
     assert not ray.is_initialized()
-    assert _alive(pids) == []
+    assert pids_still_running(pids) == []
     # Nothing Ray started is left: GCS, raylet, idle and actor workers, log monitor...
-    assert _alive([child.pid for child in descendants]) == []
+    assert pids_still_running([child.pid for child in descendants]) == []
