@@ -295,32 +295,47 @@ class TorchPagedAttentionBackend(AttentionBackend):
         if num_tokens < query.shape[0]:
             output[num_tokens:].zero_()  # padding rows (e.g. graph padding) carry no attention
         starts = metadata.query_start_loc_cpu
-        seq_lens_cpu = metadata.seq_lens_cpu
         num_decodes = metadata.num_decodes
         if num_decodes > 0:
             self._forward_decodes(query, kv_cache, metadata, scale, sliding_window, output)
-        block_size = metadata.block_size
         for index in range(num_decodes, metadata.num_seqs):
             start, end = starts[index], starts[index + 1]
-            if end == start:
-                continue
-            seq_len = seq_lens_cpu[index]
-            q_len = end - start
-            if q_len == seq_len:
-                # No cached prefix: the context is exactly this step's K/V, no need to read it back.
-                first_key_position = 0
-                context_key = key[start:end].transpose(0, 1)
-                context_value = value[start:end].transpose(0, 1)
-            else:
-                first_block = first_visible_block(seq_len - q_len, sliding_window, block_size)
-                first_key_position = first_block * block_size
-                context_key, context_value = gather_context(
-                    kv_cache, metadata.block_table[index], seq_len, first_block
-                )
-            output[start:end] = _attend_request(
-                query[start:end], context_key, context_value, seq_len, first_key_position, scale, sliding_window
-            )
+            if end > start:
+                output[start:end] = self._forward_request(index, query, key, value, kv_cache, metadata, scale,
+                                                          sliding_window)
         return output
+
+    def _forward_request(
+        self,
+        index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Attends request `index` (not a batched decode: a prefill chunk or a multi-token step); returns
+        its rows of the output, [q_len, num_heads, head_dim]."""
+        start, end = metadata.query_start_loc_cpu[index], metadata.query_start_loc_cpu[index + 1]
+        seq_len = metadata.seq_lens_cpu[index]
+        q_len = end - start
+        if q_len == seq_len:
+            # No cached prefix: the context is exactly this step's K/V, no need to read it back.
+            first_key_position = 0
+            context_key = key[start:end].transpose(0, 1)
+            context_value = value[start:end].transpose(0, 1)
+        else:
+            block_size = metadata.block_size
+            first_block = first_visible_block(seq_len - q_len, sliding_window, block_size)
+            first_key_position = first_block * block_size
+            context_key, context_value = gather_context(
+                kv_cache, metadata.block_table[index], seq_len, first_block
+            )
+        return _attend_request(
+            query[start:end], context_key, context_value, seq_len, first_key_position, scale, sliding_window
+        )
 
     def _forward_decodes(
         self,

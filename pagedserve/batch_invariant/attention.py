@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.backend import AttentionMetadata
 
 # torch_paged's own input checks, cache write and block gather: the layout and the rules stay one code.
-from pagedserve.attention.torch_paged import _validate, gather_blocks, write_to_kv_cache
+from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, gather_blocks
 from pagedserve.batch_invariant.dispatch_mode import outside_batch_invariant_mode
 from pagedserve.batch_invariant.elementwise import vector_path_unary
 
@@ -90,8 +90,9 @@ def _gather_tiles(kv_cache: torch.Tensor, block_table: torch.Tensor, num_tiles: 
     return context[:, :, :num_positions]
 
 
-class BatchInvariantPagedAttentionBackend(AttentionBackend):
-    """torch_paged with a batch-invariant reduction order (see the module docstring)."""
+class BatchInvariantPagedAttentionBackend(TorchPagedAttentionBackend):
+    """torch_paged with a batch-invariant reduction order (see the module docstring): the same K/V write
+    and request loop, with both attention hooks replaced by the fixed-tile versions below."""
 
     name = "torch_paged_batch_invariant"
 
@@ -108,25 +109,20 @@ class BatchInvariantPagedAttentionBackend(AttentionBackend):
         # Invariant by construction: the step's dispatch mode (which would pad every bmm item to 16 rows and
         # reroute each small op through Python) is suspended here.
         with outside_batch_invariant_mode():
-            return self._forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
 
-    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        _validate(query, key, kv_cache, metadata, sliding_window)
-        num_tokens = metadata.num_actual_tokens
-        write_to_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])
-        output = torch.zeros_like(query)
+    def _forward_decodes(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                         scale: float, sliding_window: int | None, output: torch.Tensor) -> None:
         num_decodes = metadata.num_decodes
-        if num_decodes > 0:
-            output[:num_decodes] = self._attend_decodes(query[:num_decodes], kv_cache, metadata, scale,
-                                                        sliding_window)
-        starts = metadata.query_start_loc_cpu
-        for index in range(num_decodes, metadata.num_seqs):
-            start, end = starts[index], starts[index + 1]
-            if end > start:
-                output[start:end] = self._attend_request(query[start:end], kv_cache, metadata, index, scale,
-                                                         sliding_window)
-        return output
+        output[:num_decodes] = self._attend_decodes(query[:num_decodes], kv_cache, metadata, scale, sliding_window)
+
+    def _forward_request(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
+        # The context is always read back from the cache in fixed tiles (never this step's K/V directly), so
+        # how a prompt is cut into chunks cannot change the reduction order.
+        start, end = metadata.query_start_loc_cpu[index], metadata.query_start_loc_cpu[index + 1]
+        return self._attend_request(query[start:end], kv_cache, metadata, index, scale, sliding_window)
 
     @staticmethod
     def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
