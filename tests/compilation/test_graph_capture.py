@@ -8,13 +8,13 @@ code generation (minutes on a loaded 2-core box). One test builds Inductor engin
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
 from torch import nn
 
 from pagedserve import LLM, SamplingParams
+from generation_helpers import generated_token_ids, random_prompts
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.compilation.attention_op import attention_layers_in_use
@@ -27,13 +27,11 @@ LADDER = [2, 4, 8, 16]
 
 
 def _prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(8, 400) for _ in range(rng.randint(low, high))] for _ in range(num)]
+    return random_prompts(num, low, high, seed)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return generated_token_ids(llm, prompts, GREEDY)
 
 
 def _engine(folder: str, compilation: dict | None = None, **kwargs) -> LLM:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from generation_helpers import generated_token_ids, random_prompts
 from pagedserve.core.profiling_chunk_predictor import ProfilingChunkPolicy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -19,13 +19,11 @@ def folder(tiny_model_dir) -> str:
 
 
 def _prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(8, 400) for _ in range(rng.randint(low, high))] for _ in range(num)]
+    return random_prompts(num, low, high, seed)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    return generated_token_ids(llm, prompts, GREEDY)
 
 
 def test_cpu_binding_same_tokens(folder: str) -> None:

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from generation_helpers import random_prompts
 
 ENGINE = dict(dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64)
 
@@ -21,8 +22,7 @@ def folder(tiny_model_dir) -> str:
 
 
 def _prompts(num: int, seed: int, low: int = 3, high: int = 70) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(8, 400) for _ in range(rng.randint(low, high))] for _ in range(num)]
+    return random_prompts(num, low, high, seed)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list[list[list[int]]]:

@@ -1,0 +1,19 @@
+"""Shared helpers for the on/off equivalence tests: seeded random token-id prompts, and the token ids an
+LLM generates for them."""
+from __future__ import annotations
+
+import random
+
+from pagedserve import LLM, SamplingParams
+
+
+def random_prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """`num` prompts of random token ids in [8, 400), lengths uniform in [low, high]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 400) for _ in range(rng.randint(low, high))] for _ in range(num)]
+
+
+def generated_token_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """The first completion's token ids for each prompt, in prompt order."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
