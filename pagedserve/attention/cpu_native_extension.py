@@ -1,13 +1,16 @@
-"""Builds and loads the native CPU attention kernels (attention/native/*.cpp) as torch ops.
+"""Builds and loads the native CPU kernels as torch ops: one library from every source in SOURCES.
 
-The C++ source is compiled at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`)
-into ~/.cache/pagedserve/extensions/<key>/, where <key> hashes the source, the compiler flags, the CPU's
+Sources (paths relative to the `pagedserve` package root): attention/native/paged_attention.cpp (paged decode
+attention, K/V write; used by attention/cpu_native.py) and layers/native/elementwise.cpp (RMSNorm, residual add
++ RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py). They are compiled
+together at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into
+~/.cache/pagedserve/extensions/<key>/, where <key> hashes every source, the compiler flags, the CPU's
 flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same
 kind of CPU. A later start finds the built library there and just loads it (no compiler needed).
 
 `load_native_extension()` raises on failure (for callers that asked for the native backend);
 `is_native_extension_available()` never raises: a failed build logs one warning and returns False (the CPU
-platform then keeps the portable torch_paged backend).
+platform then keeps the portable torch_paged backend, and the layers their plain-PyTorch forward).
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "native"
-SOURCES = ("paged_attention.cpp",)
+# Root of the `pagedserve` package: SOURCES are relative to it (they live next to the code that uses them).
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("attention/native/paged_attention.cpp", "layers/native/elementwise.cpp")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).
@@ -49,11 +53,11 @@ def _cpu_description() -> str:
 
 
 def extension_key() -> str:
-    """Hash of everything the built library depends on: the source, flags, CPU, compiler, torch and Python."""
+    """Hash of everything the built library depends on: every source, flags, CPU, compiler, torch and Python."""
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update(name.encode())
-        digest.update((SOURCE_DIR / name).read_bytes())
+        digest.update((PACKAGE_ROOT / name).read_bytes())
     digest.update(repr((COMPILE_FLAGS, LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())
     digest.update(_cpu_description().encode())
     digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
@@ -68,7 +72,7 @@ def extension_dir() -> Path:
 
 def _library_name() -> str:
     # The key in the name keeps two builds from ever sharing a name inside one process.
-    return f"pagedserve_cpu_attention_{extension_key()}"
+    return f"pagedserve_cpu_kernels_{extension_key()}"
 
 
 def _build_and_load() -> None:
@@ -80,11 +84,11 @@ def _build_and_load() -> None:
 
         build_dir = directory / "build"
         build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the native CPU attention kernels into %s (once per CPU and source)", directory)
+        logger.info("building the native CPU kernels into %s (once per CPU and source)", directory)
         # Builds into build/ (torch's lock file there serialises concurrent builders), then publishes the
         # library by an atomic rename, so a concurrent process never loads a half-written file.
         cpp_extension.load(
-            name=_library_name(), sources=[str(SOURCE_DIR / name) for name in SOURCES],
+            name=_library_name(), sources=[str(PACKAGE_ROOT / name) for name in SOURCES],
             extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
             is_python_module=False, verbose=False,
         )
@@ -96,7 +100,8 @@ def _build_and_load() -> None:
 
 
 def load_native_extension() -> None:
-    """Makes torch.ops.pagedserve.paged_decode_attention available (building it at first use).
+    """Makes the native ops (torch.ops.pagedserve.paged_decode_attention, cpu_rms_norm, ...) available,
+    building them at first use.
 
     Raises RuntimeError naming the cause when the extension cannot be built or loaded.
     """
@@ -108,8 +113,8 @@ def load_native_extension() -> None:
                 _state = True
             except Exception as error:  # a missing compiler/ninja, a compile error, a bad cached file
                 _state = error
-                logger.warning("native CPU attention kernels unavailable (%s: %s); using the torch_paged "
-                               "attention backend", type(error).__name__, error)
+                logger.warning("native CPU kernels unavailable (%s: %s); using the torch_paged attention "
+                               "backend and the plain-PyTorch layers", type(error).__name__, error)
         if _state is not True:
             raise RuntimeError(f"attention backend 'cpu_native' is unavailable: the native kernels could not be "
                                f"built or loaded ({type(_state).__name__}: {_state}); install a C++ compiler "

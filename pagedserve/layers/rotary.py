@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.layers import native_elementwise
 from pagedserve.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -117,6 +118,8 @@ class RotaryEmbedding(CustomOp):
         cache = torch.cat([cos, sin], dim=-1).to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # The positions tensor the native path last range-checked (same identity memo as `_memo`).
+        self._checked_positions: torch.Tensor | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, head_dim] (halves repeated, as in HF) for the given positions.
@@ -129,20 +132,25 @@ class RotaryEmbedding(CustomOp):
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == dtype:
             return memo[2], memo[3]
-        # Checked on the CPU only: on an accelerator the check would cost a device->host sync. Not in a
-        # captured graph either (a data-dependent branch); the scheduler keeps positions < max_model_len.
-        if positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel() \
-                and int(positions.max()) >= self.max_positions:
-            raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
-                             f"(max_positions={self.max_positions})")
+        self._check_positions(positions)
         cos, sin = self.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
         cos = torch.cat([cos, cos], dim=-1).to(dtype)
         sin = torch.cat([sin, sin], dim=-1).to(dtype)
         self._memo = (positions, dtype, cos, sin)
         return cos, sin
 
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """ValueError when a position is beyond the table."""
+        # Checked on the CPU only: on an accelerator the check would cost a device->host sync. Not in a
+        # captured graph either (a data-dependent branch); the scheduler keeps positions < max_model_len.
+        if positions.device.type == "cpu" and not torch.compiler.is_compiling() and positions.numel() \
+                and int(positions.max()) >= self.max_positions:
+            raise ValueError(f"position {int(positions.max())} is beyond the rotary table "
+                             f"(max_positions={self.max_positions})")
+
     def clear_memo(self) -> None:
         self._memo = None
+        self._checked_positions = None
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
                        key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +158,24 @@ class RotaryEmbedding(CustomOp):
         cos, sin = self.cos_sin(positions, query.dtype)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor,
+                    key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One native kernel (layers/native/elementwise.cpp) reading the cos/sin rows in place, instead of
+        forward_native's gather, casts and ~10 ops per tensor; bitwise equal to forward_native (same rounding
+        points: cos/sin rounded to the dtype, each product and the sum rounded). Reads query/key views with
+        their row strides (qkv.split slices) and returns new contiguous tensors. Per token, so batch
+        invariant (kept on under batch_invariant=True). forward_native when the inputs do not qualify."""
+        if native_elementwise.qualifies(query) and native_elementwise.matches(key, query) \
+                and positions.dtype in native_elementwise.POSITION_DTYPES \
+                and self.cos_sin_cache.dtype == torch.float32:
+            # Every layer passes the same positions tensor: range-check it once per forward (the kernel
+            # checks each position too, but raises RuntimeError; this keeps forward_native's ValueError).
+            if self._checked_positions is not positions:
+                self._check_positions(positions)
+                self._checked_positions = positions
+            return native_elementwise.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim)
+        return self.forward_native(positions, query, key)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
