@@ -1,13 +1,15 @@
-"""The 'cpu_native' attention backend: decodes through a native paged kernel, the rest as torch_paged.
+"""The 'cpu_native' attention backend: decodes and the K/V write through native kernels, the rest as torch_paged.
 
 Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve::paged_decode_attention`
 (attention/native/paged_attention.cpp), which reads K/V in place through the block table: one pass over
-the KV bytes instead of torch_paged's gather + SDPA (three passes). Everything else (the K/V write,
-prefill chunks, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so the two
-backends differ only in how decodes are attended and torch_paged stays the oracle.
+the KV bytes instead of torch_paged's gather + SDPA (three passes). The step's K/V write goes to
+`pagedserve::reshape_and_cache`: one call for K and V that reads the (strided, fused-QKV) rows in place and
+converts the dtype on the way, instead of two `.to()` copies and two index_copy_ calls; its result is
+bitwise torch_paged.write_to_kv_cache's. Everything else (prefill chunks, padding rows, validation) is
+TorchPagedAttentionBackend's code, unchanged, so torch_paged stays the oracle.
 
-The kernel is a torch.library op with a fake (meta) implementation, so torch.compile treats it as one
-opaque node. Each decode's result depends only on that request (fixed context partitions, fixed
+The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
+opaque nodes. Each decode's result depends only on that request (fixed context partitions, fixed
 summation order): batch invariant, and independent of the thread count.
 """
 from __future__ import annotations
@@ -38,6 +40,11 @@ def _register_fake() -> None:
                                      partition_size: int) -> torch.Tensor:
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("pagedserve::reshape_and_cache")
+    def _reshape_and_cache_fake(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor) -> None:
+        return None  # mutates kv_cache in place; no output
+
     _fake_registered = True
 
 
@@ -59,14 +66,45 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                                        sliding_window, partition_size)
 
 
+# The dtypes the native K/V write converts between (anything else takes write_to_kv_cache).
+_NATIVE_WRITE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Writes K/V rows into the paged cache in place: the native form of torch_paged.write_to_kv_cache.
+
+    key, value [num_tokens, num_kv_heads, head_dim] (float32 or bfloat16, one dtype; any strides, a contiguous
+    head_dim is the fast path); kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous,
+    float32 or bfloat16); slot_mapping [num_tokens] int64 flat slots (block_id * block_size + offset), a
+    negative slot is skipped.
+    Bitwise equal to write_to_kv_cache (float32 -> bfloat16 rounds to nearest even, as Tensor.to does).
+    Raises RuntimeError on a slot past the cache, before writing anything.
+    """
+    if not _fake_registered:
+        load_native_extension()
+        _register_fake()
+    torch.ops.pagedserve.reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+
 class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
-    """torch_paged with decodes attended by the native in-place paged kernel (CPU tensors only)."""
+    """torch_paged with the K/V write and the decodes done by the native kernels (CPU tensors only)."""
 
     name = "cpu_native"
 
     def __init__(self) -> None:
         load_native_extension()  # RuntimeError naming the cause when the kernels cannot be built
         _register_fake()
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        # Only the dtypes are checked here (60 calls a step: each Python check costs ~0.3 us against the op's
+        # ~3 us); the kernel takes any strides and rejects, with a message, what the runner never passes
+        # (a non-contiguous cache, non-int64 slots, K and V of different dtypes).
+        if key.dtype in _NATIVE_WRITE_DTYPES and kv_cache.dtype in _NATIVE_WRITE_DTYPES:
+            torch.ops.pagedserve.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        else:
+            super()._write_kv(key, value, kv_cache, slot_mapping)
 
     def _forward_decodes(
         self,

@@ -1,7 +1,7 @@
 """The portable paged-attention backend in plain PyTorch: the CPU path and the oracle for other backends.
 
-Per step it (1) scatters the new tokens' K/V into the paged cache at `slot_mapping`, then (2) attends
-every new query token to its request's context read back from the request's blocks.
+Per step it (1) scatters the new tokens' K/V into the paged cache at `slot_mapping` (the `_write_kv` hook),
+then (2) attends every new query token to its request's context read back from the request's blocks.
 
 Masking semantics (shared by every backend):
 - causal within a request: the i-th of a request's q_len new tokens sits at absolute position
@@ -290,7 +290,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         _validate(query, key, kv_cache, metadata, sliding_window)
         num_tokens = metadata.num_actual_tokens
-        write_to_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])
+        # Only the step's real tokens are written: padding rows (graph padding) never touch the cache.
+        self._write_kv(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])
         output = torch.empty_like(query)
         if num_tokens < query.shape[0]:
             output[num_tokens:].zero_()  # padding rows (e.g. graph padding) carry no attention
@@ -304,6 +305,13 @@ class TorchPagedAttentionBackend(AttentionBackend):
                 output[start:end] = self._forward_request(index, query, key, value, kv_cache, metadata, scale,
                                                           sliding_window)
         return output
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        """Writes this step's K/V rows [num_tokens, num_kv_heads, head_dim] into `kv_cache` at the flat slots
+        `slot_mapping` [num_tokens] (int64), converting to the cache's dtype. Subclasses may replace it
+        (cpu_native: one native call); write_to_kv_cache stays the reference."""
+        write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
     def _forward_request(
         self,

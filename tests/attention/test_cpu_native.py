@@ -102,6 +102,17 @@ def test_decodes_match_torch_paged(dtype, num_heads, num_kv_heads, head_dim, blo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [5, 7, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_large_groups_match_torch_paged(dtype, group: int, head_dim: int) -> None:
+    """Groups above 4 (the unrolled path computes scores for 4 heads per sweep over the keys) and, at head_dim
+    128, value passes over part of head_dim at a time (2 or 3 vectors of 16 per pass, one partial pass)."""
+    seq_lens = _random_lengths(6, seed=group * head_dim) + [1, 3, 258]
+    inputs = _step([1] * len(seq_lens), seq_lens, group * 2, 2, head_dim, 16, dtype, seed=group)
+    _compare_backends(*inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sliding_window", [1, 7, 37, 300])
 def test_sliding_window(dtype, sliding_window: int) -> None:
     seq_lens = _random_lengths(12, seed=sliding_window) + [1, 5, 600]

@@ -20,6 +20,22 @@
 // - Items run in parallel with at::parallel_for (torch's intra-op pool: torch.set_num_threads governs it).
 //   Partitions keep items of similar cost, so the static split of the item range balances well, and one
 //   long request alone still spreads over every thread.
+// - At batch 64 the kernel is bound by memory, more precisely by how many cache lines one core keeps in
+//   flight (an item reads 128-byte rows 384 bytes apart from scattered blocks: the hardware prefetchers
+//   barely help), so the fast path prefetches every key row a fixed distance ahead and every value row
+//   during the key pass, and keeps the arithmetic per row small (one horizontal-sum tree per four keys, bf16
+//   widened without shuffles) so that it hides under the misses.
+//
+// Op: pagedserve::reshape_and_cache(key [num_tokens, num_kv_heads, head_dim],
+//       value [num_tokens, num_kv_heads, head_dim], kv_cache (mutated), slot_mapping [num_tokens] int64)
+//     -> ()
+//
+// Writes token i's K and V rows into flat slot slot_mapping[i] of the cache's K and V planes (a slot is
+// block_id * block_size + offset); a negative slot is skipped (vLLM's padding convention; the Python side
+// passes only the step's real tokens today). Equal to torch_paged.write_to_kv_cache bit for bit: same-dtype
+// rows are copied, float32 -> bfloat16 rounds to nearest even exactly as Tensor.to() does (NaN -> NaN), and
+// bfloat16 -> float32 is exact. key/value may be any views (the fused QKV output: rows and heads are
+// addressed through their strides, never copied first); a contiguous head_dim takes the vector path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,8 +44,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -198,7 +216,7 @@ inline void partition_softmax(const Geometry& g, int64_t num_tokens, float* scor
 template <typename query_t, typename cache_t>
 void attend_partition_generic(const WorkItem& item, const Geometry& g, const query_t* query, const cache_t* cache,
                               const int32_t* block_table, float scale, float* query_scaled, float* scores,
-                              float* acc, float* max_out, float* sum_out) {
+                              int64_t* /*row_offsets*/, float* acc, float* max_out, float* sum_out) {
   const int64_t group = g.group;
   const int64_t head_dim = g.head_dim;
   const int64_t num_tokens = item.token_end - item.token_begin;
@@ -253,57 +271,162 @@ void attend_partition_generic(const WorkItem& item, const Geometry& g, const que
 }
 
 #if defined(__AVX512F__)
-// The fast path for a compile-time group size kGroup and head_dim = 16 * kChunks: fully unrolled, with
-// the value accumulators in registers. Same summation order per lane as the generic AVX-512 path.
+// Lane layout of the fast path. A float32 row is read as is: vector c holds dimensions [16c, 16c + 16). A
+// bfloat16 row is read 32 dimensions (one 64-byte load) at a time and widened without a shuffle: the even
+// dimensions are the low halves of the 32-bit lanes (shift left by 16), the odd ones the high halves (mask),
+// so vector 2p holds dimensions 32p + 2i and vector 2p + 1 dimensions 32p + 2i + 1 (i = lane). The staged
+// query and the value accumulators use the same layout; the accumulators are put back in order per item.
+template <typename cache_t>
+struct RowLayout;
+
+template <>
+struct RowLayout<float> {
+  static constexpr int kChunksPerLoad = 1;
+  static constexpr int64_t lane_of(int64_t dimension) { return dimension; }
+  // Vectors [0, count) of `out` from `row` (vector c = elements [16c, 16c + 16)); count <= kCount.
+  template <int kCount>
+  static inline void load(const float* row, __m512 (&out)[kCount], int count) {
+    for (int c = 0; c < kCount; ++c)
+      if (c < count) out[c] = _mm512_loadu_ps(row + c * kLanes);
+  }
+};
+
+template <>
+struct RowLayout<c10::BFloat16> {
+  static constexpr int kChunksPerLoad = 2;
+  static constexpr int64_t lane_of(int64_t dimension) {
+    return dimension / 32 * 32 + dimension % 2 * 16 + dimension % 32 / 2;
+  }
+  template <int kCount>
+  static inline void load(const c10::BFloat16* row, __m512 (&out)[kCount], int count) {
+    static_assert(kCount % 2 == 0, "bfloat16 rows are read 32 dimensions at a time");
+    const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int pair = 0; pair < kCount / 2; ++pair) {
+      if (2 * pair >= count) break;
+      const __m512i bits = _mm512_loadu_si512(row + pair * 2 * kLanes);
+      out[2 * pair] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      out[2 * pair + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, high_halves));
+    }
+  }
+};
+
+// Lane t (< 4) of the result: the sum of the 16 lanes of the t-th argument, in a fixed tree order (in each
+// 128-bit quarter lanes 2 apart, then the two pair sums; then quarters 2 apart, then the two pair sums). One
+// tree serves four keys: about a third of the instructions of four separate reductions.
+inline __m128 sum_lanes_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+  const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+  // Each 128-bit quarter now holds [a, b, c, d] summed over that quarter.
+  const __m512 quarters = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                                        _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quarters),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quarters), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+// Key rows are prefetched this many positions ahead of the key pass (blocks are scattered, so the hardware
+// prefetcher cannot follow them across a block boundary); each position's value row is prefetched as its
+// key is read, for the value pass that follows.
+constexpr int64_t kPrefetchPositions = 32;
+
+inline void prefetch_row(const void* row, int64_t row_bytes) {
+  for (int64_t line = 0; line < row_bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(row) + line, _MM_HINT_T0);
+}
+
+// The fast path for a compile-time group size kGroup and head_dim = 16 * kChunks: the partition's row
+// offsets are resolved first, scores are computed four keys at a time (each key row loaded once for up to
+// four heads, one horizontal-sum tree per four keys), and the value accumulators stay in registers.
 template <typename query_t, typename cache_t, int kGroup, int kChunks>
 void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query_t* query, const cache_t* cache,
                             const int32_t* block_table, float scale, float* query_scaled, float* scores,
-                            float* acc, float* max_out, float* sum_out) {
+                            int64_t* row_offsets, float* acc, float* max_out, float* sum_out) {
+  using Layout = RowLayout<cache_t>;
   constexpr int kHeadDim = kChunks * kLanes;
+  constexpr int kKeys = 4;  // keys per horizontal-sum tree
+  constexpr int kHeadsPerSweep = kGroup < 4 ? kGroup : 4;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t score_stride = g.partition_size;
-  stage_query(item, g, query, scale, query_scaled);
+  const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(cache_t));
+  const cache_t* values = cache + g.value_offset;
+  const query_t* query_row = query + item.request * g.query_token_stride;
+  for (int j = 0; j < kGroup; ++j) {
+    const query_t* head = query_row + (item.kv_head * kGroup + j) * g.query_head_stride;
+    for (int64_t d = 0; d < kHeadDim; ++d) query_scaled[j * kHeadDim + Layout::lane_of(d)] = to_float(head[d]) * scale;
+  }
   const int32_t* table_row = block_table + item.request * g.table_stride;
-  for_each_row(g, table_row, item.kv_head, item.token_begin, item.token_end, cache, [&](int64_t t, int64_t offset) {
-    const cache_t* key = cache + offset;
-    __m512 k[kChunks];
-    for (int c = 0; c < kChunks; ++c) k[c] = load16(key + c * kLanes);
-    for (int j = 0; j < kGroup; ++j) {
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < kChunks; ++c)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(query_scaled + j * kHeadDim + c * kLanes), k[c], sum);
-      scores[j * score_stride + t] = _mm512_reduce_add_ps(sum);
+  for_each_row(g, table_row, item.kv_head, item.token_begin, item.token_end, static_cast<const cache_t*>(nullptr),
+               [&](int64_t t, int64_t offset) { row_offsets[t] = offset; });
+  for (int64_t t = 0; t < std::min(num_tokens, kPrefetchPositions); ++t)
+    prefetch_row(cache + row_offsets[t], row_bytes);
+
+  // 1. scores[j][t] = (q_j * scale) . k_t
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, num_tokens - t0);
+    for (int64_t t = t0; t < t0 + count; ++t) {
+      if (t + kPrefetchPositions < num_tokens) prefetch_row(cache + row_offsets[t + kPrefetchPositions], row_bytes);
+      prefetch_row(values + row_offsets[t], row_bytes);
     }
-  });
+    for (int j0 = 0; j0 < kGroup; j0 += kHeadsPerSweep) {
+      __m512 dots[kHeadsPerSweep][kKeys];
+      for (int t = 0; t < kKeys; ++t) {
+        // Past the partition's end the last row is read again; those scores are not stored.
+        __m512 key[kChunks];
+        Layout::template load<kChunks>(cache + row_offsets[t0 + std::min<int64_t>(t, count - 1)], key, kChunks);
+        for (int j = 0; j < kHeadsPerSweep; ++j) {
+          if (j0 + j >= kGroup) break;
+          const float* q = query_scaled + (j0 + j) * kHeadDim;
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), key[0]);
+          for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * kLanes), key[c], dot);
+          dots[j][t] = dot;
+        }
+      }
+      for (int j = 0; j < kHeadsPerSweep; ++j) {
+        if (j0 + j >= kGroup) break;
+        const __m128 sums = sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]);
+        float* destination = scores + (j0 + j) * score_stride + t0;
+        if (count == kKeys) {
+          _mm_storeu_ps(destination, sums);
+        } else {
+          alignas(16) float partial[kKeys];
+          _mm_store_ps(partial, sums);
+          std::copy(partial, partial + count, destination);
+        }
+      }
+    }
+  }
   partition_softmax(g, num_tokens, scores, max_out, sum_out);
-  // Accumulators for kChunksPerPass chunks of every head stay in registers over the whole partition.
-  constexpr int kChunksPerPass = kChunks < 24 / kGroup ? kChunks : (24 / kGroup > 0 ? 24 / kGroup : 1);
+
+  // 2. acc[j] = sum_t p[j][t] * v_t, kChunksPerPass vectors of every head in registers over the partition.
+  constexpr int kFit = 24 / kGroup > 0 ? 24 / kGroup : 1;
+  constexpr int kFitLoads = kFit / Layout::kChunksPerLoad * Layout::kChunksPerLoad;
+  constexpr int kChunksPerPass = kChunks <= kFit ? kChunks : (kFitLoads > 0 ? kFitLoads : Layout::kChunksPerLoad);
+  alignas(64) float laned[kGroup * kHeadDim];
   for (int c0 = 0; c0 < kChunks; c0 += kChunksPerPass) {
     __m512 sums[kGroup][kChunksPerPass];
     for (int j = 0; j < kGroup; ++j)
       for (int c = 0; c < kChunksPerPass; ++c) sums[j][c] = _mm512_setzero_ps();
-    for_each_row(g, table_row, item.kv_head, item.token_begin, item.token_end, static_cast<const cache_t*>(nullptr),
-                 [&](int64_t t, int64_t offset) {
-      const cache_t* value = cache + g.value_offset + offset + c0 * kLanes;
+    for (int64_t t = 0; t < num_tokens; ++t) {
       __m512 v[kChunksPerPass];
-      for (int c = 0; c < kChunksPerPass; ++c)
-        if (c0 + c < kChunks) v[c] = load16(value + c * kLanes);
+      Layout::template load<kChunksPerPass>(values + row_offsets[t] + c0 * kLanes, v, kChunks - c0);
       for (int j = 0; j < kGroup; ++j) {
         const __m512 p = _mm512_set1_ps(scores[j * score_stride + t]);
         for (int c = 0; c < kChunksPerPass; ++c)
           if (c0 + c < kChunks) sums[j][c] = _mm512_fmadd_ps(p, v[c], sums[j][c]);
       }
-    });
+    }
     for (int j = 0; j < kGroup; ++j)
       for (int c = 0; c < kChunksPerPass; ++c)
-        if (c0 + c < kChunks) _mm512_storeu_ps(acc + j * kHeadDim + (c0 + c) * kLanes, sums[j][c]);
+        if (c0 + c < kChunks) _mm512_store_ps(laned + j * kHeadDim + (c0 + c) * kLanes, sums[j][c]);
   }
+  for (int j = 0; j < kGroup; ++j)
+    for (int64_t d = 0; d < kHeadDim; ++d) acc[j * kHeadDim + d] = laned[j * kHeadDim + Layout::lane_of(d)];
 }
 #endif
 
 template <typename query_t, typename cache_t>
 using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*, const cache_t*, const int32_t*,
-                                float, float*, float*, float*, float*, float*);
+                                float, float*, float*, int64_t*, float*, float*, float*);
 
 // The unrolled variant for (group, head_dim) when there is one, else the generic one.
 template <typename query_t, typename cache_t>
@@ -348,6 +471,7 @@ void run_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * head_dim + group * g.partition_size + group * (head_dim + 2));
+    std::vector<int64_t> row_offsets(g.partition_size);
     float* query_scaled = scratch.data();
     float* scores = query_scaled + group * head_dim;
     float* local = scores + group * g.partition_size;
@@ -357,7 +481,8 @@ void run_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::T
       float* acc = partial;
       float* maxima = partial + group * head_dim;
       float* sums = maxima + group;
-      attend(item, g, query_data, cache_data, table_data, scale_f, query_scaled, scores, acc, maxima, sums);
+      attend(item, g, query_data, cache_data, table_data, scale_f, query_scaled, scores, row_offsets.data(), acc,
+             maxima, sums);
       if (item.num_partitions == 1) {
         query_t* destination = out_data + (item.request * g.num_heads + item.kv_head * group) * head_dim;
         for (int64_t j = 0; j < group; ++j)
@@ -485,11 +610,144 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   return out;
 }
 
+
+// ---- K/V cache write (reshape_and_cache) ----
+
+#if defined(__AVX512F__)
+// Round-to-nearest-even float32 -> bfloat16 for 16 lanes: ATen's vectorised conversion (vec512_bfloat16.h
+// cvtfp32_bf16), so the bits equal Tensor.to(torch.bfloat16)'s. NaN lanes become 0xffff (a NaN), as there.
+inline __m256i float16_lanes_to_bfloat16(__m512 source) {
+  const __m512i bits = _mm512_castps_si512(source);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(source, source, _CMP_ORD_Q);
+  __m512i rounded = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));  // lsb of the result
+  rounded = _mm512_add_epi32(rounded, _mm512_set1_epi32(0x7fff));                          // + rounding bias
+  rounded = _mm512_srli_epi32(_mm512_add_epi32(rounded, bits), 16);
+  rounded = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), rounded);
+  return _mm512_cvtusepi32_epi16(rounded);
+}
+#endif
+
+// Copies `count` contiguous elements, converting the dtype when the two differ.
+template <typename source_t, typename destination_t>
+inline void convert_row(const source_t* source, destination_t* destination, int64_t count) {
+  if constexpr (std::is_same_v<source_t, destination_t>) {
+    std::memcpy(destination, source, count * sizeof(source_t));
+  } else {
+    int64_t index = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<source_t, float> && std::is_same_v<destination_t, c10::BFloat16>) {
+      for (; index + kLanes <= count; index += kLanes)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(destination + index),
+                            float16_lanes_to_bfloat16(_mm512_loadu_ps(source + index)));
+    } else {
+      for (; index + kLanes <= count; index += kLanes) _mm512_storeu_ps(destination + index, load16(source + index));
+    }
+#endif
+    // c10's scalar conversions: round to nearest even / exact widening.
+    for (; index < count; ++index) destination[index] = static_cast<destination_t>(to_float(source[index]));
+  }
+}
+
+// One token's rows of one plane (K or V): [num_kv_heads, head_dim] from `source` (any strides) into the
+// contiguous cache slot `destination`.
+template <typename input_t, typename cache_t>
+inline void write_slot(const input_t* source, int64_t head_stride, int64_t element_stride, int64_t num_kv_heads,
+                       int64_t head_dim, cache_t* destination) {
+  if (element_stride != 1) {  // not produced by the model layers; kept so that any view is accepted
+    for (int64_t head = 0; head < num_kv_heads; ++head)
+      for (int64_t d = 0; d < head_dim; ++d)
+        destination[head * head_dim + d] =
+            static_cast<cache_t>(to_float(source[head * head_stride + d * element_stride]));
+  } else if (head_stride == head_dim || num_kv_heads == 1) {
+    // A token's heads back to back (fresh tensors and the fused-QKV views alike): one run.
+    convert_row(source, destination, num_kv_heads * head_dim);
+  } else {
+    for (int64_t head = 0; head < num_kv_heads; ++head)
+      convert_row(source + head * head_stride, destination + head * head_dim, head_dim);
+  }
+}
+
+template <typename input_t, typename cache_t>
+void write_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* slots,
+                int64_t slot_stride) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = key.size(1);
+  const int64_t head_dim = key.size(2);
+  const int64_t token_elements = num_kv_heads * head_dim;  // one slot of one plane
+  const int64_t value_offset = kv_cache.size(1) * kv_cache.size(2) * token_elements;
+  const input_t* key_data = key.data_ptr<input_t>();
+  const input_t* value_data = value.data_ptr<input_t>();
+  cache_t* cache_data = kv_cache.data_ptr<cache_t>();
+  const int64_t key_strides[3] = {key.stride(0), key.stride(1), key.stride(2)};
+  const int64_t value_strides[3] = {value.stride(0), value.stride(1), value.stride(2)};
+  // Threads only pay off for large writes (prefill): a decode step's few KB stay on the calling thread.
+  const int64_t bytes_per_token = 2 * token_elements * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / bytes_per_token);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slots[token * slot_stride];
+      if (slot < 0) continue;  // padding
+      cache_t* key_destination = cache_data + slot * token_elements;
+      write_slot(key_data + token * key_strides[0], key_strides[1], key_strides[2], num_kv_heads, head_dim,
+                 key_destination);
+      write_slot(value_data + token * value_strides[0], value_strides[1], value_strides[2], num_kv_heads,
+                 head_dim, key_destination + value_offset);
+    }
+  });
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu() &&
+                  slot_mapping.device().is_cpu(),
+              "reshape_and_cache: every tensor must be on the CPU");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "reshape_and_cache: key and value must both be [num_tokens, num_kv_heads, head_dim]");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "reshape_and_cache: key and value dtypes differ");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "reshape_and_cache: kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, "
+              "head_dim] tensor");
+  TORCH_CHECK(kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
+              "reshape_and_cache: kv_cache's [num_kv_heads, head_dim] ", kv_cache.sizes().slice(3),
+              " must match key's ", key.sizes().slice(1));
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "reshape_and_cache: slot_mapping must be int64 [num_tokens]");
+  const auto input_type = key.scalar_type();
+  const auto cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(input_type == at::kFloat || input_type == at::kBFloat16,
+              "reshape_and_cache: key/value must be float32 or bfloat16");
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16,
+              "reshape_and_cache: kv_cache must be float32 or bfloat16");
+  // Every slot is checked before anything is written: a bad slot leaves the cache untouched.
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  for (int64_t token = 0; token < key.size(0); ++token) {
+    const int64_t slot = slots[token * slot_stride];
+    TORCH_CHECK(slot < num_slots, "reshape_and_cache: slot_mapping[", token, "]=", slot, " is out of range [0, ",
+                num_slots, ")");
+  }
+  if (key.size(0) == 0 || key.numel() == 0) return;
+  if (input_type == at::kFloat && cache_type == at::kFloat)
+    write_rows<float, float>(key, value, kv_cache, slots, slot_stride);
+  else if (input_type == at::kFloat)
+    write_rows<float, c10::BFloat16>(key, value, kv_cache, slots, slot_stride);
+  else if (cache_type == at::kFloat)
+    write_rows<c10::BFloat16, float>(key, value, kv_cache, slots, slot_stride);
+  else
+    write_rows<c10::BFloat16, c10::BFloat16>(key, value, kv_cache, slots, slot_stride);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int? sliding_window, int partition_size) -> Tensor");
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}
