@@ -109,11 +109,16 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
         blocks = self.request_to_blocks.get(request.request_id, [])
+        num_tokens_needing_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if blocks and not hit_blocks and num_tokens_needing_slots <= len(blocks) * self.block_size:
+            # The request's blocks already hold the new tokens (most decode steps): nothing to allocate,
+            # only newly completed blocks to register, as in the general path below.
+            if self.enable_caching:
+                self._cache_full_blocks(request, min(num_tokens_needing_slots, request.num_tokens))
+            return KVCacheBlocks([])
         if hit_blocks and blocks:
             raise ValueError(f"request {request.request_id!r} already has blocks; prefix hits apply at admission only")
 
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_needing_slots = num_computed_tokens + num_new_tokens
         num_blocks_needed = -(-num_tokens_needing_slots // self.block_size)
         num_blocks_to_allocate = max(0, num_blocks_needed - len(blocks) - len(hit_blocks))
         # Hit blocks that are free now leave the free queue when touched, so they count against it.

@@ -116,10 +116,16 @@ class ParallelLMHead(VocabParallelEmbedding):
             param.zero_()
             param[: end - start].copy_(loaded_weight[start:end])
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, hidden] -> float32 logits [num_tokens, org_vocab_size] (all ranks see all columns)."""
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[num_tokens, hidden] -> logits [num_tokens, org_vocab_size] (all ranks see all columns), in `dtype`.
+
+        dtype=None keeps the GEMM's dtype (the model's) and skips a copy of the whole vocabulary: the
+        sampler upcasts only where it computes on the values (the upcast is exact, so results match).
+        """
         logits = self._group().all_gather(self.compute_local_logits(hidden_states), dim=-1)
-        return logits[..., : self.org_vocab_size].float()
+        logits = logits[..., : self.org_vocab_size]
+        return logits if dtype is None else logits.to(dtype)
 
     def compute_local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [num_tokens, num_embeddings_per_partition]

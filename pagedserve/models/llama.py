@@ -80,6 +80,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.qkv_split_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.o_proj = AttentionOutputProjection(self.total_num_heads * self.head_dim, self.hidden_size,
                                                 bias=o_proj_bias, params_dtype=params_dtype,
                                                 prefix=f"{prefix}.o_proj")
@@ -94,7 +95,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes: the same views as Tensor.split without its Python wrapper (once per layer).
+        query, key, value = qkv.split_with_sizes(self.qkv_split_sizes, dim=-1)
         query, key = self.normalize_query_key(query, key)
         query, key = self.rotary_emb(positions, query, key)
         return self.o_proj(self.attn(query, key, value))
@@ -218,9 +220,9 @@ class LlamaForCausalLM(nn.Module):
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 logits [n, vocab_size]."""
-        return self.lm_head.compute_logits(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """[n, hidden] -> logits [n, vocab_size], float32 by default; dtype=None keeps the model's dtype."""
+        return self.lm_head.compute_logits(hidden_states, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (HF name, tensor) pairs; return the names of the parameters now fully loaded.

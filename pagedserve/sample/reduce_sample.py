@@ -76,9 +76,11 @@ class ReduceSampleLogits:
 
 
 def full_logits(model: nn.Module):  # type: ignore[no-untyped-def]
-    """The default: every rank sees the full logits (the LM head gathers them)."""
+    """The default: every rank sees the full logits (the LM head gathers them), in the model's dtype:
+    the Sampler upcasts them to float32 itself where it computes on them, and all-greedy batches take
+    the argmax without the copy."""
     def compute(hidden_states: torch.Tensor, params_list: Sequence[SamplingParams]) -> torch.Tensor:
-        return model.compute_logits(hidden_states)
+        return model.compute_logits(hidden_states, dtype=None)
 
     return compute
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.sample.greedy import first_argmax
 from pagedserve.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from pagedserve.sample.min_tokens import apply_min_tokens
 from pagedserve.sample.penalties import apply_penalties
@@ -54,19 +55,33 @@ def random_sample(probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     argmax_i probs[i] / E[i] with E i.i.d. Exp(1) selects i with probability probs[i].
     probs is overwritten.
     """
-    return probs.div_(_exponential_noise(probs.shape, metadata)).max(dim=-1).indices
+    return first_argmax(probs.div_(_exponential_noise(probs.shape, metadata)))
 
 
 class Sampler(torch.nn.Module):
     """Turns logits into sampled tokens and logprobs; stateless (generators live in the metadata)."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_rows, vocab_size] floating point, rows in the metadata's order; not modified."""
+        """logits: [num_rows, vocab_size] floating point, rows in the metadata's order; not modified.
+
+        Any floating dtype gives the same result as its float32 upcast (the sampler upcasts itself).
+        """
         self._check_logits(logits, metadata)
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
-        logits = logits.to(torch.float32)
+        if metadata.all_greedy and metadata.min_tokens_row_ids is None and metadata.no_penalties:
+            # Nothing changes the logits: take the argmax as they come. Upcasting to float32 is exact and
+            # keeps their order (and NaN), so the tokens are the same without a copy of the vocabulary.
+            sampled = first_argmax(logits)
+        else:
+            sampled = self._sample_float32(logits.to(torch.float32), metadata)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    def _sample_float32(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Steps 2-4 on float32 logits (the caller's own tensor when it was float32 already)."""
         # Both steps are out of place: the caller's logits stay untouched.
         if metadata.min_tokens_row_ids is not None:
             logits = apply_min_tokens(logits, metadata.min_tokens_row_ids, metadata.min_tokens_token_ids)
@@ -76,16 +91,11 @@ class Sampler(torch.nn.Module):
                 metadata.frequency_penalties, metadata.repetition_penalties)
 
         if metadata.all_greedy:
-            sampled = logits.max(dim=-1).indices  # same first-max tie rule as argmax, faster on CPU
-        else:
-            sampled = self._sample_random(logits, metadata)
-            if not metadata.all_random:
-                sampled = torch.where(metadata.is_greedy, logits.max(dim=-1).indices, sampled)
-
-        logprobs = None
-        if metadata.max_num_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+            return first_argmax(logits)  # max(dim=-1).indices, in two vectorised passes (sample/greedy.py)
+        sampled = self._sample_random(logits, metadata)
+        if not metadata.all_random:
+            sampled = torch.where(metadata.is_greedy, first_argmax(logits), sampled)
+        return sampled
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

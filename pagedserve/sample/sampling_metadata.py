@@ -70,7 +70,8 @@ class SamplingMetadata:
     min_tokens_token_ids: torch.Tensor | None = None
 
 
-def _has_penalty(params: SamplingParams) -> bool:
+def has_penalty(params: SamplingParams) -> bool:
+    """Whether `params` sets a presence, frequency or repetition penalty."""
     return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
@@ -183,18 +184,18 @@ def build_sampling_metadata(
         max_num_logprobs=max_num_logprobs,
     )
 
-    has_penalty = [_has_penalty(p) for p in params]
-    if any(has_penalty):
+    is_penalised = [has_penalty(p) for p in params]
+    if any(is_penalised):
         metadata.no_penalties = False
         metadata.presence_penalties = float_column([p.presence_penalty for p in params])
         metadata.frequency_penalties = float_column([p.frequency_penalty for p in params])
         metadata.repetition_penalties = float_column([p.repetition_penalty for p in params])
         # Only penalised rows need their history on the device; the rest stay pure padding.
         metadata.prompt_token_ids = _padded_token_ids(
-            [list(ids) if penalised else [] for ids, penalised in zip(prompt_token_ids, has_penalty)],
+            [list(ids) if penalised else [] for ids, penalised in zip(prompt_token_ids, is_penalised)],
             vocab_size, device, "prompt_token_ids")
         metadata.output_token_ids = _padded_token_ids(
-            [list(ids) if penalised else [] for ids, penalised in zip(output_token_ids, has_penalty)],
+            [list(ids) if penalised else [] for ids, penalised in zip(output_token_ids, is_penalised)],
             vocab_size, device, "output_token_ids")
 
     # min_tokens: until a request has min_tokens outputs it may not stop, so its EOS ids (the engine

@@ -37,6 +37,11 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_requests, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_requests - 1, -1, -1))
+        # Live requests that asked for prompt logprobs: while 0 the runner skips looking for them.
+        self.num_prompt_logprobs_requests = 0
+        # Bumped whenever a request joins or leaves: per-step caches keyed on the batch's requests
+        # (the runner's sampling metadata) are valid only while it is unchanged.
+        self.version = 0
 
     def add_request(self, new: NewRequestData) -> RequestState:
         if not self._free_rows:
@@ -50,12 +55,18 @@ class InputBatch:
         self.append_blocks(row, new.block_ids)
         state = RequestState(new.request_id, row, new.num_prompt_tokens, new.sampling_params)
         self.requests[new.request_id] = state
+        self.version += 1
+        if new.sampling_params.prompt_logprobs is not None:
+            self.num_prompt_logprobs_requests += 1
         return state
 
     def remove_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
             self._free_rows.append(state.row)
+            self.version += 1
+            if state.sampling_params.prompt_logprobs is not None:
+                self.num_prompt_logprobs_requests -= 1
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:
@@ -63,9 +74,10 @@ class InputBatch:
             self.block_table[row, start:start + len(block_ids)] = block_ids
             self.num_blocks[row] = start + len(block_ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append token_ids[i] to row rows[i] (distinct rows: the tokens one step sampled) in one vectorised write."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
 
     def extend_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
         """Make `token_ids` the tokens from position `start` on, appending those the row lacks (tokens
@@ -92,6 +104,9 @@ class StepInputs:
     positions_cpu: np.ndarray  # the same positions on the host (slot mapping needs them; no device sync)
     request_ids: list[str]  # in batch order
     rows: np.ndarray  # [num_requests] the requests' rows in the InputBatch
+    # [num_tokens] the request (index into request_ids) of each token; None when every request
+    # computes exactly one token (token t belongs to request t).
+    token_requests: np.ndarray | None
     num_scheduled: np.ndarray  # [num_requests]
     query_start_loc: np.ndarray  # [num_requests + 1]
     num_computed_before: np.ndarray  # [num_requests]

@@ -25,7 +25,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
-from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
 from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from pagedserve.worker.kv_cache_allocation import attention_layers
@@ -50,6 +50,8 @@ class ModelRunner:
         # Seeded requests keep their generator across preemption, so a seed gives the same tokens
         # whatever happens to the batch; dropped only when the request finishes.
         self.generators: dict[str, torch.Generator] = {}
+        # (key, metadata) of the last step's sampling metadata while it may be reused (_sampling_metadata).
+        self._cached_sampling_metadata: tuple[tuple[int, list[str]], SamplingMetadata] | None = None
         # The model itself, or with pipeline parallelism this stage's receive / forward / send
         # (worker/pipeline_stage_forward.py); it returns None on a stage that does not sample.
         self.forward = build_stage_forward(model, config.model_config, device)
@@ -83,27 +85,39 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=step.request_ids,
                                      sampled_token_ids=[[] for _ in step.request_ids])
 
-        sampled_rows = np.nonzero(step.is_sampled)[0]
+        num_requests = len(step.request_ids)
+        sampled_rows = np.flatnonzero(step.is_sampled)
+        num_sampled = len(sampled_rows)
         sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
         output = ModelRunnerOutput(request_ids=step.request_ids, sampled_token_ids=sampled_token_ids)
-        if len(sampled_rows):
-            logits_indices = torch.from_numpy(step.query_start_loc[1:][sampled_rows] - 1)
-            states = [self.input_batch.requests[step.request_ids[i]] for i in sampled_rows]
-            logits = self.sample_logits(hidden_states[logits_indices], [s.sampling_params for s in states])
+        if num_sampled:
+            requests = self.input_batch.requests
+            if num_sampled == num_requests and step.token_requests is None:
+                # Every request computes one token and samples from it: the sampled positions are
+                # rows 0..n-1 of the hidden states, so no gather is needed (same values, same GEMM).
+                states = [requests[request_id] for request_id in step.request_ids]
+                sampled_states = hidden_states if hidden_states.shape[0] == num_sampled \
+                    else hidden_states[:num_sampled]
+            else:
+                logits_indices = torch.from_numpy(step.query_start_loc[1:][sampled_rows] - 1)
+                states = [requests[step.request_ids[i]] for i in sampled_rows]
+                sampled_states = hidden_states[logits_indices]
+            logits = self.sample_logits(sampled_states, [s.sampling_params for s in states])
             sampler_output = self.sampler(logits, self._sampling_metadata(states))
             token_ids = sampler_output.sampled_token_ids.tolist()
             logprobs_lists = None
             if sampler_output.logprobs is not None:
                 logprobs_lists = sampler_output.logprobs.to_lists()
-            for row_index, state, token_id in zip(sampled_rows, states, token_ids):
+            self.input_batch.append_tokens(step.rows[sampled_rows], np.array(token_ids, dtype=np.int64))
+            for row_index, token_id in zip(sampled_rows.tolist(), token_ids):
                 sampled_token_ids[row_index] = [token_id]
-                self.input_batch.append_token(state.row, token_id)
             if logprobs_lists is not None:
-                for k, (row_index, state) in enumerate(zip(sampled_rows, states)):
+                for k, state in enumerate(states):
                     num_logprobs = state.sampling_params.logprobs
                     if num_logprobs is not None:
                         output.logprobs[state.request_id] = logprobs_lists.slice(k, num_logprobs)
-        self._compute_prompt_logprobs(step, hidden_states, output)
+        if self.input_batch.num_prompt_logprobs_requests:
+            self._compute_prompt_logprobs(step, hidden_states, output)
         return output
 
     def _apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
@@ -137,20 +151,33 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
         num_scheduled_by_id = scheduler_output.num_scheduled_tokens
-        # Decodes (one new token) first: backends batch them in one op.
-        request_ids = sorted(num_scheduled_by_id, key=lambda rid: num_scheduled_by_id[rid] != 1)
-        rows = np.fromiter((batch.requests[rid].row for rid in request_ids), dtype=np.int64,
-                           count=len(request_ids))
-        num_scheduled = np.fromiter((num_scheduled_by_id[rid] for rid in request_ids), dtype=np.int64,
-                                    count=len(request_ids))
-        query_start_loc = np.zeros(len(request_ids) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        num_requests = len(num_scheduled_by_id)
+        request_ids = list(num_scheduled_by_id)
+        num_scheduled = np.fromiter(num_scheduled_by_id.values(), dtype=np.int64, count=num_requests)
+        is_multi_token = num_scheduled != 1
+        num_decodes = num_requests - int(np.count_nonzero(is_multi_token))
+        if is_multi_token[:num_decodes].any():
+            # Decodes (one new token) first, each group in scheduling order: backends batch them in one op.
+            order = np.argsort(is_multi_token, kind="stable")
+            request_ids = [request_ids[i] for i in order.tolist()]
+            num_scheduled = num_scheduled[order]
+        requests = batch.requests
+        rows = np.fromiter((requests[rid].row for rid in request_ids), dtype=np.int64, count=num_requests)
         computed = batch.num_computed_tokens[rows]
-        # positions[t] = computed[req(t)] + (t - query_start_loc[req(t)])
-        token_rows = np.repeat(np.arange(len(rows)), num_scheduled)
-        positions = computed[token_rows] + (np.arange(num_tokens) - query_start_loc[token_rows])
-        input_ids = batch.token_ids[rows[token_rows], positions]
+        if num_decodes == num_requests:
+            # One token per request: token t is request t's, at position computed[t].
+            token_requests = None
+            query_start_loc = np.arange(num_requests + 1, dtype=np.int64)
+            positions = computed.copy()  # a tensor shares this buffer; num_computed_before keeps its own
+            input_ids = batch.token_ids[rows, positions]
+        else:
+            query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            num_tokens = int(query_start_loc[-1])
+            # positions[t] = computed[req(t)] + (t - query_start_loc[req(t)])
+            token_requests = np.repeat(np.arange(num_requests), num_scheduled)
+            positions = computed[token_requests] + (np.arange(num_tokens) - query_start_loc[token_requests])
+            input_ids = batch.token_ids[rows[token_requests], positions]
         is_sampled = computed + num_scheduled == batch.num_tokens[rows]
         return StepInputs(
             input_ids=torch.from_numpy(input_ids).to(self.device),
@@ -158,6 +185,7 @@ class ModelRunner:
             positions_cpu=positions,
             request_ids=request_ids,
             rows=rows,
+            token_requests=token_requests,
             num_scheduled=num_scheduled,
             query_start_loc=query_start_loc,
             num_computed_before=computed,
@@ -168,23 +196,29 @@ class ModelRunner:
         batch = self.input_batch
         block_size = self.block_size
         seq_lens = step.num_computed_before + step.num_scheduled
-        max_num_blocks = int(-(-seq_lens.max() // block_size))
-        block_table = batch.block_table[step.rows, :max_num_blocks]
-        token_rows = np.repeat(np.arange(len(step.rows)), step.num_scheduled)
+        max_seq_len = int(seq_lens.max())
+        max_num_blocks = -(-max_seq_len // block_size)
+        block_table = batch.block_table[step.rows, :max_num_blocks]  # a fresh, contiguous copy
         positions = step.positions_cpu
-        slot_mapping = block_table[token_rows, positions // block_size].astype(np.int64) * block_size \
+        token_requests = step.token_requests
+        if token_requests is None:
+            token_requests = np.arange(len(step.rows))
+            num_decodes = len(step.rows)
+        else:
+            num_decodes = int(np.count_nonzero(step.num_scheduled == 1))
+            if num_decodes and not np.all(step.num_scheduled[:num_decodes] == 1):
+                num_decodes = 0
+        slot_mapping = block_table[token_requests, positions // block_size].astype(np.int64) * block_size \
             + positions % block_size
-        num_decodes = int(np.count_nonzero(step.num_scheduled == 1))
-        if num_decodes and not np.all(step.num_scheduled[:num_decodes] == 1):
-            num_decodes = 0
+        num_tokens = len(positions)
         return AttentionMetadata(
-            num_actual_tokens=int(step.query_start_loc[-1]),
+            num_actual_tokens=num_tokens,
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
             query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)).to(self.device),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
             block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(self.device),
-            max_query_len=int(step.num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_query_len=1 if step.token_requests is None else int(step.num_scheduled.max()),
+            max_seq_len=max_seq_len,
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
             query_start_loc_cpu=step.query_start_loc.tolist(),
@@ -193,17 +227,33 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        """The batched sampling settings of the sampled rows `states`.
+
+        Reused from the step before when the same requests sample in the same order, the batch has not
+        changed since (InputBatch.version), and nothing in it depends on the step: no penalties (they
+        read the tokens so far) and no min_tokens masking (it stops once enough tokens are out; a row
+        that masks nothing now never will, since its output only grows).
+        """
         batch = self.input_batch
+        key = (batch.version, [s.request_id for s in states])
+        cached = self._cached_sampling_metadata
+        if cached is not None and cached[0] == key:
+            return cached[1]
         params = [s.sampling_params for s in states]
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
-        return build_sampling_metadata(
+        metadata = build_sampling_metadata(
             params=params,
             prompt_token_ids=[batch.prompt_token_ids(s) if needs_prompt else [] for s in states],
-            output_token_ids=[batch.output_token_ids(s) for s in states],
+            # Only penalties and min_tokens read the outputs; other rows pass none (the same result).
+            output_token_ids=[batch.output_token_ids(s) if p.min_tokens or has_penalty(p) else []
+                              for s, p in zip(states, params)],
             generators=[self.generators.get(s.request_id) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        is_step_independent = metadata.no_penalties and metadata.min_tokens_row_ids is None
+        self._cached_sampling_metadata = (key, metadata) if is_step_independent else None
+        return metadata
 
     def _compute_prompt_logprobs(self, step: StepInputs, hidden_states: torch.Tensor,
                                  output: ModelRunnerOutput) -> None:
