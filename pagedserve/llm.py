@@ -89,6 +89,11 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block, so later prompts are computed afresh (as vLLM's LLM does); returns
+        False, changing nothing, while requests are still unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}

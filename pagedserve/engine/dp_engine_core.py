@@ -74,6 +74,10 @@ class DataParallelEngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.held) or any(core.has_unfinished_requests() for core in self.cores)
 
+    def reset_prefix_cache(self) -> bool:
+        """Every rank's prefix cache; True only when all of them were reset."""
+        return all([core.reset_prefix_cache() for core in self.cores])
+
     def step(self) -> list[EngineCoreOutput]:
         self._dispatch()
         outputs: list[EngineCoreOutput] = []

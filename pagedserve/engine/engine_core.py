@@ -79,6 +79,13 @@ class EngineCore:
         """Requests waiting or running, or steps still in flight (their outputs must be collected)."""
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache); False, and nothing changes, while any
+        block is in use (requests running or steps in flight)."""
+        if self.has_unfinished_requests():
+            return False
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         imbalance = getattr(self, "_eplb_imbalance", None)

@@ -65,6 +65,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
     def step(self) -> list[RequestOutput]:
         engine_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(engine_outputs)

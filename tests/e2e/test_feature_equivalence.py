@@ -40,6 +40,23 @@ def test_prefix_caching_on_off_equal(folder: str) -> None:
     # The second pass finds every prompt's full blocks (the shared 40-token prefix at least).
     assert stats_after_second.prefix_cache_hits - stats_after_first.prefix_cache_hits >= 6 * 32
     assert stats_after_second.prefix_cache_queries > stats_after_first.prefix_cache_queries
+    # After reset_prefix_cache the same prompts find nothing cached and give the same tokens; the shared prefix
+    # is cached again within the batch (the first prompt's blocks serve the others), so hits stay below 6 * 32.
+    assert llm.reset_prefix_cache()
+    third = _generate(llm, [prompts[0]])
+    stats_after_third = llm.llm_engine.engine_core.make_stats()
+    assert third == without_cache[:1]
+    assert stats_after_third.prefix_cache_hits == stats_after_second.prefix_cache_hits
+
+
+def test_reset_prefix_cache_refused_while_requests_run(folder: str) -> None:
+    llm = LLM(folder, enable_prefix_caching=True, max_model_len=256, num_kv_blocks=128)
+    llm.llm_engine.add_request("r0", {"prompt_token_ids": list(range(8, 48))}, GREEDY)
+    llm.llm_engine.step()
+    assert not llm.reset_prefix_cache()  # a running request holds blocks
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    assert llm.reset_prefix_cache()
 
 
 def test_chunked_prefill_tiny_budget_equal(folder: str) -> None:
