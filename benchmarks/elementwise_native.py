@@ -13,7 +13,6 @@ native speed-up (forward_native / native). On a shared, oversubscribed machine u
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -22,28 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pagedserve.layers import native_elementwise  # noqa: E402
 from pagedserve.layers.activation import SiluAndMul  # noqa: E402
 from pagedserve.layers.norm import RMSNorm  # noqa: E402
 from pagedserve.layers.rotary import get_rope  # noqa: E402
+from attention_native import time_calls  # noqa: E402  (interleaved min/median timing)
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
-
-
-def time_calls(functions: dict[str, Callable[[], object]], repeats: int,
-               clock: Callable[[], float]) -> dict[str, tuple[float, float]]:
-    """(min, median) milliseconds per function, calls interleaved round-robin so that load from other
-    processes hits every variant alike."""
-    for function in functions.values():
-        function()  # warm-up
-    samples: dict[str, list[float]] = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, function in functions.items():
-            start = clock()
-            function()
-            samples[name].append(clock() - start)
-    return {name: (min(times) * 1e3, statistics.median(times) * 1e3) for name, times in samples.items()}
 
 
 def layers_call(num_tokens: int, dtype: torch.dtype, num_layers: int, native: bool) -> Callable[[], object]:
