@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
+from pagedserve.layers.prepacked_matmul import prepacked_matmul
 
 # Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -97,6 +98,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias.weight_loader = self._bias_loader
         else:
             self.register_parameter("bias", None)
+        # True once `weight` is the input embedding's parameter (tie_word_embeddings).
+        self.is_tied = False
+        # The weight in oneDNN's packed layout when weight_layout='prepacked' packed this head (set and
+        # cleared by layers/weight_layout.py); the logits GEMM then reads it instead of `weight`.
+        self.packed_weight: torch.Tensor | None = None
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Share the input embedding's parameter (tie_word_embeddings)."""
@@ -105,6 +111,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("cannot tie an LM head and an embedding with different vocabulary partitions "
                              "(lmhead_tensor_parallel_size and embedding_tensor_parallel_size must match)")
         self.weight = embedding.weight
+        self.is_tied = True
 
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if tuple(loaded_weight.shape) != (self.org_vocab_size,):
@@ -130,6 +137,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [num_tokens, num_embeddings_per_partition]
         (padding columns included; global id = column + vocab_start_index)."""
+        if self.packed_weight is not None:
+            return prepacked_matmul(hidden_states, self.packed_weight, self.bias, self.num_embeddings_per_partition)
         return F.linear(hidden_states, self.weight, self.bias)
 
     @property

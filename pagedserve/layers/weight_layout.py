@@ -10,18 +10,18 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   weights in memory); it stays registered as `weight` with the logical shape and dtype, and
   `restore_plain_layout` unpacks it bit for bit (`to_dense`) when plain weights are needed again
   (weight sync, reloading). Layers whose weight other code reads (`weight_read_elsewhere`: MLA's
-  kv_b_proj, the float32 MoE router) keep the plain layout. The LM head and the word embedding are not
-  linear layers of layers/linear.py and stay plain: tied models share that one tensor with
-  F.embedding, and a packed copy would double its memory.
+  kv_b_proj, the float32 MoE router) keep the plain layout. The LM head (layers/embedding.py's
+  ParallelLMHead, not a linear of layers/linear.py) gets the same treatment through its `packed_weight`:
+  an untied head's weight is replaced by the packed one; a tied head shares its tensor with the word
+  embedding (F.embedding needs the plain rows), so it gets a packed *copy*: the vocabulary table's bytes
+  once more (56 MB for SmolLM2-135M) for a logits GEMM measured 1.8x faster at batch 1 and 2x at batch 64.
 - 'auto': 'prepacked' where it was measured faster — the CPU in bfloat16 (1.4-2.3x per GEMM at
   M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512 otherwise reorders the weight on every
   F.linear call; benchmarks/weight_loading.py) — else 'plain': in float32 (F.linear runs MKL's sgemm)
   and float16 the packed GEMM was slower at M = 1, the decode case, and faster only at some larger M;
   CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs the plain GEMMs its mode reroutes.
 
-Under torch.compile the packed GEMM is the opaque custom op `pagedserve::prepacked_linear` (inductor's
-own lowering of `mkldnn._linear_pointwise` requires frozen constant weights); eager calls the ATen op
-directly, which saves the custom-op dispatch on every call.
+The packed GEMM itself is layers/prepacked_matmul.py.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ import logging
 import torch
 from torch import nn
 
+from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase
+from pagedserve.layers.prepacked_matmul import prepacked_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +42,6 @@ PREPACKED_LAYOUT = "prepacked"
 _PREPACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Dtypes for which 'auto' picks 'prepacked' on the CPU (measured faster; see the module docstring).
 _AUTO_PREPACKED_DTYPES = (torch.bfloat16,)
-
-
-@torch.library.custom_op("pagedserve::prepacked_linear", mutates_args=())
-def prepacked_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                     output_size: int) -> torch.Tensor:
-    """x @ W^T + b with W in oneDNN's packed layout (the traceable form of the eager call)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-
-
-@prepacked_linear.register_fake
-def _prepacked_linear_fake(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                           output_size: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], output_size))
 
 
 def can_prepack_on_cpu() -> bool:
@@ -74,9 +63,7 @@ class OneDnnPrepackedLinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(packed, requires_grad=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.pagedserve.prepacked_linear(x, layer.weight, bias, layer.output_size_per_partition)
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, bias, "none", [], "")
+        return prepacked_matmul(x, layer.weight, bias, layer.output_size_per_partition)
 
 
 PREPACKED_LINEAR_METHOD = OneDnnPrepackedLinearMethod()
@@ -109,9 +96,37 @@ def _linear_layers(model: nn.Module) -> list[LinearBase]:
     return [module for module in model.modules() if isinstance(module, LinearBase)]
 
 
+def _lm_heads(model: nn.Module) -> list[ParallelLMHead]:
+    return [module for module in model.modules() if isinstance(module, ParallelLMHead)]
+
+
+def _prepack_lm_head(head: ParallelLMHead) -> bool:
+    """Give `head` its packed weight (see the module docstring); False when it cannot be packed."""
+    weight = head.weight
+    if head.packed_weight is not None or weight.is_mkldnn or weight.device.type != "cpu" \
+            or weight.dtype not in _PREPACKABLE_DTYPES:
+        return False
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    if not head.is_tied:
+        head.weight = nn.Parameter(packed, requires_grad=False)  # the plain tensor is freed: one copy
+    head.packed_weight = packed
+    return True
+
+
+def _restore_lm_head(head: ParallelLMHead) -> bool:
+    if head.packed_weight is None:
+        return False
+    if head.weight.is_mkldnn:  # untied: the packed tensor replaced the plain one
+        weight = nn.Parameter(head.weight.detach().to_dense(), requires_grad=False)
+        weight.weight_loader = head.weight_loader
+        head.weight = weight
+    head.packed_weight = None
+    return True
+
+
 def apply_weight_layout(model: nn.Module, layout: str) -> int:
-    """Move every linear layer of a loaded `model` to `layout` ('plain' or 'prepacked', as resolved by
-    resolve_weight_layout); returns the number of layers transformed."""
+    """Move every linear layer and LM head of a loaded `model` to `layout` ('plain' or 'prepacked', as
+    resolved by resolve_weight_layout); returns the number of layers transformed."""
     if layout == PLAIN_LAYOUT:
         return 0
     if layout != PREPACKED_LAYOUT:
@@ -124,13 +139,14 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
             PREPACKED_LINEAR_METHOD.process_weights_after_loading(layer)
             layer.linear_method = PREPACKED_LINEAR_METHOD
             count += 1
-    logger.info("weight layout %r: %d linear layers transformed", layout, count)
-    return count
+        num_heads = sum(_prepack_lm_head(head) for head in _lm_heads(model))
+    logger.info("weight layout %r: %d linear layers and %d LM head(s) transformed", layout, count, num_heads)
+    return count + num_heads
 
 
 def restore_plain_layout(model: nn.Module) -> int:
-    """Unpack every prepacked linear back to its plain [out, in] weight (bit for bit) so that weight
-    loaders can write into it again; returns the number of layers restored."""
+    """Unpack every prepacked linear (and LM head) back to its plain [out, in] weight (bit for bit) so that
+    weight loaders can write into it again; returns the number of layers restored."""
     count = 0
     with torch.no_grad():
         for layer in _linear_layers(model):
@@ -141,6 +157,7 @@ def restore_plain_layout(model: nn.Module) -> int:
             layer.weight = weight
             layer.linear_method = UNQUANTIZED_LINEAR_METHOD
             count += 1
+        count += sum(_restore_lm_head(head) for head in _lm_heads(model))
     return count
 
 

@@ -183,3 +183,60 @@ def test_inductor_compiled_engine_with_prepacked_weights_equals_eager_plain(tiny
     runner = compiled.llm_engine.engine_core.executor.worker.model_runner
     assert runner.forward.is_compiled and set(weight_layout_of(runner.model)) == {"prepacked"}
     assert generate(compiled) == expected
+
+
+# ---- the LM head ---------------------------------------------------------------------------------
+def _lm_head(vocab: int, dtype: torch.dtype, bias: bool = False):  # type: ignore[no-untyped-def]
+    from pagedserve.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(vocab, HIDDEN, bias=bias, params_dtype=dtype, tp_rank=0, tp_size=1)
+    _fill(head, seed=vocab)
+    return head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tied", [True, False])
+def test_prepacked_lm_head_equals_plain_and_restores(dtype: torch.dtype, tied: bool) -> None:
+    from pagedserve.layers.embedding import VocabParallelEmbedding
+
+    head = _lm_head(1000, dtype, bias=not tied)  # vocab 1000 -> 1024 rows with padding
+    embedding = VocabParallelEmbedding(1000, HIDDEN, params_dtype=dtype, tp_rank=0, tp_size=1)
+    if tied:
+        _fill(embedding, seed=4)
+        head.tie_weights(embedding)
+    model = torch.nn.ModuleDict({"embed_tokens": embedding, "lm_head": head})
+    inputs = [torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m)).to(dtype) for m in (1, 5, 64)]
+    expected = [head.compute_logits(x, dtype=None) for x in inputs]
+    plain_weight = head.weight.detach().clone()
+
+    assert apply_weight_layout(model, "prepacked") == 1
+    assert head.packed_weight is not None and head.packed_weight.is_mkldnn
+    # Tied: the embedding keeps reading its plain table (a packed copy); untied: one packed tensor.
+    assert head.weight.is_mkldnn is (not tied)
+    assert (head.weight is embedding.weight) is tied
+    for x, reference in zip(inputs, expected):
+        actual = head.compute_logits(x, dtype=None)
+        assert actual.shape == reference.shape == (x.shape[0], 1000) and actual.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(actual, reference, rtol=tolerance, atol=tolerance)
+    if tied:
+        ids = torch.tensor([0, 7, 999])
+        assert torch.equal(embedding(ids), plain_weight[ids])
+
+    assert restore_plain_layout(model) == 1
+    assert head.packed_weight is None and not head.weight.is_mkldnn
+    assert torch.equal(head.weight.view(torch.uint8), plain_weight.view(torch.uint8))
+    assert torch.equal(head.compute_logits(inputs[1], dtype=None), expected[1])
+    if not tied:  # the restored plain parameter loads a checkpoint again
+        table = torch.randn(1000, HIDDEN).to(dtype)
+        head.weight.weight_loader(head.weight, table)
+        assert torch.equal(head.weight[:1000], table)
+
+
+def test_engine_lm_head_is_prepacked_in_bfloat16_only(tiny_model_dir) -> None:
+    folder = tiny_model_dir("llama-tied", dtype=torch.bfloat16)
+    for dtype, packed in (("bfloat16", True), ("float32", False)):
+        llm = LLM(folder, dtype=dtype, max_model_len=64, num_kv_blocks=16)
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        assert (model.lm_head.packed_weight is not None) is packed
+        assert model.lm_head.weight is model.model.embed_tokens.weight
