@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                      help="run MoE shared experts on a second device stream (no effect on the CPU)")
     group.add_argument("--num-cpu-threads", type=int, default=None,
                        help="torch threads of the engine (default: every core; `serve` leaves one core "
-                            "to the HTTP front end when there are two or more)")
+                            "to the HTTP front end on machines of 4 or more cores)")
     execution = parser.add_argument_group("execution")
     execution.add_argument("--enable-cpu-binding", action=argparse.BooleanOptionalAction, default=False,
                            help="pin each worker and its torch threads to distinct physical cores (NUMA-aware)")

@@ -109,13 +109,17 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
 
 
 def default_engine_threads_when_serving(num_cores: int | None = None) -> int:
-    """Leave one core to the HTTP process (tokenizing, detokenizing, streaming) when there are two or more.
+    """Every core on a machine of fewer than 4 cores; else all but one, left to the HTTP process
+    (tokenizing, detokenizing, streaming).
 
-    The engine's OpenMP threads spin-wait at every op boundary: a thread descheduled by the front end
-    stalls the whole team, which on a 2-core machine made steps several times slower than one thread.
+    The engine's OpenMP team stalls whenever the front end takes one of its cores, which once made
+    2-thread steps slower than 1-thread ones on a 2-core machine. Since the KV cache moved to huge pages
+    and the LM head was prepacked (cheaper steps), 2 threads won on 2 cores at both of recipe C's rates
+    (TPOT p50 83.1 / 86.7 ms against 111.6 / 122.0 with one; benchmarks/README.md), so small machines use
+    every core, like vLLM CPU; from 4 cores on, the front end's core costs the engine at most a quarter.
     """
     num_cores = num_cores or os.cpu_count() or 1
-    return max(1, num_cores - 1)
+    return num_cores if num_cores < 4 else num_cores - 1
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -74,9 +74,11 @@ def test_admission_bound():
     assert caught.value.status_code == 400 and "4" in caught.value.message
 
 
-def test_serving_leaves_one_core_to_the_front_end() -> None:
+def test_serving_leaves_one_core_to_the_front_end_from_four_cores() -> None:
     from pagedserve.server.launcher import default_engine_threads_when_serving
 
     assert default_engine_threads_when_serving(1) == 1
-    assert default_engine_threads_when_serving(2) == 1
+    assert default_engine_threads_when_serving(2) == 2
+    assert default_engine_threads_when_serving(3) == 3
+    assert default_engine_threads_when_serving(4) == 3
     assert default_engine_threads_when_serving(16) == 15
