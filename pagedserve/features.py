@@ -225,12 +225,14 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         line="model", family="weight layout", feature="per-platform linear weight layout at load: oneDNN "
-                                                     "prepacked weights on the CPU (auto in bfloat16), "
-                                                     "bit-exact unpack, torch.compile-traceable",
-        modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear"),
+                                                     "prepacked weights and LM head on the CPU (auto in "
+                                                     "bfloat16), bit-exact unpack, torch.compile-traceable; "
+                                                     "float32 decode batches on a native streaming kernel "
+                                                     "(plain_native, auto in float32)",
+        modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear", "pagedserve.layers.small_batch_linear"),
         knobs=("weight_layout",),
         docs="docs/params-06-weight-loading.md",
-        tests=("tests/layers/test_weight_layout.py",),
+        tests=("tests/layers/test_weight_layout.py", "tests/layers/test_small_batch_linear.py"),
     ),
     Feature(
         line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "

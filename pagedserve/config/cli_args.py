@@ -79,9 +79,10 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--safetensors-load-strategy", default="lazy", choices=["lazy", "eager", "prefetch"],
                       help="lazy: memory-mapped reads on demand; eager: whole files read first; prefetch: lazy "
                            "with the next shard files read ahead")
-    load.add_argument("--weight-layout", default="auto", choices=["auto", "plain", "prepacked"],
+    load.add_argument("--weight-layout", default="auto", choices=["auto", "plain", "prepacked", "plain_native"],
                       help="linear weight layout after loading (prepacked: the platform GEMM's packed layout; "
-                           "auto: prepacked where measured faster)")
+                           "plain_native: plain float32 weights, decode batches on a native CPU kernel; "
+                           "auto: whichever was measured faster for the platform and dtype)")
 
 
 def load_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
+from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearMethodBase
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 
 # Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
@@ -103,6 +104,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         # The weight in oneDNN's packed layout when weight_layout='prepacked' packed this head (set and
         # cleared by layers/weight_layout.py); the logits GEMM then reads it instead of `weight`.
         self.packed_weight: torch.Tensor | None = None
+        # How the logits GEMM runs on the plain `weight` (layers/linear.py's seam; weight_layout may swap it).
+        self.linear_method: LinearMethodBase = UNQUANTIZED_LINEAR_METHOD
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Share the input embedding's parameter (tie_word_embeddings)."""
@@ -139,7 +142,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         (padding columns included; global id = column + vocab_start_index)."""
         if self.packed_weight is not None:
             return prepacked_matmul(hidden_states, self.packed_weight, self.bias, self.num_embeddings_per_partition)
-        return F.linear(hidden_states, self.weight, self.bias)
+        return self.linear_method.apply(self, hidden_states, self.bias)
 
     @property
     def parallel_group(self) -> GroupCoordinator:

@@ -1,0 +1,143 @@
+"""weight_layout='plain_native': the native small-batch float32 linear against a float64 reference and
+F.linear, its batch/thread invariance, errors, fallbacks, layout resolution, and engine outputs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagedserve.layers.small_batch_linear as small_batch_module
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, ReplicatedLinear
+from pagedserve.layers.small_batch_linear import (MAX_ROWS, SMALL_BATCH_LINEAR_METHOD, qualifies,
+                                                  small_batch_linear, small_batch_linear_available)
+from pagedserve.layers.weight_layout import (apply_weight_layout, resolve_weight_layout, restore_plain_layout,
+                                             weight_layout_of)
+
+pytestmark = pytest.mark.skipif(not small_batch_linear_available(),
+                                reason="the native library has no AVX-512 small-batch kernel on this machine")
+
+
+def _tensor(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("k", [16, 20, 576, 1000])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 577])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_float64_reference_and_f_linear(k: int, n: int, with_bias: bool) -> None:
+    weight = _tensor(n, k, seed=n * k) / k ** 0.5
+    bias = _tensor(n, seed=7) if with_bias else None
+    for m in (1, 2, 3, 4, 5, 8, 13, 16):
+        x = _tensor(m, k, seed=m)
+        actual = small_batch_linear(x, weight, bias)
+        reference = x.double() @ weight.double().t() + (bias.double() if with_bias else 0)
+        assert actual.shape == (m, n) and actual.dtype == torch.float32
+        torch.testing.assert_close(actual.double(), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(actual, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_rows() -> None:
+    weight = _tensor(64, 96, seed=1)
+    wide = _tensor(6, 200, seed=2)
+    x = wide[:, 50:146]  # rows 200 floats apart, unit column stride
+    assert qualifies(x) and not x.is_contiguous()
+    torch.testing.assert_close(small_batch_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert not qualifies(_tensor(96, 6, seed=3).t())  # column stride 6: F.linear takes it
+
+
+def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
+    weight = _tensor(300, 576, seed=4)
+    batch = _tensor(MAX_ROWS, 576, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for num_threads in (1, threads):
+            torch.set_num_threads(num_threads)
+            results.append(small_batch_linear(batch, weight, None))
+            for row in (0, 7, MAX_ROWS - 1):
+                alone = small_batch_linear(batch[row:row + 1], weight, None)
+                assert torch.equal(alone[0], results[-1][row])
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_errors_name_the_problem() -> None:
+    weight = _tensor(8, 32, seed=6)
+    with pytest.raises(RuntimeError, match="M=17 exceeds 16"):
+        small_batch_linear(_tensor(17, 32, seed=1), weight, None)
+    with pytest.raises(RuntimeError, match="float32 x and weight expected"):
+        small_batch_linear(_tensor(2, 32, seed=1).bfloat16(), weight.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x has 31 columns, weight 32"):
+        small_batch_linear(_tensor(2, 31, seed=1), weight, None)
+    with pytest.raises(RuntimeError, match="a float32 bias of 8 values expected"):
+        small_batch_linear(_tensor(2, 32, seed=1), weight, _tensor(7, seed=1))
+
+
+def test_method_uses_the_kernel_for_small_batches_and_f_linear_above(monkeypatch) -> None:
+    layer = ReplicatedLinear(48, 40, bias=True, params_dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(_tensor(40, 48, seed=8))
+        layer.bias.copy_(_tensor(40, seed=9))
+    calls = []
+    real_op = small_batch_module._op
+    monkeypatch.setattr(small_batch_module, "_op", lambda *args: calls.append(args[0].shape[0]) or real_op(*args))
+    assert apply_weight_layout(layer, "plain_native") == 1
+    assert layer.linear_method is SMALL_BATCH_LINEAR_METHOD and weight_layout_of(layer) == {"plain_native": 1}
+    for m in (1, 16, 17, 64):
+        x = _tensor(m, 48, seed=m)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    three_d = _tensor(2, 3, 48, seed=10)
+    assert torch.equal(layer(three_d), F.linear(three_d, layer.weight, layer.bias))
+    assert torch.equal(layer(_tensor(17, 48, seed=17)), F.linear(_tensor(17, 48, seed=17), layer.weight, layer.bias))
+    assert calls == [1, 16]
+    assert restore_plain_layout(layer) == 1 and layer.linear_method is UNQUANTIZED_LINEAR_METHOD
+
+
+def test_resolve_plain_native() -> None:
+    assert resolve_weight_layout("auto", "cpu", torch.float32) == "plain_native"
+    assert resolve_weight_layout("auto", "cpu", torch.float32, batch_invariant=True) == "plain"
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == "prepacked"
+    assert resolve_weight_layout("plain_native", "cpu", torch.float32) == "plain_native"
+    with pytest.raises(ValueError, match=r"weight_layout='plain_native' is not available for torch.bfloat16"):
+        resolve_weight_layout("plain_native", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_layout='plain_native' is not available for torch.float32 on 'cuda'"):
+        resolve_weight_layout("plain_native", "cuda", torch.float32)
+    with pytest.raises(ValueError, match=r"weight_layout='plain_native' with batch_invariant=True"):
+        resolve_weight_layout("plain_native", "cpu", torch.float32, batch_invariant=True)
+    with pytest.raises(ValueError, match=r"weight_layout='packed' must be one of"):
+        resolve_weight_layout("packed", "cpu", torch.float32)
+
+
+NUM_STEPS = 32
+
+
+@pytest.mark.parametrize("model", ["qwen2", "llama-tied"])
+def test_float32_engine_greedy_equals_plain(tiny_model_dir, model: str, monkeypatch) -> None:
+    folder = tiny_model_dir(model)
+    rng = random.Random(21)
+    prompts = [[rng.randrange(8, 400) for _ in range(rng.randint(4, 40))] for _ in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, logprobs=3)
+
+    def run(weight_layout: str):  # type: ignore[no-untyped-def]
+        llm = LLM(folder, dtype="float32", max_model_len=128, num_kv_blocks=64, weight_layout=weight_layout)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        return outputs, model
+
+    plain, _ = run("plain")
+    calls = []
+    real_op = small_batch_module._op
+    monkeypatch.setattr(small_batch_module, "_op", lambda *args: calls.append(1) or real_op(*args))
+    native, model_native = run("auto")
+    assert set(weight_layout_of(model_native)) == {"plain_native"}
+    assert model_native.lm_head.linear_method is SMALL_BATCH_LINEAR_METHOD
+    assert len(calls) > NUM_STEPS * 4, "decode steps must run on the native kernel"
+    for expected, actual in zip(plain, native):
+        assert actual.outputs[0].token_ids == expected.outputs[0].token_ids
+        for step_expected, step_actual in zip(expected.outputs[0].logprobs, actual.outputs[0].logprobs):
+            for token, logprob in step_expected.items():
+                assert abs(step_actual[token].logprob - logprob.logprob) < 1e-4
