@@ -38,6 +38,7 @@ VLLM_SCRIPT = textwrap.dedent("""
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         folder, dtype, prompt_len, num_output = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        repeats = int(sys.argv[5])
         llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=0)
         prompt = [TokensPrompt(prompt_token_ids=[100 + (7 * i) % 30000 for i in range(prompt_len)])]
         def run(n):
@@ -47,7 +48,7 @@ VLLM_SCRIPT = textwrap.dedent("""
             return time.perf_counter() - start
         run(8)
         one = min(run(1) for _ in range(3))
-        full = min(run(num_output) for _ in range(2))
+        full = min(run(num_output) for _ in range(repeats))
         print("RESULT " + json.dumps({"engine": "vllm-cpu", "decode_tokens_per_s": (num_output - 1) / (full - one)}))
 
     if __name__ == "__main__":
@@ -79,7 +80,7 @@ def bytes_per_decode_token(dtype: torch.dtype, context_len: int) -> int:
     return (num_params + kv_elements) * element_size
 
 
-def run_pagedserve(folder: str, dtype: str, num_threads: int) -> float:
+def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int) -> float:
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(num_threads)
@@ -94,19 +95,19 @@ def run_pagedserve(folder: str, dtype: str, num_threads: int) -> float:
 
     run(8)
     one = min(run(1) for _ in range(3))
-    full = min(run(NUM_OUTPUT) for _ in range(2))
+    full = min(run(NUM_OUTPUT) for _ in range(repeats))
     return (NUM_OUTPUT - 1) / (full - one)
 
 
-def run_vllm(vllm_python: str, folder: str, dtype: str) -> float:
+def run_vllm(vllm_python: str, folder: str, dtype: str, repeats: int) -> float:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as scratch:
         script = os.path.join(scratch, "vllm_decode.py")
         with open(script, "w") as f:
             f.write(VLLM_SCRIPT)
-        completed = subprocess.run([vllm_python, script, folder, dtype, str(PROMPT_LEN), str(NUM_OUTPUT)],
-                                   env=env, capture_output=True, text=True, timeout=1800)
+        command = [vllm_python, script, folder, dtype, str(PROMPT_LEN), str(NUM_OUTPUT), str(repeats)]
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     for line in completed.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])["decode_tokens_per_s"]
@@ -118,17 +119,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed 256-token runs per engine, best kept (this VM's speed moves between runs)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     folder = benchmark_model_folder()
     bandwidth = read_bandwidth_bytes_per_s(args.threads)
     num_bytes = bytes_per_decode_token(getattr(torch, args.dtype), PROMPT_LEN + NUM_OUTPUT // 2)
     roofline = bandwidth / num_bytes
-    results = {"dtype": args.dtype, "threads": args.threads, "bandwidth_gb_s": bandwidth / 1e9,
+    results = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+               "bandwidth_gb_s": bandwidth / 1e9,
                "bytes_per_token_mb": num_bytes / 1e6, "roofline_tokens_per_s": roofline,
-               "pagedserve_tokens_per_s": run_pagedserve(folder, args.dtype, args.threads)}
+               "pagedserve_tokens_per_s": run_pagedserve(folder, args.dtype, args.threads, args.repeats)}
     if args.vllm_python:
-        results["vllm_tokens_per_s"] = run_vllm(args.vllm_python, folder, args.dtype)
+        results["vllm_tokens_per_s"] = run_vllm(args.vllm_python, folder, args.dtype, args.repeats)
     print(f"read bandwidth {results['bandwidth_gb_s']:.1f} GB/s ({args.threads} threads), "
           f"{results['bytes_per_token_mb']:.1f} MB per decode token -> roofline {roofline:.1f} tok/s ({args.dtype})")
     for engine in ("pagedserve", "vllm"):

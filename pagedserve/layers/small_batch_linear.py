@@ -3,8 +3,9 @@
 A linear with a handful of rows streams its weight once per step; its speed is the memory bandwidth the loop
 sustains. The native kernel (layers/native/small_batch_linear.cpp, built into the CPU library with the
 attention kernels) streams the plain [N, K] weight four rows at a time with software prefetch and reuses each
-weight vector for every row: measured 1.14x / 1.10x / 1.45-1.75x / 1.5-1.6x MKL's sgemm (F.linear) at
-M = 1 / 2 / 4 / 8 with the weights in DRAM (benchmarks/small_batch_linear.py). Batches above
+weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
+(F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
+M = 8; benchmarks/small_batch_linear.py). Batches above
 `MAX_ROWS` rows (prefill chunks, large decode batches) keep F.linear, where MKL's blocking wins.
 
 The weights are not copied or moved: the layout is 'plain' with another compute method, so everything that

@@ -208,5 +208,5 @@ def weight_layout_of(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-__all__ = ["PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT", "OneDnnPrepackedLinearMethod", "apply_weight_layout",
-           "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "weight_layout_of"]
+__all__ = ["PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT", "OneDnnPrepackedLinearMethod",
+           "apply_weight_layout", "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "weight_layout_of"]

@@ -2,10 +2,10 @@
 //
 // Python side: layers/small_batch_linear.py. With a handful of rows a linear streams its weight once per step and
 // reuses each weight vector for every row from registers, so its speed is the memory bandwidth the loop
-// sustains. MKL's sgemm on the plain [N, K] weight (what F.linear runs) sustained 25.7 / 23.8 / 15.4 / 12.5 GB/s
-// at M = 1 / 2 / 4 / 8 from DRAM on this machine; this loop, which streams four weight rows at a time and
-// software-prefetches each row a few KiB ahead (the hardware prefetcher does not run far enough ahead on its
-// own), sustained 29.4 / 26.1 / 22.3-27.0 / 18.6-20.5 GB/s (benchmarks/small_batch_linear.py).
+// sustains. MKL's sgemm on the plain [N, K] weight (what F.linear runs) sustained 25.2 / 22.7 / 14.9 / 12.0 /
+// 10.8 GB/s at M = 1 / 2 / 4 / 8 / 16 from DRAM on this machine; this loop, which streams four weight rows at a
+// time and software-prefetches each row a few KiB ahead (the hardware prefetcher does not run far enough ahead
+// on its own), sustained 26.0 / 26.2 / 24.5 / 19.5 / 14.7 GB/s (benchmarks/small_batch_linear.py).
 //
 // Work split and numerics:
 // - Weight rows (output columns) are split between torch's intra-op threads in blocks of kRows rows; each
