@@ -14,7 +14,8 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   ParallelLMHead, not a linear of layers/linear.py) gets the same treatment through its `packed_weight`:
   an untied head's weight is replaced by the packed one; a tied head shares its tensor with the word
   embedding (F.embedding needs the plain rows), so it gets a packed *copy*: the vocabulary table's bytes
-  once more (56 MB for SmolLM2-135M) for a logits GEMM measured 1.8x faster at batch 1 and 2x at batch 64.
+  once more (56 MB for SmolLM2-135M) for a logits GEMM measured 1.3x faster at batch 1 and 1.6x at batch
+  64 (docs/params-06-weight-loading.md).
 - 'plain_native' (CPU, float32): the plain weights, unchanged; batches of up to 16 rows (decode) run on a
   native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on F.linear
   (layers/small_batch_linear.py). The LM head too.
@@ -166,7 +167,8 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
         else:
             # The weights stay where they are: only the compute method changes (other readers are unaffected).
             for module in _linear_layers(model) + _lm_heads(model):
-                if module.weight.dtype != torch.float32 or module.weight.is_mkldnn:
+                if module.linear_method is not UNQUANTIZED_LINEAR_METHOD or module.weight.dtype != torch.float32 \
+                        or module.weight.is_mkldnn:
                     continue
                 SMALL_BATCH_LINEAR_METHOD.process_weights_after_loading(module)
                 module.linear_method = SMALL_BATCH_LINEAR_METHOD
