@@ -135,10 +135,23 @@ class AsyncLLM:
     @classmethod
     async def start(cls, engine_kwargs: dict[str, Any], stat_logger: StatLogger | None = None,
                     log_level: str = "WARNING", startup_timeout: float = 600.0) -> "AsyncLLM":
-        """Validate the configuration here, start the engine process and wait until it is ready."""
-        engine = cls(engine_kwargs, stat_logger)
-        engine.client = await EngineCoreClient.start(engine.engine_kwargs, log_level=log_level,
-                                                     startup_timeout=startup_timeout)
+        """Start the engine process, validate the configuration and load the tokenizer here meanwhile, then wait
+        until the engine is ready.
+
+        The two processes start side by side: each spends seconds importing torch and transformers and
+        building its EngineConfig, so overlapping them cuts the time to ready. A configuration this process
+        rejects stops the engine process before the error is raised.
+        """
+        client_task = asyncio.create_task(EngineCoreClient.start(dict(engine_kwargs), log_level=log_level,
+                                                                 startup_timeout=startup_timeout))
+        try:
+            # In a thread, so that the event loop keeps spawning and watching the engine process meanwhile.
+            engine = await asyncio.to_thread(cls, engine_kwargs, stat_logger)
+        except BaseException:
+            client_task.cancel()  # EngineCoreClient.start shuts the process down when cancelled
+            await asyncio.gather(client_task, return_exceptions=True)
+            raise
+        engine.client = await client_task
         engine._tasks = [asyncio.create_task(engine._output_loop(), name="pagedserve-output-loop"),
                          asyncio.create_task(engine._watch_engine(), name="pagedserve-engine-watch")]
         return engine

@@ -84,3 +84,19 @@ def test_bad_model_exits_nonzero_without_children(tmp_path):
                              "--port", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "missing" in result.stderr
+
+
+def test_a_rejected_config_stops_the_engine_process_started_alongside(tmp_path):
+    """AsyncLLM.start spawns the engine while it validates the configuration itself: a rejected one must
+    leave no engine process behind."""
+    import asyncio
+
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    before = set(child_pids(os.getpid()))
+    with pytest.raises(Exception, match="missing"):
+        asyncio.run(AsyncLLM.start(dict(model=str(tmp_path / "missing")), startup_timeout=60))
+    deadline = time.monotonic() + 10
+    while set(child_pids(os.getpid())) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(child_pids(os.getpid())) - before == set()
