@@ -5,8 +5,8 @@ sustains. The native kernel (layers/native/small_batch_linear.cpp, built into th
 attention kernels) streams the plain [N, K] weight four rows at a time with software prefetch and reuses each
 weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
-M = 8; benchmarks/small_batch_linear.py). Batches above
-`MAX_ROWS` rows (prefill chunks, large decode batches) keep F.linear, where MKL's blocking wins.
+M = 8; benchmarks/small_batch_linear.py). Batches above `MAX_ROWS` rows (prefill chunks, large decode
+batches) keep F.linear, where MKL's blocking wins.
 
 The weights are not copied or moved: the layout is 'plain' with another compute method, so everything that
 reads `weight` keeps working. The LM head computes its logits the same way.

@@ -165,6 +165,9 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
                 count += 1
             num_heads = sum(_prepack_lm_head(head) for head in _lm_heads(model))
         else:
+            if not small_batch_linear_available():
+                raise ValueError("weight layout 'plain_native' needs the native small-batch kernel, which is not "
+                                 "available here (resolve_weight_layout checks it)")
             # The weights stay where they are: only the compute method changes (other readers are unaffected).
             for module in _linear_layers(model) + _lm_heads(model):
                 if module.linear_method is not UNQUANTIZED_LINEAR_METHOD or module.weight.dtype != torch.float32 \
