@@ -1,7 +1,8 @@
 """Start to ready of `pagedserve serve`: process start to the first `/health` 200, warm (caches filled).
 
 Starts the server on the SmolLM2-shaped benchmark model --repeats times, one at a time, and prints each
-time and the best. (serving_vs_vllm.py reports the same figure once per engine alongside recipe C.)
+time and the best. (serving_vs_vllm.py reports the same figure once per engine alongside recipe C; this
+script reuses its launch command and health wait.)
 
     python benchmarks/serve_startup.py [--repeats 3] [--dtype bfloat16]
 """
@@ -9,44 +10,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from serving import free_port  # noqa: E402
+from serving_vs_vllm import pagedserve_command, stop, wait_healthy  # noqa: E402
 
 
 def start_to_ready(folder: str, dtype: str, timeout_s: float = 300.0) -> float:
     port = free_port()
-    start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", folder, "--dtype", dtype,
-                                "--port", str(port), "--max-model-len", "1024", "--kv-cache-memory", "4GiB"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(pagedserve_command(folder, dtype, port, []), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.perf_counter() - start < timeout_s:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode} while starting")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"the server was not ready within {timeout_s} s")
+        return wait_healthy(process, port, timeout_s)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=60)
+        stop(process)
 
 
 def main() -> None:
