@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # Root of the `pagedserve` package: SOURCES are relative to it (they live next to the code that uses them).
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("attention/native/paged_attention.cpp", "layers/native/elementwise.cpp",
-           "layers/native/small_batch_linear.cpp")
+           "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).

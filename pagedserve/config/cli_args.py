@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pagedserve.config.load import WEIGHT_LAYOUTS
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -79,9 +80,10 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--safetensors-load-strategy", default="lazy", choices=["lazy", "eager", "prefetch"],
                       help="lazy: memory-mapped reads on demand; eager: whole files read first; prefetch: lazy "
                            "with the next shard files read ahead")
-    load.add_argument("--weight-layout", default="auto", choices=["auto", "plain", "prepacked", "plain_native"],
+    load.add_argument("--weight-layout", default="auto", choices=list(WEIGHT_LAYOUTS),
                       help="linear weight layout after loading (prepacked: the platform GEMM's packed layout; "
                            "plain_native: plain float32 weights, decode batches on a native CPU kernel; "
+                           "amx_packed: bfloat16 weights packed for the native AMX kernel; "
                            "auto: whichever was measured faster for the platform and dtype)")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SAFETENSORS_LOAD_STRATEGIES = ("lazy", "eager", "prefetch")
-WEIGHT_LAYOUTS = ("auto", "plain", "prepacked", "plain_native")
+WEIGHT_LAYOUTS = ("auto", "plain", "prepacked", "plain_native", "amx_packed")
 # A generous ceiling: more reader threads than this only adds contention.
 MAX_LOAD_THREADS = 256
 
@@ -28,8 +28,9 @@ class LoadConfig:
     # After loading, linear weights take the layout the platform's GEMM prefers:
     # 'plain' keeps [out, in]; 'prepacked' uses the platform's packed layout (oneDNN blocked on the CPU);
     # 'plain_native' keeps [out, in] float32 and runs decode-sized batches on a native CPU kernel;
-    # 'auto' picks 'prepacked' (CPU, bfloat16) or 'plain_native' (CPU, float32) where they were measured
-    # faster and 'plain' elsewhere.
+    # 'amx_packed' packs bfloat16 weights for the native AMX kernel (CPUs with AMX);
+    # 'auto' picks 'amx_packed' or else 'prepacked' (CPU, bfloat16) or 'plain_native' (CPU, float32) where
+    # they were measured faster and 'plain' elsewhere.
     weight_layout: str = "auto"
 
     def __post_init__(self) -> None:

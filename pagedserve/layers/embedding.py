@@ -12,7 +12,6 @@ from torch import nn
 
 from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearMethodBase
-from pagedserve.layers.prepacked_matmul import prepacked_matmul
 
 # Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -101,10 +100,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
         # True once `weight` is the input embedding's parameter (tie_word_embeddings).
         self.is_tied = False
-        # The weight in oneDNN's packed layout when weight_layout='prepacked' packed this head (set and
-        # cleared by layers/weight_layout.py); the logits GEMM then reads it instead of `weight`.
+        # The weight in a packed layout when weight_layout packed this head (set and cleared by
+        # layers/weight_layout.py); the packed linear methods then read it instead of `weight`.
         self.packed_weight: torch.Tensor | None = None
-        # How the logits GEMM runs on the plain `weight` (layers/linear.py's seam; weight_layout may swap it).
+        # How the logits GEMM runs (layers/linear.py's seam; weight_layout may swap it).
         self.linear_method: LinearMethodBase = UNQUANTIZED_LINEAR_METHOD
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
@@ -140,9 +139,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [num_tokens, num_embeddings_per_partition]
         (padding columns included; global id = column + vocab_start_index)."""
-        if self.packed_weight is not None:
-            return prepacked_matmul(hidden_states, self.packed_weight, self.bias, self.num_embeddings_per_partition)
         return self.linear_method.apply(self, hidden_states, self.bias)
+
+    @property
+    def output_size_per_partition(self) -> int:
+        """The logits GEMM's output columns on this rank (the linear-method seam's name)."""
+        return self.num_embeddings_per_partition
+
+    @property
+    def input_size_per_partition(self) -> int:
+        return self.embedding_dim
 
     @property
     def parallel_group(self) -> GroupCoordinator:

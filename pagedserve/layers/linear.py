@@ -52,6 +52,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
 UNQUANTIZED_LINEAR_METHOD = UnquantizedLinearMethod()
 
 
+def packed_weight_of(layer: nn.Module) -> torch.Tensor:
+    """The tensor a packed-layout method computes with: the layer's `packed_weight` where it has one (a tied LM
+    head keeps a packed copy next to the plain table its embedding reads), else `weight` itself."""
+    packed = getattr(layer, "packed_weight", None)
+    return layer.weight if packed is None else packed
+
+
 class LinearBase(nn.Module):
     """Holds `weight` [output_size_per_partition, input_size_per_partition] and an optional bias."""
 

@@ -19,12 +19,15 @@ pure layout transform at load time, behind the linear-method seam of layers/line
 - 'plain_native' (CPU, float32): the plain weights, unchanged; batches of up to 16 rows (decode) run on a
   native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on F.linear
   (layers/small_batch_linear.py). The LM head too.
-- 'auto': 'prepacked' where it was measured faster — the CPU in bfloat16 (1.4-2.3x per GEMM at
-  M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512 otherwise reorders the weight on every
-  F.linear call; benchmarks/weight_loading.py); 'plain_native' on the CPU in float32 where the native
-  kernel is built (in float32 and float16 the packed GEMM was slower at M = 1, the decode case); else
-  'plain': CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs the plain GEMMs its mode
-  reroutes.
+- 'amx_packed' (CPU with AMX, bfloat16): each weight is replaced by the native AMX kernel's tile-blocked
+  layout and every batch runs on that kernel (layers/amx_linear.py): 1.4-1.5x oneDNN's packed GEMM at decode
+  sizes, where a step streams the weights from DRAM. The LM head too (a tied head gets a packed copy).
+- 'auto': on the CPU in bfloat16, 'amx_packed' where the CPU has AMX and the native kernels are built, else
+  'prepacked' (1.4-2.3x F.linear per GEMM at M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512
+  otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py); 'plain_native' on the
+  CPU in float32 where the native kernel is built (in float32 and float16 the packed GEMM was slower at
+  M = 1, the decode case); else 'plain': CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs
+  the plain GEMMs its mode reroutes.
 
 The packed GEMM itself is layers/prepacked_matmul.py.
 """
@@ -35,8 +38,10 @@ import logging
 import torch
 from torch import nn
 
+from pagedserve.config.load import WEIGHT_LAYOUTS
+from pagedserve.layers.amx_linear import AMX_PACKED_LAYOUT, AMX_PACKED_LINEAR_METHOD, amx_linear_available, amx_pack
 from pagedserve.layers.embedding import ParallelLMHead
-from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase
+from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase, packed_weight_of
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 from pagedserve.layers.small_batch_linear import (PLAIN_NATIVE_LAYOUT, SMALL_BATCH_LINEAR_METHOD,
                                                   small_batch_linear_available)
@@ -45,7 +50,10 @@ logger = logging.getLogger(__name__)
 
 PLAIN_LAYOUT = "plain"
 PREPACKED_LAYOUT = "prepacked"
-# PLAIN_NATIVE_LAYOUT ('plain_native') comes from layers/small_batch_linear.py.
+# What weight_layout accepts (config/load.py's list): 'auto', 'plain', then the layouts that transform.
+WEIGHT_LAYOUT_CHOICES = WEIGHT_LAYOUTS
+# PLAIN_NATIVE_LAYOUT ('plain_native') comes from layers/small_batch_linear.py, AMX_PACKED_LAYOUT ('amx_packed')
+# from layers/amx_linear.py.
 # Weight dtypes oneDNN packs on the CPU.
 _PREPACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Dtypes for which 'auto' picks 'prepacked' on the CPU (measured faster; see the module docstring).
@@ -70,8 +78,8 @@ class OneDnnPrepackedLinearMethod(LinearMethodBase):
         # Replacing the Parameter frees the plain tensor: one copy of the weights stays in memory.
         layer.weight = nn.Parameter(packed, requires_grad=False)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return prepacked_matmul(x, layer.weight, bias, layer.output_size_per_partition)
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return prepacked_matmul(x, packed_weight_of(layer), bias, layer.output_size_per_partition)
 
 
 PREPACKED_LINEAR_METHOD = OneDnnPrepackedLinearMethod()
@@ -79,13 +87,12 @@ PREPACKED_LINEAR_METHOD = OneDnnPrepackedLinearMethod()
 
 def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dtype,
                           batch_invariant: bool = False) -> str:
-    """The layout to apply: 'plain', 'prepacked' or 'plain_native'. ValueError when an explicit layout cannot
-    be honoured (naming what it needs)."""
+    """The layout to apply: 'plain', 'prepacked', 'plain_native' or 'amx_packed'. ValueError when an explicit
+    layout cannot be honoured (naming what it needs)."""
     if weight_layout == PLAIN_LAYOUT:
         return PLAIN_LAYOUT
-    if weight_layout not in ("auto", PREPACKED_LAYOUT, PLAIN_NATIVE_LAYOUT):
-        raise ValueError(f"weight_layout={weight_layout!r} must be one of "
-                         f"{['auto', PLAIN_LAYOUT, PREPACKED_LAYOUT, PLAIN_NATIVE_LAYOUT]}")
+    if weight_layout not in WEIGHT_LAYOUT_CHOICES:
+        raise ValueError(f"weight_layout={weight_layout!r} must be one of {list(WEIGHT_LAYOUT_CHOICES)}")
     if weight_layout != "auto" and batch_invariant:
         raise ValueError(f"weight_layout={weight_layout!r} with batch_invariant=True: the batch-invariant mode "
                          f"computes plain GEMMs in fixed row tiles; use weight_layout='plain' or 'auto'")
@@ -105,8 +112,17 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
                              f"(needs float32 on the CPU with AVX-512 and the native kernels built); "
                              f"use 'plain' or 'auto'")
         return PLAIN_NATIVE_LAYOUT
+    can_run_amx = device_type == "cpu" and dtype == torch.bfloat16 and amx_linear_available()
+    if weight_layout == AMX_PACKED_LAYOUT:
+        if not can_run_amx:
+            raise ValueError(f"weight_layout='amx_packed' is not available for {dtype} on {device_type!r} "
+                             f"(needs bfloat16 on a CPU with AMX, Linux granting the tile state, and the native "
+                             f"kernels built); use 'prepacked', 'plain' or 'auto'")
+        return AMX_PACKED_LAYOUT
     if batch_invariant:
         return PLAIN_LAYOUT
+    if can_run_amx:
+        return AMX_PACKED_LAYOUT
     if can_pack and dtype in _AUTO_PREPACKED_DTYPES:
         return PREPACKED_LAYOUT
     if device_type == "cpu" and dtype == torch.float32 and small_batch_linear_available():
@@ -132,28 +148,47 @@ def _prepack_lm_head(head: ParallelLMHead) -> bool:
     if not head.is_tied:
         head.weight = nn.Parameter(packed, requires_grad=False)  # the plain tensor is freed: one copy
     head.packed_weight = packed
+    head.linear_method = PREPACKED_LINEAR_METHOD
     return True
 
 
-def _restore_lm_head(head: ParallelLMHead) -> bool:
-    if head.packed_weight is None:
+def _amx_pack_lm_head(head: ParallelLMHead) -> bool:
+    """Give `head` the AMX layout (see the module docstring); False when it cannot be packed."""
+    if head.linear_method is not UNQUANTIZED_LINEAR_METHOD or head.weight.dtype != torch.bfloat16 \
+            or head.weight.device.type != "cpu":
         return False
-    if head.weight.is_mkldnn:  # untied: the packed tensor replaced the plain one
-        weight = nn.Parameter(head.weight.detach().to_dense(), requires_grad=False)
-        weight.weight_loader = head.weight_loader
-        head.weight = weight
-    head.packed_weight = None
+    if head.is_tied:
+        head.packed_weight = amx_pack(head.weight)  # the embedding keeps reading the plain table
+    else:
+        AMX_PACKED_LINEAR_METHOD.process_weights_after_loading(head)
+    head.linear_method = AMX_PACKED_LINEAR_METHOD
     return True
+
+
+def _restore_plain_weight(module: nn.Module) -> None:
+    """Put the plain [out, in] weight back where a packed layout replaced it, and drop a packed copy."""
+    if module.weight.is_mkldnn:
+        plain = module.weight.detach().to_dense()
+    elif module.linear_method is AMX_PACKED_LINEAR_METHOD and getattr(module, "packed_weight", None) is None:
+        plain = AMX_PACKED_LINEAR_METHOD.plain_weight(module)
+    else:
+        plain = None
+    if plain is not None:
+        weight = nn.Parameter(plain, requires_grad=False)
+        weight.weight_loader = module.weight_loader
+        module.weight = weight
+    if isinstance(module, ParallelLMHead):
+        module.packed_weight = None
 
 
 def apply_weight_layout(model: nn.Module, layout: str) -> int:
-    """Move every linear layer and LM head of a loaded `model` to `layout` ('plain', 'prepacked' or
-    'plain_native', as resolved by resolve_weight_layout); returns the number of layers transformed."""
+    """Move every linear layer and LM head of a loaded `model` to `layout` ('plain', 'prepacked',
+    'plain_native' or 'amx_packed', as resolved by resolve_weight_layout); returns the number of layers
+    transformed."""
     if layout == PLAIN_LAYOUT:
         return 0
-    if layout not in (PREPACKED_LAYOUT, PLAIN_NATIVE_LAYOUT):
-        raise ValueError(f"weight layout {layout!r} is not a resolved layout "
-                         f"{[PLAIN_LAYOUT, PREPACKED_LAYOUT, PLAIN_NATIVE_LAYOUT]}")
+    if layout not in WEIGHT_LAYOUT_CHOICES[2:]:
+        raise ValueError(f"weight layout {layout!r} is not a resolved layout {list(WEIGHT_LAYOUT_CHOICES[1:])}")
     count = num_heads = 0
     with torch.no_grad():
         if layout == PREPACKED_LAYOUT:
@@ -164,6 +199,18 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
                 layer.linear_method = PREPACKED_LINEAR_METHOD
                 count += 1
             num_heads = sum(_prepack_lm_head(head) for head in _lm_heads(model))
+        elif layout == AMX_PACKED_LAYOUT:
+            if not amx_linear_available():
+                raise ValueError("weight layout 'amx_packed' needs the native AMX kernel, which is not available "
+                                 "here (resolve_weight_layout checks it)")
+            for layer in _linear_layers(model):
+                if layer.weight_read_elsewhere or layer.linear_method is not UNQUANTIZED_LINEAR_METHOD \
+                        or layer.weight.dtype != torch.bfloat16 or layer.weight.is_mkldnn:
+                    continue
+                AMX_PACKED_LINEAR_METHOD.process_weights_after_loading(layer)
+                layer.linear_method = AMX_PACKED_LINEAR_METHOD
+                count += 1
+            num_heads = sum(_amx_pack_lm_head(head) for head in _lm_heads(model))
         else:
             if not small_batch_linear_available():
                 raise ValueError("weight layout 'plain_native' needs the native small-batch kernel, which is not "
@@ -189,19 +236,12 @@ def restore_plain_layout(model: nn.Module) -> int:
     layers restored."""
     count = 0
     with torch.no_grad():
-        for layer in _linear_layers(model):
-            if layer.linear_method is UNQUANTIZED_LINEAR_METHOD:
+        for module in _linear_layers(model) + _lm_heads(model):
+            if module.linear_method is UNQUANTIZED_LINEAR_METHOD:
                 continue
-            if layer.weight.is_mkldnn:
-                weight = nn.Parameter(layer.weight.detach().to_dense(), requires_grad=False)
-                weight.weight_loader = layer.weight_loader
-                layer.weight = weight
-            layer.linear_method = UNQUANTIZED_LINEAR_METHOD
+            _restore_plain_weight(module)
+            module.linear_method = UNQUANTIZED_LINEAR_METHOD
             count += 1
-        for head in _lm_heads(model):
-            restored = _restore_lm_head(head) or head.linear_method is not UNQUANTIZED_LINEAR_METHOD
-            head.linear_method = UNQUANTIZED_LINEAR_METHOD
-            count += restored
     return count
 
 
@@ -213,5 +253,6 @@ def weight_layout_of(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-__all__ = ["PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT", "OneDnnPrepackedLinearMethod",
+__all__ = ["AMX_PACKED_LAYOUT", "PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT", "WEIGHT_LAYOUT_CHOICES",
+           "OneDnnPrepackedLinearMethod",
            "apply_weight_layout", "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "weight_layout_of"]

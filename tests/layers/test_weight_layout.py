@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config.engine import EngineConfig
+from pagedserve.layers.amx_linear import amx_linear_available
 from pagedserve.layers.linear import (UNQUANTIZED_LINEAR_METHOD, ColumnParallelLinear, MergedColumnParallelLinear,
                                       QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
 from pagedserve.layers.weight_layout import (PREPACKED_LINEAR_METHOD, apply_weight_layout, can_prepack_on_cpu,
@@ -88,7 +89,9 @@ def test_layers_whose_weight_is_read_elsewhere_stay_plain() -> None:
 
 
 def test_resolve_weight_layout_per_platform_dtype_and_mode() -> None:
-    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == "prepacked"
+    # amx_packed where the CPU has AMX (tests/layers/test_amx_linear.py), else prepacked.
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == ("amx_packed" if amx_linear_available()
+                                                                     else "prepacked")
     assert resolve_weight_layout("auto", "cpu", torch.float32) in ("plain", "plain_native")  # native: own tests
     assert resolve_weight_layout("auto", "cuda", torch.bfloat16) == "plain"
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, batch_invariant=True) == "plain"
@@ -155,7 +158,7 @@ def test_bfloat16_prepacked_logprobs_close_to_plain(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama-tied", dtype=torch.bfloat16)
     prompts = _prompts(4, seed=12)
     plain, _ = _run(folder, "bfloat16", "plain", prompts)
-    packed, model = _run(folder, "bfloat16", "auto", prompts)  # auto = prepacked for bf16 on the CPU
+    packed, model = _run(folder, "bfloat16", "prepacked", prompts)
     assert set(weight_layout_of(model)) == {"prepacked"}
     check_logprobs_close(plain, packed, "plain", "prepacked")
     for (plain_tokens, plain_steps), (packed_tokens, packed_steps) in zip(plain, packed):

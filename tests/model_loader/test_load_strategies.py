@@ -213,7 +213,7 @@ def test_truncated_file_is_reported_by_the_eager_reader(tiny_model_dir, tmp_path
     (dict(num_threads=0), r"num_threads=0 must be an integer in \[1, 256\]"),
     (dict(num_threads=2.5), r"num_threads=2.5 must be an integer"),
     (dict(enable_multithread_load="yes"), r"enable_multithread_load='yes' must be true or false"),
-    (dict(weight_layout="nz"), r"weight_layout='nz' must be one of \['auto', 'plain', 'prepacked', 'plain_native'\]"),
+    (dict(weight_layout="nz"), r"weight_layout='nz' must be one of \['auto', 'plain', 'prepacked', 'plain_native', 'amx_packed'\]"),
 ])
 def test_bad_values_are_rejected_naming_the_knob(tiny_model_dir, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,92 @@
+"""weight_layout='amx_packed': bfloat16 linears on AMX tiles, the weight in the kernel's tile-blocked layout.
+
+A decode step streams every weight once, so its linears run at the bandwidth their loop sustains. oneDNN's packed
+bf16 GEMM ('prepacked') sustained 17-19 GB/s at M = 1..16 with the weights in DRAM on this machine; the native AMX
+kernel (layers/native/amx_linear.cpp) sustained 25-28 GB/s, 1.4-1.5x, flat up to 16 rows, 1.3-1.4x at 32 and
+1.05-1.2x at 64 (benchmarks/amx_linear.py). Prefill-sized batches run on the same kernel: 1.1-1.2x oneDNN at
+128-512 rows, 0.75-0.85x at 2048.
+
+The packed weight *replaces* the plain one (one copy in memory), as a 1-D tensor of whole 16-column x 32-deep
+tiles (zero padded); `restore_plain_layout` unpacks it bit for bit. A tied LM head, whose plain table the
+embedding still reads, gets a packed copy in `packed_weight` (56 MB for SmolLM2-135M), as under 'prepacked'.
+
+Numerics: one output is TDPBF16PS over K in order into fp32, + bias, rounded to bf16 once. A row's result depends
+only on K and the weight: batch and thread invariant, not bitwise equal to oneDNN's GEMM; tests compare both
+with a float64 reference and the engine's greedy tokens with the plain layout's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.layers.linear import LinearMethodBase, packed_weight_of
+
+AMX_PACKED_LAYOUT = "amx_packed"
+
+# None: not checked yet; then whether the kernel is built, loaded, compiled with AMX, and the process may use AMX.
+_available: bool | None = None
+_linear_op: Any = None
+
+
+def amx_linear_available() -> bool:
+    """True when the native library is loaded (building it at first use) with its AMX kernel and Linux granted
+    this process the AMX tile state."""
+    global _available, _linear_op
+    if _available is None:
+        _available = False
+        if is_native_extension_available() and torch.ops.pagedserve.is_amx_linear_supported():
+            torch.library.register_fake("pagedserve::amx_linear")(_amx_linear_fake)
+            _linear_op = torch.ops.pagedserve.amx_linear.default
+            _available = True
+    return _available
+
+
+def _amx_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] bfloat16 weight in the kernel's tile-blocked layout (1-D, zero padded to whole tiles)."""
+    return torch.ops.pagedserve.amx_pack_weight(weight.detach())
+
+
+def amx_unpack(packed: torch.Tensor, output_size: int, input_size: int) -> torch.Tensor:
+    """The plain [output_size, input_size] weight back from `amx_pack`'s layout, bit for bit."""
+    return torch.ops.pagedserve.amx_unpack_weight(packed.detach(), output_size, input_size)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int) -> torch.Tensor:
+    """x @ W^T + b for bfloat16 x [..., K] on the CPU and W packed by `amx_pack`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return _linear_op(rows, packed, bias, output_size).view(*x.shape[:-1], output_size)
+
+
+class AmxPackedLinearMethod(LinearMethodBase):
+    """CPU, bfloat16: the weight lives in the AMX kernel's tile-blocked layout; every batch runs on the kernel."""
+
+    layout = AMX_PACKED_LAYOUT
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Replace the plain weight by its packed form (linear layers and untied LM heads)."""
+        if layer.weight.dim() == 1:
+            return  # already packed
+        # Replacing the Parameter frees the plain tensor: one copy of the weights stays in memory.
+        layer.weight = nn.Parameter(amx_pack(layer.weight), requires_grad=False)
+
+    def plain_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's weight unpacked to [output_size_per_partition, input_size_per_partition]."""
+        return amx_unpack(layer.weight, layer.output_size_per_partition, layer.input_size_per_partition)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return amx_linear(x, packed_weight_of(layer), bias, layer.output_size_per_partition)
+
+
+AMX_PACKED_LINEAR_METHOD = AmxPackedLinearMethod()
+
+__all__ = ["AMX_PACKED_LAYOUT", "AMX_PACKED_LINEAR_METHOD", "AmxPackedLinearMethod", "amx_linear",
+           "amx_linear_available", "amx_pack", "amx_unpack"]

@@ -1,0 +1,347 @@
+// bfloat16 linear on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight in a tile-blocked layout.
+//
+// Python side: layers/amx_linear.py. A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed
+// only 13-18 GB/s at M = 1..16 on this machine, an AVX512-BF16 dot-product loop ran out of compute from M = 4 on.
+// AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16] fp32 in one instruction,
+// so at decode sizes the loop is bound by the weight stream alone, and the same loop serves prefill sizes.
+//
+// Packed layout (`amx_pack_weight`): N is cut into blocks of 16 output columns and K into steps of 32 (both
+// zero-padded). A block's step is one B tile: 16 rows of K pairs, each row the 16 columns' (w[n][k], w[n][k+1])
+// pairs (the VNNI order TDPBF16PS reads), 1 KiB. Blocks are grouped four at a time (64 columns, one C tile each);
+// within a group the tiles run step-major (step 0 of blocks 0..3, step 1 of blocks 0..3, ...), so a group is one
+// contiguous stream read front to back. The last group may hold fewer blocks.
+//
+// Work split and numerics:
+// - Groups are split between torch's intra-op threads; each thread configures its own tiles.
+// - Rows of x are taken 16 at a time (one A tile); the tail block uses a tile of fewer rows.
+// - One output element: TDPBF16PS over the K steps in order into an fp32 tile row, + bias in fp32, rounded to
+//   bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
+//   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_AMX_LINEAR 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlockColumns = 16;                            // output columns per B tile
+constexpr int64_t kStepDepth = 32;                               // K elements per B tile (16 pairs)
+constexpr int64_t kTileElements = kBlockColumns * kStepDepth;    // 512 bf16 = 1 KiB
+constexpr int64_t kGroupBlocks = 4;                              // B tiles per group, one C tile each
+constexpr int64_t kGroupColumns = kGroupBlocks * kBlockColumns;  // 64
+constexpr int64_t kTileRows = 16;                                // rows of x per A tile
+constexpr int64_t kChunkRows = 256;                              // rows of x per task (L2-resident)
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#if defined(PAGEDSERVE_AMX_LINEAR)
+
+// The LDTILECFG operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C, rows x 16 fp32; tiles 4-5: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns.
+void configure_tiles(int64_t rows) {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette_id = 1;
+  for (int tile = 0; tile < 6; ++tile) {
+    config.rows[tile] = static_cast<uint8_t>(rows);
+    config.colsb[tile] = 64;
+  }
+  for (int tile = 6; tile < 8; ++tile) {
+    config.rows[tile] = 16;
+    config.colsb[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One row block against a whole group: C[rows x 16 * kBlocks] from one A tile and the group's kBlocks blocks,
+// over all K steps; stored to `out` (row stride kGroupColumns floats).
+template <int kBlocks>
+inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* group,
+                          int64_t num_steps, float* out) {
+  _tile_zero(0);
+  if (kBlocks > 1) _tile_zero(1);
+  if (kBlocks > 2) _tile_zero(2);
+  if (kBlocks > 3) _tile_zero(3);
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const at::BFloat16* b = group + step * kBlocks * kTileElements;
+    _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (kBlocks > 1) {
+      _tile_loadd(7, b + kTileElements, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (kBlocks > 2) {
+      _tile_loadd(6, b + 2 * kTileElements, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (kBlocks > 3) {
+      _tile_loadd(7, b + 3 * kTileElements, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  constexpr int64_t stride = kGroupColumns * sizeof(float);
+  _tile_stored(0, out, stride);
+  if (kBlocks > 1) _tile_stored(1, out + kBlockColumns, stride);
+  if (kBlocks > 2) _tile_stored(2, out + 2 * kBlockColumns, stride);
+  if (kBlocks > 3) _tile_stored(3, out + 3 * kBlockColumns, stride);
+}
+
+// Two full row blocks against kBlocks (1 or 2) blocks starting at block `first` of a group of `group_blocks`:
+// each B tile serves both A tiles (fewer tile loads per product than group_product, for larger batches).
+// Stored to `out` (row stride kGroupColumns floats) at columns first * 16.
+template <int kBlocks>
+inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* group,
+                             int64_t group_blocks, int64_t first, int64_t num_steps, float* out) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (kBlocks > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int64_t x_rows = kTileRows * x_stride_bytes / static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const at::BFloat16* b = group + (step * group_blocks + first) * kTileElements;
+    _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
+    _tile_loadd(5, x + x_rows + step * kStepDepth, x_stride_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (kBlocks > 1) {
+      _tile_loadd(7, b + kTileElements, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t stride = kGroupColumns * sizeof(float);
+  float* top = out + first * kBlockColumns;
+  float* bottom = top + kTileRows * kGroupColumns;
+  _tile_stored(0, top, stride);
+  _tile_stored(2, bottom, stride);
+  if (kBlocks > 1) {
+    _tile_stored(1, top + kBlockColumns, stride);
+    _tile_stored(3, bottom + kBlockColumns, stride);
+  }
+}
+
+// y[0:count] = bf16(values + bias), 16 columns at a time (VCVTNEPS2BF16 rounds to nearest even, as
+// at::BFloat16 does).
+inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
+  for (int64_t column = 0; column < count; column += kBlockColumns) {
+    const __mmask16 mask = count - column >= kBlockColumns ? static_cast<__mmask16>(0xFFFF)
+                                                           : static_cast<__mmask16>((1u << (count - column)) - 1u);
+    __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
+    if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
+    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
+    _mm256_mask_storeu_epi16(y + column, mask, rounded);
+  }
+}
+
+bool request_amx_permission() {
+  // Linux hands out the AMX tile state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM).
+  constexpr int kArchRequestPermission = 0x1023;
+  constexpr int kTileDataFeature = 18;
+  return syscall(SYS_arch_prctl, kArchRequestPermission, kTileDataFeature) == 0;
+}
+
+#endif  // PAGEDSERVE_AMX_LINEAR
+
+bool is_amx_linear_supported() {
+#if defined(PAGEDSERVE_AMX_LINEAR)
+  static const bool supported = request_amx_permission();
+  return supported;
+#else
+  return false;
+#endif
+}
+
+void check_supported(const char* op) {
+  TORCH_CHECK(is_amx_linear_supported(), op, ": this build or process has no AMX (is_amx_linear_supported() is "
+              "False here)");
+}
+
+int64_t packed_numel(int64_t n, int64_t k) { return ceil_div(n, kBlockColumns) * ceil_div(k, kStepDepth) * kTileElements; }
+
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
+  check_supported("amx_pack_weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "amx_pack_weight: a 2-D bfloat16 weight [N, K] expected, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  const at::Tensor plain = weight.contiguous();
+  const int64_t n = plain.size(0), k = plain.size(1);
+  const int64_t num_blocks = ceil_div(n, kBlockColumns), num_steps = ceil_div(k, kStepDepth);
+  at::Tensor packed = at::zeros({packed_numel(n, k)}, plain.options());
+  const at::BFloat16* source = plain.data_ptr<at::BFloat16>();
+  at::BFloat16* target = packed.data_ptr<at::BFloat16>();
+  const int64_t num_groups = ceil_div(num_blocks, kGroupBlocks);
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t first_block = group * kGroupBlocks;
+      const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - first_block);
+      at::BFloat16* group_base = target + first_block * num_steps * kTileElements;
+      for (int64_t step = 0; step < num_steps; ++step)
+        for (int64_t block = 0; block < group_blocks; ++block) {
+          at::BFloat16* tile = group_base + (step * group_blocks + block) * kTileElements;
+          for (int64_t column = 0; column < kBlockColumns; ++column) {
+            const int64_t row = (first_block + block) * kBlockColumns + column;
+            if (row >= n) break;
+            for (int64_t depth = 0; depth < kStepDepth; ++depth) {
+              const int64_t col = step * kStepDepth + depth;
+              if (col >= k) break;
+              // VNNI order: tile row = K pair, then column, then the pair's element.
+              tile[(depth / 2) * 2 * kBlockColumns + column * 2 + depth % 2] = source[row * k + col];
+            }
+          }
+        }
+    }
+  });
+  return packed;
+}
+
+at::Tensor amx_unpack_weight(const at::Tensor& packed, int64_t n, int64_t k) {
+  check_supported("amx_unpack_weight");
+  TORCH_CHECK(packed.dim() == 1 && packed.numel() == packed_numel(n, k) && packed.scalar_type() == at::kBFloat16,
+              "amx_unpack_weight: a packed bfloat16 weight of ", packed_numel(n, k), " values expected for [", n,
+              ", ", k, "], got ", packed.sizes(), " ", packed.scalar_type());
+  const int64_t num_blocks = ceil_div(n, kBlockColumns), num_steps = ceil_div(k, kStepDepth);
+  at::Tensor plain = at::empty({n, k}, packed.options());
+  const at::BFloat16* source = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* target = plain.data_ptr<at::BFloat16>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t block = row / kBlockColumns, column = row % kBlockColumns;
+    const int64_t group = block / kGroupBlocks, first_block = group * kGroupBlocks;
+    const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - first_block);
+    const at::BFloat16* group_base = source + first_block * num_steps * kTileElements;
+    for (int64_t col = 0; col < k; ++col) {
+      const int64_t step = col / kStepDepth, depth = col % kStepDepth;
+      const at::BFloat16* tile = group_base + (step * group_blocks + (block - first_block)) * kTileElements;
+      target[row * k + col] = tile[(depth / 2) * 2 * kBlockColumns + column * 2 + depth % 2];
+    }
+  }
+  return plain;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n) {
+  check_supported("amx_linear");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "amx_linear: x [M, K] bfloat16 with unit column stride expected, got ", x.sizes(), " ",
+              x.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.dim() == 1 && packed.numel() == packed_numel(n, k) && packed.scalar_type() == at::kBFloat16,
+              "amx_linear: the packed weight holds ", packed.numel(), " values; [", n, ", ", k, "] packs to ",
+              packed_numel(n, k));
+  at::Tensor bias_float;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_linear: a bias of ", n, " values expected, got ",
+                bias->sizes());
+    bias_float = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+#if defined(PAGEDSERVE_AMX_LINEAR)
+  const int64_t num_steps = ceil_div(k, kStepDepth);
+  // The A tile reads whole 32-element steps: a K that is not a multiple of 32 reads x through a zero-padded copy.
+  at::Tensor x_padded = x;
+  if (k % kStepDepth != 0) {
+    x_padded = at::zeros({m, num_steps * kStepDepth}, x.options());
+    x_padded.narrow(1, 0, k).copy_(x);
+  }
+  const at::BFloat16* x_data = x_padded.data_ptr<at::BFloat16>();
+  const int64_t x_stride_bytes = x_padded.stride(0) * static_cast<int64_t>(sizeof(at::BFloat16));
+  const at::BFloat16* weight = packed.data_ptr<at::BFloat16>();
+  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
+  at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
+  const int64_t num_blocks = ceil_div(n, kBlockColumns);
+  const int64_t num_groups = ceil_div(num_blocks, kGroupBlocks);
+  // Tasks: (chunk of up to kChunkRows rows, group), chunk-major. A chunk's rows of x stay in L2 while the
+  // task streams its group's weights; at decode sizes (one chunk) the threads split the weight stream.
+  const int64_t num_chunks = ceil_div(m, kChunkRows);
+  at::parallel_for(0, num_chunks * num_groups, 1, [&](int64_t begin, int64_t end) {
+    // The chunk's results for one group, before bias and rounding (64 KiB).
+    alignas(64) float out[kChunkRows * kGroupColumns];
+    int64_t configured_rows = 0;  // the tiles' configuration in this thread (0: none yet)
+    const auto configure = [&](int64_t rows) {
+      if (rows != configured_rows) {
+        configure_tiles(rows);
+        configured_rows = rows;
+      }
+    };
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task / num_groups, group = task % num_groups;
+      const int64_t first_block = group * kGroupBlocks;
+      const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - first_block);
+      const at::BFloat16* group_weight = weight + first_block * num_steps * kTileElements;
+      const int64_t first_column = first_block * kBlockColumns;
+      const int64_t num_columns = std::min(group_blocks * kBlockColumns, n - first_column);
+      const int64_t chunk_begin = chunk * kChunkRows, chunk_end = std::min(m, chunk_begin + kChunkRows);
+      const at::BFloat16* x_chunk = x_data + chunk_begin * x_padded.stride(0);
+      // Pairs of full row blocks, two blocks of columns at a time: the columns' B tiles (2 KiB per K step) stay
+      // in L1 while the row pairs go by.
+      const int64_t num_pair_rows = (chunk_end - chunk_begin) / (2 * kTileRows) * (2 * kTileRows);
+      if (num_pair_rows > 0) configure(kTileRows);
+      for (int64_t first = 0; first < group_blocks && num_pair_rows > 0; first += 2)
+        for (int64_t row = 0; row < num_pair_rows; row += 2 * kTileRows) {
+          const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
+          float* out_rows = out + row * kGroupColumns;
+          if (first + 1 < group_blocks)
+            row_pair_product<2>(x_rows, x_stride_bytes, group_weight, group_blocks, first, num_steps, out_rows);
+          else
+            row_pair_product<1>(x_rows, x_stride_bytes, group_weight, group_blocks, first, num_steps, out_rows);
+        }
+      // The other rows (all of them at decode sizes) in blocks of up to 16, against the whole group.
+      for (int64_t row = num_pair_rows; row < chunk_end - chunk_begin; row += kTileRows) {
+        configure(std::min(kTileRows, chunk_end - chunk_begin - row));
+        const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
+        float* out_rows = out + row * kGroupColumns;
+        switch (group_blocks) {
+          case 4: group_product<4>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
+          case 3: group_product<3>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
+          case 2: group_product<2>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
+          default: group_product<1>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
+        }
+      }
+      for (int64_t row = chunk_begin; row < chunk_end; ++row)
+        store_row(out + (row - chunk_begin) * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
+                  num_columns, y_data + row * n + first_column);
+    }
+    if (configured_rows != 0) _tile_release();
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_unpack_weight(Tensor packed, int n, int k) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // No tensor arguments to dispatch on: a catch-all kernel.
+  m.def("is_amx_linear_supported() -> bool", &is_amx_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("amx_pack_weight", &amx_pack_weight);
+  m.impl("amx_unpack_weight", &amx_unpack_weight);
+  m.impl("amx_linear", &amx_linear);
+}
