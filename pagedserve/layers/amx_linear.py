@@ -60,6 +60,8 @@ def amx_unpack(packed: torch.Tensor, output_size: int, input_size: int) -> torch
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int) -> torch.Tensor:
     """x @ W^T + b for bfloat16 x [..., K] on the CPU and W packed by `amx_pack`."""
+    if x.dim() == 2 and x.stride(1) == 1:  # the model's case: [num_tokens, K]; skips ~4 us of reshapes per call
+        return _linear_op(x, packed, bias, output_size)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

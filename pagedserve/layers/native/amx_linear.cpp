@@ -12,8 +12,10 @@
 // contiguous stream read front to back. The last group may hold fewer blocks.
 //
 // Work split and numerics:
-// - Groups are split between torch's intra-op threads; each thread configures its own tiles.
-// - Rows of x are taken 16 at a time (one A tile); the tail block uses a tile of fewer rows.
+// - Blocks of 16 columns (per chunk of 256 rows of x) are split evenly between torch's intra-op threads; each
+//   thread configures its own tiles.
+// - Rows of x are taken 32 at a time (two A tiles sharing each B tile) while 32 are left, then 16 at a time (one
+//   A tile against up to four B tiles); the last block uses a tile of fewer rows.
 // - One output element: TDPBF16PS over the K steps in order into an fp32 tile row, + bias in fp32, rounded to
 //   bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
 //   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
@@ -72,17 +74,18 @@ void configure_tiles(int64_t rows) {
   _tile_loadconfig(&config);
 }
 
-// One row block against a whole group: C[rows x 16 * kBlocks] from one A tile and the group's kBlocks blocks,
-// over all K steps; stored to `out` (row stride kGroupColumns floats).
+// One row block against kBlocks consecutive blocks of a group: C[rows x 16 * kBlocks] from one A tile, over all
+// K steps. `b` is the first block's tile of step 0; a step's tiles are `step_stride` elements apart (the group's
+// blocks x 1 KiB). Stored to `out` (row stride kGroupColumns floats).
 template <int kBlocks>
-inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* group,
-                          int64_t num_steps, float* out) {
+inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
+                          int64_t step_stride, int64_t num_steps, float* out) {
   _tile_zero(0);
   if (kBlocks > 1) _tile_zero(1);
   if (kBlocks > 2) _tile_zero(2);
   if (kBlocks > 3) _tile_zero(3);
   for (int64_t step = 0; step < num_steps; ++step) {
-    const at::BFloat16* b = group + step * kBlocks * kTileElements;
+    const at::BFloat16* b = b_first + step * step_stride;
     _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -106,12 +109,12 @@ inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const a
   if (kBlocks > 3) _tile_stored(3, out + 3 * kBlockColumns, stride);
 }
 
-// Two full row blocks against kBlocks (1 or 2) blocks starting at block `first` of a group of `group_blocks`:
-// each B tile serves both A tiles (fewer tile loads per product than group_product, for larger batches).
-// Stored to `out` (row stride kGroupColumns floats) at columns first * 16.
+// Two full row blocks against kBlocks (1 or 2) consecutive blocks (`b_first`, `step_stride` as in
+// group_product): each B tile serves both A tiles (fewer tile loads per product, for larger batches). Stored
+// to `out` (row stride kGroupColumns floats).
 template <int kBlocks>
-inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* group,
-                             int64_t group_blocks, int64_t first, int64_t num_steps, float* out) {
+inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
+                             int64_t step_stride, int64_t num_steps, float* out) {
   _tile_zero(0);
   _tile_zero(2);
   if (kBlocks > 1) {
@@ -120,7 +123,7 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
   }
   const int64_t x_rows = kTileRows * x_stride_bytes / static_cast<int64_t>(sizeof(at::BFloat16));
   for (int64_t step = 0; step < num_steps; ++step) {
-    const at::BFloat16* b = group + (step * group_blocks + first) * kTileElements;
+    const at::BFloat16* b = b_first + step * step_stride;
     _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
     _tile_loadd(5, x + x_rows + step * kStepDepth, x_stride_bytes);
     _tile_loadd(6, b, 64);
@@ -133,7 +136,7 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
     }
   }
   constexpr int64_t stride = kGroupColumns * sizeof(float);
-  float* top = out + first * kBlockColumns;
+  float* top = out;
   float* bottom = top + kTileRows * kGroupColumns;
   _tile_stored(0, top, stride);
   _tile_stored(2, bottom, stride);
@@ -273,11 +276,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
   const int64_t num_blocks = ceil_div(n, kBlockColumns);
   const int64_t num_groups = ceil_div(num_blocks, kGroupBlocks);
-  // Tasks: (chunk of up to kChunkRows rows, group), chunk-major. A chunk's rows of x stay in L2 while the
-  // task streams its group's weights; at decode sizes (one chunk) the threads split the weight stream.
+  // Work units: (chunk of up to kChunkRows rows, block of 16 columns), chunk-major, split evenly between the
+  // threads. A chunk's rows of x stay in L2 while a thread streams its blocks' weights; at decode sizes (one
+  // chunk) the threads split the weight stream block by block.
   const int64_t num_chunks = ceil_div(m, kChunkRows);
-  at::parallel_for(0, num_chunks * num_groups, 1, [&](int64_t begin, int64_t end) {
-    // The chunk's results for one group, before bias and rounding (64 KiB).
+  at::parallel_for(0, num_chunks * num_blocks, 1, [&](int64_t begin, int64_t end) {
+    // One chunk's results for up to one group of blocks, before bias and rounding (64 KiB).
     alignas(64) float out[kChunkRows * kGroupColumns];
     int64_t configured_rows = 0;  // the tiles' configuration in this thread (0: none yet)
     const auto configure = [&](int64_t rows) {
@@ -286,43 +290,49 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
         configured_rows = rows;
       }
     };
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task / num_groups, group = task % num_groups;
-      const int64_t first_block = group * kGroupBlocks;
-      const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - first_block);
-      const at::BFloat16* group_weight = weight + first_block * num_steps * kTileElements;
-      const int64_t first_column = first_block * kBlockColumns;
-      const int64_t num_columns = std::min(group_blocks * kBlockColumns, n - first_column);
-      const int64_t chunk_begin = chunk * kChunkRows, chunk_end = std::min(m, chunk_begin + kChunkRows);
+    for (int64_t unit = begin; unit < end;) {
+      // This thread's blocks [first, last) of one group, for one chunk.
+      const int64_t chunk = unit / num_blocks, block = unit % num_blocks;
+      const int64_t group_first_block = block / kGroupBlocks * kGroupBlocks;
+      const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - group_first_block);
+      const int64_t first = block - group_first_block;
+      const int64_t last = std::min(group_blocks, first + (end - unit));
+      unit += last - first;
+      const int64_t step_stride = group_blocks * kTileElements;
+      const at::BFloat16* b_first = weight + group_first_block * num_steps * kTileElements + first * kTileElements;
+      const int64_t first_column = (group_first_block + first) * kBlockColumns;
+      const int64_t num_columns = std::min((last - first) * kBlockColumns, n - first_column);
+      const int64_t chunk_begin = chunk * kChunkRows, chunk_rows = std::min(m, chunk_begin + kChunkRows) - chunk_begin;
       const at::BFloat16* x_chunk = x_data + chunk_begin * x_padded.stride(0);
       // Pairs of full row blocks, two blocks of columns at a time: the columns' B tiles (2 KiB per K step) stay
       // in L1 while the row pairs go by.
-      const int64_t num_pair_rows = (chunk_end - chunk_begin) / (2 * kTileRows) * (2 * kTileRows);
+      const int64_t num_pair_rows = chunk_rows / (2 * kTileRows) * (2 * kTileRows);
       if (num_pair_rows > 0) configure(kTileRows);
-      for (int64_t first = 0; first < group_blocks && num_pair_rows > 0; first += 2)
+      for (int64_t pair = first; pair < last && num_pair_rows > 0; pair += 2)
         for (int64_t row = 0; row < num_pair_rows; row += 2 * kTileRows) {
           const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
-          float* out_rows = out + row * kGroupColumns;
-          if (first + 1 < group_blocks)
-            row_pair_product<2>(x_rows, x_stride_bytes, group_weight, group_blocks, first, num_steps, out_rows);
+          const at::BFloat16* b = b_first + (pair - first) * kTileElements;
+          float* out_rows = out + row * kGroupColumns + (pair - first) * kBlockColumns;
+          if (pair + 1 < last)
+            row_pair_product<2>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_rows);
           else
-            row_pair_product<1>(x_rows, x_stride_bytes, group_weight, group_blocks, first, num_steps, out_rows);
+            row_pair_product<1>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_rows);
         }
-      // The other rows (all of them at decode sizes) in blocks of up to 16, against the whole group.
-      for (int64_t row = num_pair_rows; row < chunk_end - chunk_begin; row += kTileRows) {
-        configure(std::min(kTileRows, chunk_end - chunk_begin - row));
+      // The other rows (all of them at decode sizes) in blocks of up to 16, against all the blocks at once.
+      for (int64_t row = num_pair_rows; row < chunk_rows; row += kTileRows) {
+        configure(std::min(kTileRows, chunk_rows - row));
         const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
         float* out_rows = out + row * kGroupColumns;
-        switch (group_blocks) {
-          case 4: group_product<4>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
-          case 3: group_product<3>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
-          case 2: group_product<2>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
-          default: group_product<1>(x_rows, x_stride_bytes, group_weight, num_steps, out_rows); break;
+        switch (last - first) {
+          case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
+          case 3: group_product<3>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
+          case 2: group_product<2>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
+          default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
         }
       }
-      for (int64_t row = chunk_begin; row < chunk_end; ++row)
-        store_row(out + (row - chunk_begin) * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
-                  num_columns, y_data + row * n + first_column);
+      for (int64_t row = 0; row < chunk_rows; ++row)
+        store_row(out + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr, num_columns,
+                  y_data + (chunk_begin + row) * n + first_column);
     }
     if (configured_rows != 0) _tile_release();
   });
