@@ -14,8 +14,8 @@
 // Work split and numerics:
 // - Blocks of 16 columns (per chunk of 256 rows of x) are split evenly between torch's intra-op threads; each
 //   thread configures its own tiles.
-// - Rows of x are taken 32 at a time (two A tiles sharing each B tile) while 32 are left, then 16 at a time (one
-//   A tile against up to four B tiles); the last block uses a tile of fewer rows.
+// - Rows of x are taken 16 at a time (one A tile against up to four B tiles); the last block uses a tile of
+//   fewer rows. Beyond 16 rows, each row block prefetches a share of the next group's weights.
 // - One output element: TDPBF16PS over the K steps in order into an fp32 tile row, + bias in fp32, rounded to
 //   bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
 //   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
@@ -58,7 +58,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: C, rows x 16 fp32; tiles 4-5: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns.
+// Tiles 0-3: C, rows x 16 fp32; tile 4: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns (tile 5 unused).
 void configure_tiles(int64_t rows) {
   TileConfig config;
   std::memset(&config, 0, sizeof(config));
@@ -75,17 +75,21 @@ void configure_tiles(int64_t rows) {
 }
 
 // One row block against kBlocks consecutive blocks of a group: C[rows x 16 * kBlocks] from one A tile, over all
-// K steps. `b` is the first block's tile of step 0; a step's tiles are `step_stride` elements apart (the group's
-// blocks x 1 KiB). Stored to `out` (row stride kGroupColumns floats).
+// K steps. `b_first` is the first block's tile of step 0; a step's tiles are `step_stride` elements apart (the
+// group's blocks x 1 KiB). Stored to `out` (row stride kGroupColumns floats). Each step also prefetches
+// `prefetch_lines` cache lines from `prefetch` on (see amx_linear).
 template <int kBlocks>
 inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
-                          int64_t step_stride, int64_t num_steps, float* out) {
+                          int64_t step_stride, int64_t num_steps, float* out, const char* prefetch,
+                          int64_t prefetch_lines) {
   _tile_zero(0);
   if (kBlocks > 1) _tile_zero(1);
   if (kBlocks > 2) _tile_zero(2);
   if (kBlocks > 3) _tile_zero(3);
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* b = b_first + step * step_stride;
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T0);
+    prefetch += prefetch_lines * 64;
     _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -107,43 +111,6 @@ inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const a
   if (kBlocks > 1) _tile_stored(1, out + kBlockColumns, stride);
   if (kBlocks > 2) _tile_stored(2, out + 2 * kBlockColumns, stride);
   if (kBlocks > 3) _tile_stored(3, out + 3 * kBlockColumns, stride);
-}
-
-// Two full row blocks against kBlocks (1 or 2) consecutive blocks (`b_first`, `step_stride` as in
-// group_product): each B tile serves both A tiles (fewer tile loads per product, for larger batches). Stored
-// to `out` (row stride kGroupColumns floats).
-template <int kBlocks>
-inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
-                             int64_t step_stride, int64_t num_steps, float* out) {
-  _tile_zero(0);
-  _tile_zero(2);
-  if (kBlocks > 1) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
-  const int64_t x_rows = kTileRows * x_stride_bytes / static_cast<int64_t>(sizeof(at::BFloat16));
-  for (int64_t step = 0; step < num_steps; ++step) {
-    const at::BFloat16* b = b_first + step * step_stride;
-    _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
-    _tile_loadd(5, x + x_rows + step * kStepDepth, x_stride_bytes);
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (kBlocks > 1) {
-      _tile_loadd(7, b + kTileElements, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  constexpr int64_t stride = kGroupColumns * sizeof(float);
-  float* top = out;
-  float* bottom = top + kTileRows * kGroupColumns;
-  _tile_stored(0, top, stride);
-  _tile_stored(2, bottom, stride);
-  if (kBlocks > 1) {
-    _tile_stored(1, top + kBlockColumns, stride);
-    _tile_stored(3, bottom + kBlockColumns, stride);
-  }
 }
 
 // y[0:count] = bf16(values + bias), 16 columns at a time (VCVTNEPS2BF16 rounds to nearest even, as
@@ -304,30 +271,29 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
       const int64_t num_columns = std::min((last - first) * kBlockColumns, n - first_column);
       const int64_t chunk_begin = chunk * kChunkRows, chunk_rows = std::min(m, chunk_begin + kChunkRows) - chunk_begin;
       const at::BFloat16* x_chunk = x_data + chunk_begin * x_padded.stride(0);
-      // Pairs of full row blocks, two blocks of columns at a time: the columns' B tiles (2 KiB per K step) stay
-      // in L1 while the row pairs go by.
-      const int64_t num_pair_rows = chunk_rows / (2 * kTileRows) * (2 * kTileRows);
-      if (num_pair_rows > 0) configure(kTileRows);
-      for (int64_t pair = first; pair < last && num_pair_rows > 0; pair += 2)
-        for (int64_t row = 0; row < num_pair_rows; row += 2 * kTileRows) {
-          const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
-          const at::BFloat16* b = b_first + (pair - first) * kTileElements;
-          float* out_rows = out + row * kGroupColumns + (pair - first) * kBlockColumns;
-          if (pair + 1 < last)
-            row_pair_product<2>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_rows);
-          else
-            row_pair_product<1>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_rows);
-        }
-      // The other rows (all of them at decode sizes) in blocks of up to 16, against all the blocks at once.
-      for (int64_t row = num_pair_rows; row < chunk_rows; row += kTileRows) {
+      // Rows in blocks of up to 16 (one A tile) against all the blocks at once. The first row block streams the
+      // blocks' weights from memory; the others find them in L2 and would leave the memory idle, so every row
+      // block also prefetches its share of the bytes that follow (the next group's weights, which this thread
+      // most likely reads next).
+      const int64_t num_row_blocks = ceil_div(chunk_rows, kTileRows);
+      const char* next = reinterpret_cast<const char*>(b_first - first * kTileElements + num_steps * step_stride);
+      const int64_t prefetch_lines =
+          num_row_blocks == 1 ? 0 : ceil_div(kGroupBlocks * kTileElements * 2 / 64, num_row_blocks);
+      for (int64_t row_block = 0; row_block < num_row_blocks; ++row_block) {
+        const int64_t row = row_block * kTileRows;
         configure(std::min(kTileRows, chunk_rows - row));
         const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
         float* out_rows = out + row * kGroupColumns;
+        const char* prefetch = next + row_block * prefetch_lines * num_steps * 64;
         switch (last - first) {
-          case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
-          case 3: group_product<3>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
-          case 2: group_product<2>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
-          default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows); break;
+          case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                   prefetch_lines); break;
+          case 3: group_product<3>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                   prefetch_lines); break;
+          case 2: group_product<2>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                   prefetch_lines); break;
+          default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                    prefetch_lines); break;
         }
       }
       for (int64_t row = 0; row < chunk_rows; ++row)
