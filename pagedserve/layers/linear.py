@@ -54,8 +54,9 @@ UNQUANTIZED_LINEAR_METHOD = UnquantizedLinearMethod()
 
 def packed_weight_of(layer: nn.Module) -> torch.Tensor:
     """The tensor a packed-layout method computes with: the layer's `packed_weight` where it has one (a tied LM
-    head keeps a packed copy next to the plain table its embedding reads), else `weight` itself."""
-    packed = getattr(layer, "packed_weight", None)
+    head keeps a packed copy next to the plain table its embedding reads), else `weight` itself. `layer` is a
+    LinearBase or a ParallelLMHead (both carry `packed_weight`)."""
+    packed = layer.packed_weight
     return layer.weight if packed is None else packed
 
 
@@ -87,6 +88,10 @@ class LinearBase(nn.Module):
         # Set by owners that read `weight` outside this layer's forward (e.g. MLA's kv_b_proj): a layout
         # transform then keeps the plain weight as it is.
         self.weight_read_elsewhere = False
+        # A packed copy next to a plain `weight` (only tied LM heads keep one; a linear's packed layouts replace
+        # `weight`). An attribute on every layer, so the per-call lookup never falls back to nn.Module's slow
+        # __getattr__.
+        self.packed_weight: torch.Tensor | None = None
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
         # Parameters are filled by the loader, so they start uninitialised (no wasted init pass).
         self.weight = nn.Parameter(

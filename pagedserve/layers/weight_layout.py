@@ -169,7 +169,7 @@ def _restore_plain_weight(module: nn.Module) -> None:
     """Put the plain [out, in] weight back where a packed layout replaced it, and drop a packed copy."""
     if module.weight.is_mkldnn:
         plain = module.weight.detach().to_dense()
-    elif module.linear_method is AMX_PACKED_LINEAR_METHOD and getattr(module, "packed_weight", None) is None:
+    elif module.linear_method is AMX_PACKED_LINEAR_METHOD and module.packed_weight is None:
         plain = AMX_PACKED_LINEAR_METHOD.plain_weight(module)
     else:
         plain = None
@@ -177,8 +177,7 @@ def _restore_plain_weight(module: nn.Module) -> None:
         weight = nn.Parameter(plain, requires_grad=False)
         weight.weight_loader = module.weight_loader
         module.weight = weight
-    if isinstance(module, ParallelLMHead):
-        module.packed_weight = None
+    module.packed_weight = None
 
 
 def apply_weight_layout(model: nn.Module, layout: str) -> int:
