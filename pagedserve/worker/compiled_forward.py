@@ -82,6 +82,10 @@ class CompiledForward:
             with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit * 4,
                                             automatic_dynamic_shapes=self.config.dynamic_shapes), \
                     set_forward_context(None):
+                # One eager forward first: the layers' lazy one-time set-up (loading the native kernels, asking
+                # what the CPU supports) takes locks and reads files, which Dynamo cannot trace.
+                with attention_layers_in_use(self.layers), padded_num_tokens(self.sizes[0]):
+                    self.model(self.input_ids_buffer[:self.sizes[0]], self.positions_buffer[:self.sizes[0]])
                 # Largest first: with a symbolic token dimension, the trace is at a size > 1.
                 for size in reversed(self.sizes):
                     self._run_padded(size, size, mark_dynamic=self.config.dynamic_shapes)

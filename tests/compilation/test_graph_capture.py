@@ -23,6 +23,14 @@ from pagedserve.config.compilation import CompilationConfig, default_capture_siz
 from pagedserve.worker.compiled_forward import CompiledForward, padded_size
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Dynamo keeps compiled frames per code object (every engine's model forward shares one) and counts
+    recompiles across engines: without a reset, a test's outcome would depend on how many engines the tests
+    before it compiled."""
+    torch._dynamo.reset()
 LADDER = [2, 4, 8, 16]
 
 
@@ -130,6 +138,17 @@ def test_capture_failure_falls_back_to_eager_with_warning(tiny_model_dir, tmp_pa
     assert isinstance(forward, CompiledForward) and not forward.is_compiled
     assert _generate(llm, prompts) == _generate(_engine(folder, enforce_eager=True), prompts)
     assert forward.num_compiled_steps == 0
+
+
+def test_capture_succeeds_before_any_layer_checked_the_native_kernels(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """The layers' first call loads the native kernels under a lock, which Dynamo cannot trace: capture runs one
+    eager forward first (in a fresh process the first forward used to be the traced one, and capture fell back
+    to eager)."""
+    from pagedserve.layers import native_elementwise
+
+    monkeypatch.setattr(native_elementwise, "_available", None)  # as in a fresh process
+    llm = _engine(tiny_model_dir("llama"), _compiled(tmp_path))
+    assert _forward(llm).is_compiled
 
 
 class RecordingLayer(nn.Module):
