@@ -80,7 +80,7 @@ void configure_tiles(int64_t rows) {
 // `prefetch_lines` cache lines from `prefetch` on (see amx_linear).
 template <int kBlocks>
 inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
-                          int64_t step_stride, int64_t num_steps, float* out, const char* prefetch,
+                          int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
                           int64_t prefetch_lines) {
   _tile_zero(0);
   if (kBlocks > 1) _tile_zero(1);
@@ -111,6 +111,45 @@ inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const a
   if (kBlocks > 1) _tile_stored(1, out + kBlockColumns, stride);
   if (kBlocks > 2) _tile_stored(2, out + 2 * kBlockColumns, stride);
   if (kBlocks > 3) _tile_stored(3, out + 3 * kBlockColumns, stride);
+}
+
+// Two full row blocks against kBlocks (1 or 2) consecutive blocks (`b_first`, `step_stride` as in group_product):
+// each B tile serves both A tiles (fewer tile loads per product than group_product, for larger batches). Stored
+// to `out` (row stride kGroupColumns floats); prefetches as group_product.
+template <int kBlocks>
+inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, const at::BFloat16* b_first,
+                             int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
+                             int64_t prefetch_lines) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (kBlocks > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const at::BFloat16* x_lower = x + kTileRows * x_stride_bytes / static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const at::BFloat16* b = b_first + step * step_stride;
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T0);
+    prefetch += prefetch_lines * 64;
+    _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
+    _tile_loadd(5, x_lower + step * kStepDepth, x_stride_bytes);
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (kBlocks > 1) {
+      _tile_loadd(7, b + kTileElements, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t stride = kGroupColumns * sizeof(float);
+  float* lower = out + kTileRows * kGroupColumns;
+  _tile_stored(0, out, stride);
+  _tile_stored(2, lower, stride);
+  if (kBlocks > 1) {
+    _tile_stored(1, out + kBlockColumns, stride);
+    _tile_stored(3, lower + kBlockColumns, stride);
+  }
 }
 
 // y[0:count] = bf16(values + bias), 16 columns at a time (VCVTNEPS2BF16 rounds to nearest even, as
@@ -279,12 +318,27 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
       const char* next = reinterpret_cast<const char*>(b_first - first * kTileElements + num_steps * step_stride);
       const int64_t prefetch_lines =
           num_row_blocks == 1 ? 0 : ceil_div(kGroupBlocks * kTileElements * 2 / 64, num_row_blocks);
-      for (int64_t row_block = 0; row_block < num_row_blocks; ++row_block) {
-        const int64_t row = row_block * kTileRows;
-        configure(std::min(kTileRows, chunk_rows - row));
+      const char* prefetch = next;
+      for (int64_t row = 0; row < chunk_rows;) {
         const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
         float* out_rows = out + row * kGroupColumns;
-        const char* prefetch = next + row_block * prefetch_lines * num_steps * 64;
+        if (chunk_rows - row >= 2 * kTileRows) {
+          // Two full row blocks, two blocks of columns at a time.
+          configure(kTileRows);
+          for (int64_t pair = first; pair < last; pair += 2) {
+            const at::BFloat16* b = b_first + (pair - first) * kTileElements;
+            float* out_pair = out_rows + (pair - first) * kBlockColumns;
+            if (pair + 1 < last)
+              row_pair_product<2>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
+                                  prefetch_lines / 2);
+            else
+              row_pair_product<1>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
+                                  prefetch_lines / 2);
+          }
+          row += 2 * kTileRows;
+          continue;
+        }
+        configure(std::min(kTileRows, chunk_rows - row));
         switch (last - first) {
           case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
                                    prefetch_lines); break;
@@ -295,6 +349,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
           default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
                                     prefetch_lines); break;
         }
+        row += kTileRows;
       }
       for (int64_t row = 0; row < chunk_rows; ++row)
         store_row(out + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr, num_columns,
