@@ -1,9 +1,10 @@
 // bfloat16 linear on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight in a tile-blocked layout.
 //
 // Python side: layers/amx_linear.py. A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed
-// only 13-18 GB/s at M = 1..16 on this machine, an AVX512-BF16 dot-product loop ran out of compute from M = 4 on.
+// only 13-19 GB/s at M = 1..16 on this machine, an AVX512-BF16 dot-product loop ran out of compute from M = 4 on.
 // AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16] fp32 in one instruction,
-// so at decode sizes the loop is bound by the weight stream alone, and the same loop serves prefill sizes.
+// so at decode sizes the loop is bound by the weight stream alone (25-28 GB/s), and the same loop serves prefill
+// sizes (there oneDNN's blocking is still ahead for some shapes: benchmarks/amx_linear.py).
 //
 // Packed layout (`amx_pack_weight`): N is cut into blocks of 16 output columns and K into steps of 32 (both
 // zero-padded). A block's step is one B tile: 16 rows of K pairs, each row the 16 columns' (w[n][k], w[n][k+1])
@@ -14,8 +15,10 @@
 // Work split and numerics:
 // - Blocks of 16 columns (per chunk of 256 rows of x) are split evenly between torch's intra-op threads; each
 //   thread configures its own tiles.
-// - Rows of x are taken 16 at a time (one A tile against up to four B tiles); the last block uses a tile of
-//   fewer rows. Beyond 16 rows, each row block prefetches a share of the next group's weights.
+// - Rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C tiles),
+//   then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows. Beyond
+//   16 rows the weights are read from L2 again for every row block, so each row block also prefetches a share of
+//   the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows).
 // - One output element: TDPBF16PS over the K steps in order into an fp32 tile row, + bias in fp32, rounded to
 //   bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
 //   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
@@ -58,7 +61,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-3: C, rows x 16 fp32; tile 4: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns (tile 5 unused).
+// Tiles 0-3: C, rows x 16 fp32; tiles 4-5: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns.
 void configure_tiles(int64_t rows) {
   TileConfig config;
   std::memset(&config, 0, sizeof(config));
@@ -310,10 +313,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
       const int64_t num_columns = std::min((last - first) * kBlockColumns, n - first_column);
       const int64_t chunk_begin = chunk * kChunkRows, chunk_rows = std::min(m, chunk_begin + kChunkRows) - chunk_begin;
       const at::BFloat16* x_chunk = x_data + chunk_begin * x_padded.stride(0);
-      // Rows in blocks of up to 16 (one A tile) against all the blocks at once. The first row block streams the
-      // blocks' weights from memory; the others find them in L2 and would leave the memory idle, so every row
-      // block also prefetches its share of the bytes that follow (the next group's weights, which this thread
-      // most likely reads next).
+      // The first row block (or pair) streams the blocks' weights from memory; the others find them in L2 and
+      // would leave the memory idle, so every row block also prefetches its share of the bytes that follow (the
+      // next group's weights, which this thread most likely reads next).
       const int64_t num_row_blocks = ceil_div(chunk_rows, kTileRows);
       const char* next = reinterpret_cast<const char*>(b_first - first * kTileElements + num_steps * step_stride);
       const int64_t prefetch_lines =
@@ -323,17 +325,17 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
         const at::BFloat16* x_rows = x_chunk + row * x_padded.stride(0);
         float* out_rows = out + row * kGroupColumns;
         if (chunk_rows - row >= 2 * kTileRows) {
-          // Two full row blocks, two blocks of columns at a time.
+          // Two full row blocks, against two blocks of columns at a time.
           configure(kTileRows);
           for (int64_t pair = first; pair < last; pair += 2) {
             const at::BFloat16* b = b_first + (pair - first) * kTileElements;
             float* out_pair = out_rows + (pair - first) * kBlockColumns;
             if (pair + 1 < last)
               row_pair_product<2>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
-                                  prefetch_lines / 2);
+                                  prefetch_lines);
             else
               row_pair_product<1>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
-                                  prefetch_lines / 2);
+                                  prefetch_lines);
           }
           row += 2 * kTileRows;
           continue;
