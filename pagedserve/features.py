@@ -224,15 +224,18 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/model_loader/test_load_strategies.py",),
     ),
     Feature(
-        line="model", family="weight layout", feature="per-platform linear weight layout at load: oneDNN "
-                                                     "prepacked weights and LM head on the CPU (auto in "
-                                                     "bfloat16), bit-exact unpack, torch.compile-traceable; "
-                                                     "float32 decode batches on a native streaming kernel "
-                                                     "(plain_native, auto in float32)",
-        modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear", "pagedserve.layers.small_batch_linear"),
+        line="model", family="weight layout", feature="per-platform linear weight layout at load: bf16 weights "
+                                                     "and LM head tile-packed for a native AMX kernel "
+                                                     "(amx_packed, auto in bfloat16 on CPUs with AMX) or "
+                                                     "prepacked for oneDNN, bit-exact unpack, "
+                                                     "torch.compile-traceable; float32 decode batches on a "
+                                                     "native streaming kernel (plain_native, auto in float32)",
+        modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear", "pagedserve.layers.small_batch_linear",
+                 "pagedserve.layers.amx_linear"),
         knobs=("weight_layout",),
         docs="docs/params-06-weight-loading.md",
-        tests=("tests/layers/test_weight_layout.py", "tests/layers/test_small_batch_linear.py"),
+        tests=("tests/layers/test_weight_layout.py", "tests/layers/test_small_batch_linear.py",
+               "tests/layers/test_amx_linear.py"),
     ),
     Feature(
         line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "
