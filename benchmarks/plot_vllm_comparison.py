@@ -35,7 +35,10 @@ def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, yl
     axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups, fontsize=8)
     axis.set_title(title, fontsize=9)
     axis.set_ylabel(ylabel, fontsize=8)
-    axis.legend(fontsize=7)
+    # Headroom above the tallest bar keeps the legend off the bars.
+    tallest = max((v for values in series.values() for v in values), default=0.0)
+    axis.set_ylim(0, tallest * 1.35 if tallest > 0 else 1.0)
+    axis.legend(fontsize=7, ncols=2)
 
 
 def main() -> None:
