@@ -98,6 +98,8 @@ def test_bad_arguments_raise_clear_errors() -> None:
         torch.ops.pagedserve.amx_linear(torch.randn(2, 64), packed, None, 32)
     with pytest.raises(RuntimeError, match=r"packed weight holds 2048 values; \[32, 96\] packs to 3072"):
         torch.ops.pagedserve.amx_linear(_random(2, 96, seed=11), packed, None, 32)
+    with pytest.raises(RuntimeError, match=r"a contiguous 1-D bfloat16 tensor from amx_pack_weight expected"):
+        torch.ops.pagedserve.amx_linear(_random(2, 64, seed=12), torch.cat([packed, packed])[::2], None, 32)
     with pytest.raises(RuntimeError, match=r"a bias of 32 values expected"):
         torch.ops.pagedserve.amx_linear(_random(2, 64, seed=12), packed, _random(31, seed=1), 32)
     with pytest.raises(RuntimeError, match=r"amx_pack_weight: a 2-D bfloat16 weight"):

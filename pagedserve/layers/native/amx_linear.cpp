@@ -231,7 +231,8 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 
 at::Tensor amx_unpack_weight(const at::Tensor& packed, int64_t n, int64_t k) {
   check_supported("amx_unpack_weight");
-  TORCH_CHECK(packed.dim() == 1 && packed.numel() == packed_numel(n, k) && packed.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == packed_numel(n, k) &&
+                  packed.scalar_type() == at::kBFloat16,
               "amx_unpack_weight: a packed bfloat16 weight of ", packed_numel(n, k), " values expected for [", n,
               ", ", k, "], got ", packed.sizes(), " ", packed.scalar_type());
   const int64_t num_blocks = ceil_div(n, kBlockColumns), num_steps = ceil_div(k, kStepDepth);
@@ -259,9 +260,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
               "amx_linear: x [M, K] bfloat16 with unit column stride expected, got ", x.sizes(), " ",
               x.scalar_type());
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 1 && packed.numel() == packed_numel(n, k) && packed.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == packed_numel(n, k) &&
+                  packed.scalar_type() == at::kBFloat16,
               "amx_linear: the packed weight holds ", packed.numel(), " values; [", n, ", ", k, "] packs to ",
-              packed_numel(n, k));
+              packed_numel(n, k), " (a contiguous 1-D bfloat16 tensor from amx_pack_weight expected)");
   at::Tensor bias_float;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "amx_linear: a bias of ", n, " values expected, got ",
