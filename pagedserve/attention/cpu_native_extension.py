@@ -22,6 +22,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -129,3 +130,13 @@ def is_native_extension_available() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def load_native_op(op_name: str, support_check: str, fake: Callable[..., Any]) -> Any:
+    """The op `pagedserve::<op_name>` (its default overload) with `fake` registered for tracing, when the native
+    library is loaded (building it at first use) and its catch-all `pagedserve::<support_check>()` says this
+    build and process can run it; None otherwise."""
+    if not is_native_extension_available() or not getattr(torch.ops.pagedserve, support_check)():
+        return None
+    torch.library.register_fake(f"pagedserve::{op_name}")(fake)
+    return getattr(torch.ops.pagedserve, op_name).default

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.attention.cpu_native_extension import load_native_op
 from pagedserve.layers.linear import LinearMethodBase, packed_weight_of
 
 AMX_PACKED_LAYOUT = "amx_packed"
@@ -36,11 +36,8 @@ def amx_linear_available() -> bool:
     this process the AMX tile state."""
     global _available, _linear_op
     if _available is None:
-        _available = False
-        if is_native_extension_available() and torch.ops.pagedserve.is_amx_linear_supported():
-            torch.library.register_fake("pagedserve::amx_linear")(_amx_linear_fake)
-            _linear_op = torch.ops.pagedserve.amx_linear.default
-            _available = True
+        _linear_op = load_native_op("amx_linear", "is_amx_linear_supported", _amx_linear_fake)
+        _available = _linear_op is not None
     return _available
 
 

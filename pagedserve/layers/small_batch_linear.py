@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.attention.cpu_native_extension import load_native_op
 from pagedserve.layers.linear import LinearMethodBase
 
 PLAIN_NATIVE_LAYOUT = "plain_native"
@@ -39,11 +39,8 @@ def small_batch_linear_available() -> bool:
     """True when the native library is loaded (building it at first use) and has the AVX-512 kernel."""
     global _available, _op
     if _available is None:
-        _available = False
-        if is_native_extension_available() and torch.ops.pagedserve.is_small_batch_linear_supported():
-            torch.library.register_fake("pagedserve::small_batch_linear")(_small_batch_linear_fake)
-            _op = torch.ops.pagedserve.small_batch_linear.default
-            _available = True
+        _op = load_native_op("small_batch_linear", "is_small_batch_linear_supported", _small_batch_linear_fake)
+        _available = _op is not None
     return _available
 
 
