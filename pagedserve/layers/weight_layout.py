@@ -50,8 +50,14 @@ logger = logging.getLogger(__name__)
 
 PLAIN_LAYOUT = "plain"
 PREPACKED_LAYOUT = "prepacked"
-# What weight_layout accepts (config/load.py's list): 'auto', 'plain', then the layouts that transform.
-WEIGHT_LAYOUT_CHOICES = WEIGHT_LAYOUTS
+# The layouts whose linears run on a native kernel: (the one dtype, whether the kernel is available here, what
+# an explicit request needs, for the error).
+_NATIVE_LAYOUTS = {
+    PLAIN_NATIVE_LAYOUT: (torch.float32, small_batch_linear_available,
+                          "float32 on the CPU with AVX-512 and the native kernels built"),
+    AMX_PACKED_LAYOUT: (torch.bfloat16, amx_linear_available,
+                        "bfloat16 on a CPU with AMX, Linux granting the tile state, and the native kernels built"),
+}
 # PLAIN_NATIVE_LAYOUT ('plain_native') comes from layers/small_batch_linear.py, AMX_PACKED_LAYOUT ('amx_packed')
 # from layers/amx_linear.py.
 # Weight dtypes oneDNN packs on the CPU.
@@ -91,8 +97,8 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
     layout cannot be honoured (naming what it needs)."""
     if weight_layout == PLAIN_LAYOUT:
         return PLAIN_LAYOUT
-    if weight_layout not in WEIGHT_LAYOUT_CHOICES:
-        raise ValueError(f"weight_layout={weight_layout!r} must be one of {list(WEIGHT_LAYOUT_CHOICES)}")
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout={weight_layout!r} must be one of {list(WEIGHT_LAYOUTS)}")
     if weight_layout != "auto" and batch_invariant:
         raise ValueError(f"weight_layout={weight_layout!r} with batch_invariant=True: the batch-invariant mode "
                          f"computes plain GEMMs in fixed row tiles; use weight_layout='plain' or 'auto'")
@@ -104,28 +110,24 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
                              f"{[str(d).removeprefix('torch.') for d in _PREPACKABLE_DTYPES]}); "
                              f"use 'plain' or 'auto'")
         return PREPACKED_LAYOUT
-    # Checked last: it builds the native library at first use.
-    can_run_native = device_type == "cpu" and dtype == torch.float32 and small_batch_linear_available()
-    if weight_layout == PLAIN_NATIVE_LAYOUT:
-        if not can_run_native:
-            raise ValueError(f"weight_layout='plain_native' is not available for {dtype} on {device_type!r} "
-                             f"(needs float32 on the CPU with AVX-512 and the native kernels built); "
-                             f"use 'plain' or 'auto'")
-        return PLAIN_NATIVE_LAYOUT
-    can_run_amx = device_type == "cpu" and dtype == torch.bfloat16 and amx_linear_available()
-    if weight_layout == AMX_PACKED_LAYOUT:
-        if not can_run_amx:
-            raise ValueError(f"weight_layout='amx_packed' is not available for {dtype} on {device_type!r} "
-                             f"(needs bfloat16 on a CPU with AMX, Linux granting the tile state, and the native "
-                             f"kernels built); use 'prepacked', 'plain' or 'auto'")
-        return AMX_PACKED_LAYOUT
+    # The native-kernel layouts run one dtype each, on the CPU, where their kernel is available (checked last:
+    # that builds the native library at first use).
+    def can_run_natively(layout: str) -> bool:
+        native_dtype, is_available, _ = _NATIVE_LAYOUTS[layout]
+        return device_type == "cpu" and dtype == native_dtype and is_available()
+
+    if weight_layout in _NATIVE_LAYOUTS:
+        if not can_run_natively(weight_layout):
+            raise ValueError(f"weight_layout={weight_layout!r} is not available for {dtype} on {device_type!r} "
+                             f"(needs {_NATIVE_LAYOUTS[weight_layout][2]}); use 'plain' or 'auto'")
+        return weight_layout
     if batch_invariant:
         return PLAIN_LAYOUT
-    if can_run_amx:
+    if can_run_natively(AMX_PACKED_LAYOUT):
         return AMX_PACKED_LAYOUT
     if can_pack and dtype in _AUTO_PREPACKED_DTYPES:
         return PREPACKED_LAYOUT
-    if device_type == "cpu" and dtype == torch.float32 and small_batch_linear_available():
+    if can_run_natively(PLAIN_NATIVE_LAYOUT):
         return PLAIN_NATIVE_LAYOUT
     return PLAIN_LAYOUT
 
@@ -186,8 +188,8 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
     transformed."""
     if layout == PLAIN_LAYOUT:
         return 0
-    if layout not in WEIGHT_LAYOUT_CHOICES[2:]:
-        raise ValueError(f"weight layout {layout!r} is not a resolved layout {list(WEIGHT_LAYOUT_CHOICES[1:])}")
+    if layout not in WEIGHT_LAYOUTS[2:]:  # config/load.py lists 'auto', 'plain', then the layouts that transform
+        raise ValueError(f"weight layout {layout!r} is not a resolved layout {list(WEIGHT_LAYOUTS[1:])}")
     count = num_heads = 0
     with torch.no_grad():
         if layout == PREPACKED_LAYOUT:
@@ -252,6 +254,6 @@ def weight_layout_of(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-__all__ = ["AMX_PACKED_LAYOUT", "PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT", "WEIGHT_LAYOUT_CHOICES",
+__all__ = ["AMX_PACKED_LAYOUT", "PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT",
            "OneDnnPrepackedLinearMethod",
            "apply_weight_layout", "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "weight_layout_of"]
