@@ -5,8 +5,11 @@ Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve
 the KV bytes instead of torch_paged's gather + SDPA (three passes). The step's K/V write goes to
 `pagedserve::reshape_and_cache`: one call for K and V that reads the (strided, fused-QKV) rows in place and
 converts the dtype on the way, instead of two `.to()` copies and two index_copy_ calls; its result is
-bitwise torch_paged.write_to_kv_cache's. Everything else (prefill chunks, padding rows, validation) is
-TorchPagedAttentionBackend's code, unchanged, so torch_paged stays the oracle.
+bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX, the bfloat16 prefill chunks and multi-token steps go
+to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention_amx.cpp): one call for all of a
+step's prefills, flash attention on AMX tiles reading K/V in place (ATen's CPU flash attention ran at
+~0.15 TFLOPS on SmolLM2's prompts). Everything else (float32 prefills, head dims that are not multiples of
+64, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so torch_paged stays the oracle.
 
 The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
 opaque nodes. Each decode's result depends only on that request (fixed context partitions, fixed
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.cpu_native_extension import load_native_extension
+from pagedserve.attention.cpu_native_extension import is_native_extension_available, load_native_extension
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 
 # Context tokens per work item of the kernel (flash-decoding partitions, merged in order). Part of the
@@ -38,6 +41,12 @@ def _register_fake() -> None:
     def _paged_decode_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
                                      partition_size: int) -> torch.Tensor:
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("pagedserve::paged_prefill_attention")
+    def _paged_prefill_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                                      sliding_window: int | None) -> torch.Tensor:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("pagedserve::reshape_and_cache")
@@ -66,6 +75,37 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                                                        sliding_window, partition_size)
 
 
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of several requests' new tokens over their paged contexts (AMX, bfloat16).
+
+    query [num_tokens, num_heads, head_dim] bfloat16 (heads contiguous, any row stride; head_dim a multiple of
+    64 up to 256), kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (contiguous, already
+    holding the new tokens' K/V), block_table [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] int32
+    (request r owns query rows query_start_loc[r]:query_start_loc[r + 1], its last tokens). Returns
+    [num_tokens, num_heads, head_dim] bfloat16. RuntimeError where the kernels or AMX are unavailable.
+    """
+    if not _fake_registered:
+        load_native_extension()
+        _register_fake()
+    return torch.ops.pagedserve.paged_prefill_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
+                                                        scale, sliding_window)
+
+
+def is_prefill_attention_available() -> bool:
+    """True when the native library is loaded and this build and process can run the AMX prefill kernel."""
+    return is_native_extension_available() and bool(torch.ops.pagedserve.is_prefill_attention_supported())
+
+
+def can_use_prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether paged_prefill_attention takes these tensors (bfloat16 query and cache, head_dim a multiple of
+    64 up to 256, heads contiguous); the caller also checks is_prefill_attention_available()."""
+    head_dim = query.shape[-1]
+    return (query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and head_dim % 64 == 0
+            and head_dim <= 256 and query.stride(-1) == 1 and query.stride(-2) == head_dim)
+
+
 # The dtypes the native K/V write converts between (anything else takes write_to_kv_cache).
 _NATIVE_WRITE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -88,13 +128,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
-    """torch_paged with the K/V write and the decodes done by the native kernels (CPU tensors only)."""
+    """torch_paged with the K/V write, the decodes and (AMX, bfloat16) the prefills done by the native kernels (CPU
+    tensors only)."""
 
     name = "cpu_native"
 
     def __init__(self) -> None:
         load_native_extension()  # RuntimeError naming the cause when the kernels cannot be built
         _register_fake()
+        self.has_prefill_kernel = is_prefill_attention_available()
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
@@ -105,6 +147,38 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
             torch.ops.pagedserve.reshape_and_cache(key, value, kv_cache, slot_mapping)
         else:
             super()._write_kv(key, value, kv_cache, slot_mapping)
+
+    def _forward_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        if not (self.has_prefill_kernel and can_use_prefill_kernel(query, kv_cache)):
+            super()._forward_prefills(query, key, value, kv_cache, metadata, scale, sliding_window, output)
+            return
+        num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs
+        starts = metadata.query_start_loc_cpu
+        first_row, end_row = starts[num_decodes], starts[num_seqs]
+        # int32 inputs the kernel reads directly; built once per step and shared by every layer.
+        inputs = metadata.backend_cache.get("cpu_native_prefill_inputs")
+        if inputs is None:
+            block_table = metadata.block_table[num_decodes:num_seqs].to(torch.int32)
+            if block_table.stride(-1) != 1:
+                block_table = block_table.contiguous()
+            seq_lens = torch.tensor(metadata.seq_lens_cpu[num_decodes:], dtype=torch.int32)
+            query_start_loc = torch.tensor([start - first_row for start in starts[num_decodes:num_seqs + 1]],
+                                           dtype=torch.int32)
+            inputs = (block_table, seq_lens, query_start_loc)
+            metadata.backend_cache["cpu_native_prefill_inputs"] = inputs
+        block_table, seq_lens, query_start_loc = inputs
+        output[first_row:end_row] = paged_prefill_attention(query[first_row:end_row], kv_cache, block_table, seq_lens,
+                                                            query_start_loc, scale, sliding_window)
 
     def _forward_decodes(
         self,

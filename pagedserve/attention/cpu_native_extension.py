@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 # Root of the `pagedserve` package: SOURCES are relative to it (they live next to the code that uses them).
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("attention/native/paged_attention.cpp", "layers/native/elementwise.cpp",
-           "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp")
+SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_attention_amx.cpp",
+           "layers/native/elementwise.cpp", "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp")
+# Headers the sources include: part of the build's key like the sources.
+HEADERS = ("layers/native/amx_tiles.h",)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).
@@ -57,7 +59,7 @@ def _cpu_description() -> str:
 def extension_key() -> str:
     """Hash of everything the built library depends on: every source, flags, CPU, compiler, torch and Python."""
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((PACKAGE_ROOT / name).read_bytes())
     digest.update(repr((COMPILE_FLAGS, LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())

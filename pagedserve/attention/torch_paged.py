@@ -295,15 +295,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         if num_tokens < query.shape[0]:
             output[num_tokens:].zero_()  # padding rows (e.g. graph padding) carry no attention
-        starts = metadata.query_start_loc_cpu
         num_decodes = metadata.num_decodes
         if num_decodes > 0:
             self._forward_decodes(query, kv_cache, metadata, scale, sliding_window, output)
-        for index in range(num_decodes, metadata.num_seqs):
-            start, end = starts[index], starts[index + 1]
-            if end > start:
-                output[start:end] = self._forward_request(index, query, key, value, kv_cache, metadata, scale,
-                                                          sliding_window)
+        if num_decodes < metadata.num_seqs:
+            self._forward_prefills(query, key, value, kv_cache, metadata, scale, sliding_window, output)
         return output
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -312,6 +308,26 @@ class TorchPagedAttentionBackend(AttentionBackend):
         `slot_mapping` [num_tokens] (int64), converting to the cache's dtype. Subclasses may replace it
         (cpu_native: one native call); write_to_kv_cache stays the reference."""
         write_to_kv_cache(key, value, kv_cache, slot_mapping)
+
+    def _forward_prefills(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        output: torch.Tensor,
+    ) -> None:
+        """Attends the requests after the first `num_decodes` (prefill chunks, multi-token steps) into their rows
+        of `output`, one `_forward_request` each; their K/V are already in the cache."""
+        starts = metadata.query_start_loc_cpu
+        for index in range(metadata.num_decodes, metadata.num_seqs):
+            start, end = starts[index], starts[index + 1]
+            if end > start:
+                output[start:end] = self._forward_request(index, query, key, value, kv_cache, metadata, scale,
+                                                          sliding_window)
 
     def _forward_request(
         self,

@@ -30,13 +30,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDSERVE_AMX_LINEAR 1
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -50,31 +44,12 @@ constexpr int64_t kChunkRows = 256;                              // rows of x pe
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-#if defined(PAGEDSERVE_AMX_LINEAR)
-
-// The LDTILECFG operand (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#if defined(PAGEDSERVE_AMX)
 
 // Tiles 0-3: C, rows x 16 fp32; tiles 4-5: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns.
 void configure_tiles(int64_t rows) {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  for (int tile = 0; tile < 6; ++tile) {
-    config.rows[tile] = static_cast<uint8_t>(rows);
-    config.colsb[tile] = 64;
-  }
-  for (int tile = 6; tile < 8; ++tile) {
-    config.rows[tile] = 16;
-    config.colsb[tile] = 64;
-  }
-  _tile_loadconfig(&config);
+  const uint8_t r = static_cast<uint8_t>(rows);
+  pagedserve_native::configure_tile_rows({r, r, r, r, r, r, 16, 16});
 }
 
 // One row block against kBlocks consecutive blocks of a group: C[rows x 16 * kBlocks] from one A tile, over all
@@ -168,23 +143,9 @@ inline void store_row(const float* values, const float* bias, int64_t count, at:
   }
 }
 
-bool request_amx_permission() {
-  // Linux hands out the AMX tile state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM).
-  constexpr int kArchRequestPermission = 0x1023;
-  constexpr int kTileDataFeature = 18;
-  return syscall(SYS_arch_prctl, kArchRequestPermission, kTileDataFeature) == 0;
-}
+#endif  // PAGEDSERVE_AMX
 
-#endif  // PAGEDSERVE_AMX_LINEAR
-
-bool is_amx_linear_supported() {
-#if defined(PAGEDSERVE_AMX_LINEAR)
-  static const bool supported = request_amx_permission();
-  return supported;
-#else
-  return false;
-#endif
-}
+bool is_amx_linear_supported() { return pagedserve_native::is_amx_usable(); }
 
 void check_supported(const char* op) {
   TORCH_CHECK(is_amx_linear_supported(), op, ": this build or process has no AMX (is_amx_linear_supported() is "
@@ -272,7 +233,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-#if defined(PAGEDSERVE_AMX_LINEAR)
+#if defined(PAGEDSERVE_AMX)
   const int64_t num_steps = ceil_div(k, kStepDepth);
   // The A tile reads whole 32-element steps: a K that is not a multiple of 32 reads x through a zero-padded copy.
   at::Tensor x_padded = x;

@@ -1,0 +1,419 @@
+// Paged prefill attention on AMX tiles (bfloat16): flash attention for the multi-token requests of a step.
+//
+// Op: pagedserve::paged_prefill_attention(query [num_tokens, num_heads, head_dim] bf16,
+//       kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, block_table [num_requests, *] int32,
+//       seq_lens [num_requests] int32, query_start_loc [num_requests + 1] int32, scale, sliding_window?)
+//     -> out [num_tokens, num_heads, head_dim] bf16
+//
+// Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]): its last q_len tokens, at positions
+// seq_len - q_len .. seq_len - 1, whose K/V are already in the cache (the step writes K/V first). Query position p
+// sees context positions k <= p (and k > p - sliding_window with a window), read in place through the block table.
+// Semantics are torch_paged's (_attend_request), which the tests use as the oracle.
+//
+// Why: ATen's CPU flash attention ran at ~0.15 TFLOPS in bf16 for SmolLM2's prompts (head_dim 64, 9 heads over 3
+// KV heads, a few hundred tokens): 11% of an offline run. Here both products run on AMX tiles.
+//
+// Algorithm, per (request, KV head):
+// 1. Pack once (phase 1, parallel): the visible keys, in chunks of 64 keys, as TDPBF16PS B tiles for S = Q K^T
+//    (tile (chunk, key block of 16, dim step of 32): 16 rows of dim pairs x 16 keys) and the values as B tiles
+//    for O = P V (tile (chunk, key step of 32, dim block of 16): 16 rows of key pairs x 16 dims). Keys past the
+//    context are zero (finite) and masked.
+// 2. Per tile of 16 query positions and each query head of the KV head's group (phase 2, parallel, longest items
+//    first from a shared counter): for each 64-key chunk the tile can see, S (16 x 64 fp32, 4 C tiles) from
+//    the query tile; scale, mask, online softmax in fp32 (running max m, sum l); P rounded to bf16; P V
+//    (16 x head_dim fp32) added to the fp32 accumulator rescaled by exp(m_old - m_new). Out = acc / l, rounded to
+//    bf16 once.
+//
+// Numerics: fp32 accumulation everywhere, P in bf16 for the second product (as ATen's bf16 flash attention).
+// A row's result depends only on its request (chunking is aligned on the request's context, sums run in key
+// order): batch invariant and independent of the thread count, but not bitwise SDPA's.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "../../layers/native/amx_tiles.h"
+
+namespace {
+
+constexpr int64_t kTileRows = 16;     // query positions per tile (one A tile)
+constexpr int64_t kKeyBlock = 16;     // keys per S C tile
+constexpr int64_t kChunkKeys = 128;   // keys per softmax step: 8 S tiles; 4 K steps of the P V product
+constexpr int64_t kChunkKeyBlocks = kChunkKeys / kKeyBlock;  // 8
+constexpr int64_t kChunkKeySteps = kChunkKeys / 32;          // 4
+constexpr int64_t kStep = 32;         // bf16 values per A-tile row (one TDPBF16PS K step)
+constexpr int64_t kTileValues = 512;  // bf16 values per 1 KiB B tile
+constexpr int64_t kMaxHeadDim = 256;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool is_prefill_attention_supported() { return pagedserve_native::is_amx_usable(); }
+
+#if defined(PAGEDSERVE_AMX)
+
+using bf16 = at::BFloat16;
+
+// One (request, KV head): where its visible keys start and where its packed tiles live.
+struct Span {
+  int64_t request;
+  int64_t kv_head;
+  int64_t first_key;   // absolute position of packed key 0
+  int64_t num_chunks;  // of kChunkKeys keys
+  bf16* keys;          // num_chunks * kChunkKeyBlocks * (head_dim / 32) tiles
+  bf16* values;        // num_chunks * kChunkKeySteps * (head_dim / 16) tiles
+};
+
+// One tile of query positions of a span, all the group's query heads.
+struct Item {
+  int64_t span;
+  int64_t tile;
+  int64_t cost;  // chunks read, for ordering
+};
+
+// Tiles: 0 A (query or P rows), 2-5 C (S blocks, or 4 dim blocks of P V), 6-7 B.
+void configure_tiles() { pagedserve_native::configure_tile_rows({16, 16, 16, 16, 16, 16, 16, 16}); }
+
+// Packs keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head) as B tiles (see the
+// header): K tile (chunk, key block, dim step) and V tile (chunk, key step, dim block), each chunk's tiles in that
+// order.
+void pack_span(const Span& span, const bf16* cache_keys, const bf16* cache_values, const int32_t* block_row,
+               int64_t seq_len, int64_t block_size, int64_t token_stride, int64_t head_dim) {
+  const int64_t dim_steps = head_dim / kStep, dim_blocks = head_dim / kKeyBlock;
+  const int64_t num_keys = span.num_chunks * kChunkKeys;
+  uint32_t* key_tiles = reinterpret_cast<uint32_t*>(span.keys);
+  uint16_t* value_tiles = reinterpret_cast<uint16_t*>(span.values);
+  for (int64_t key = 0; key < num_keys; ++key) {
+    const int64_t chunk = key / kChunkKeys, in_chunk = key % kChunkKeys;
+    const int64_t position = span.first_key + key;
+    uint32_t* key_base = key_tiles + (chunk * kChunkKeyBlocks + in_chunk / kKeyBlock) * dim_steps * (kTileValues / 2) +
+                         in_chunk % kKeyBlock;
+    const int64_t value_step = in_chunk / kStep, pair_row = (in_chunk % kStep) / 2, parity = in_chunk % 2;
+    uint16_t* value_base = value_tiles + (chunk * kChunkKeySteps + value_step) * dim_blocks * kTileValues +
+                           pair_row * 32 + parity;
+    const bool is_padding = position >= seq_len;  // zero (finite) and masked out of the softmax
+    const int64_t slot =
+        is_padding ? 0 : static_cast<int64_t>(block_row[position / block_size]) * block_size + position % block_size;
+    const uint32_t* key_row = reinterpret_cast<const uint32_t*>(cache_keys + slot * token_stride);
+    const uint16_t* value_row = reinterpret_cast<const uint16_t*>(cache_values + slot * token_stride);
+    // K tile row = a pair of dims, column = the key; V tile row = a pair of keys, column = the dim.
+    for (int64_t pair = 0; pair < head_dim / 2; ++pair)
+      key_base[(pair / 16) * (kTileValues / 2) + (pair % 16) * 16] = is_padding ? 0u : key_row[pair];
+    for (int64_t dim = 0; dim < head_dim; ++dim)
+      value_base[(dim / 16) * kTileValues + (dim % 16) * 2] = is_padding ? uint16_t{0} : value_row[dim];
+  }
+}
+
+// S[16 x kChunkKeys] = query_tile[16 x head_dim] . K chunk^T (fp32, row stride kChunkKeys), 64 keys per pass.
+inline void chunk_scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, float* scores) {
+  const int64_t dim_steps = head_dim / kStep;
+  for (int64_t first = 0; first < kChunkKeyBlocks; first += 4) {
+    const bf16* tiles = key_chunk + first * dim_steps * kTileValues;
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t step = 0; step < dim_steps; ++step) {
+      _tile_loadd(0, query_tile + step * kStep, head_dim * 2);
+      _tile_loadd(6, tiles + (0 * dim_steps + step) * kTileValues, 64);
+      _tile_dpbf16ps(2, 0, 6);
+      _tile_loadd(7, tiles + (1 * dim_steps + step) * kTileValues, 64);
+      _tile_dpbf16ps(3, 0, 7);
+      _tile_loadd(6, tiles + (2 * dim_steps + step) * kTileValues, 64);
+      _tile_dpbf16ps(4, 0, 6);
+      _tile_loadd(7, tiles + (3 * dim_steps + step) * kTileValues, 64);
+      _tile_dpbf16ps(5, 0, 7);
+    }
+    float* out = scores + first * kKeyBlock;
+    _tile_stored(2, out, kChunkKeys * 4);
+    _tile_stored(3, out + 16, kChunkKeys * 4);
+    _tile_stored(4, out + 32, kChunkKeys * 4);
+    _tile_stored(5, out + 48, kChunkKeys * 4);
+  }
+}
+
+// PV[16 x head_dim] = P[16 x kChunkKeys] (bf16, row stride kChunkKeys) . V chunk (fp32, row stride head_dim).
+inline void chunk_values(const bf16* probabilities, const bf16* value_chunk, int64_t head_dim, float* product) {
+  const int64_t dim_blocks = head_dim / kKeyBlock;
+  for (int64_t first = 0; first < dim_blocks; first += 4) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t step = 0; step < kChunkKeySteps; ++step) {
+      const bf16* tiles = value_chunk + (step * dim_blocks + first) * kTileValues;
+      _tile_loadd(0, probabilities + step * kStep, kChunkKeys * 2);
+      _tile_loadd(6, tiles, 64);
+      _tile_dpbf16ps(2, 0, 6);
+      _tile_loadd(7, tiles + kTileValues, 64);
+      _tile_dpbf16ps(3, 0, 7);
+      _tile_loadd(6, tiles + 2 * kTileValues, 64);
+      _tile_dpbf16ps(4, 0, 6);
+      _tile_loadd(7, tiles + 3 * kTileValues, 64);
+      _tile_dpbf16ps(5, 0, 7);
+    }
+    float* out = product + first * kKeyBlock;
+    _tile_stored(2, out, head_dim * 4);
+    _tile_stored(3, out + 16, head_dim * 4);
+    _tile_stored(4, out + 32, head_dim * 4);
+    _tile_stored(5, out + 48, head_dim * 4);
+  }
+}
+
+// exp(x) for x <= 0 as 2^(x log2 e): n = round, 2^f (|f| <= 1/2) by its degree-6 Taylor polynomial (relative error
+// ~1e-7, far below the bf16 rounding P gets). x < -87 (masked keys: -inf) gives exactly 0.
+inline __m512 softmax_exp(__m512 x) {
+  // Below -87 the result would be subnormal (slow to compute): flushed to 0 instead.
+  const __mmask16 is_zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_zero), _mm512_scalef_ps(p, n));
+}
+
+// One query head's tile of up to 16 positions (`positions[i]` absolute, rows past `num_rows` repeat the last) over
+// the span's chunks [first_chunk, last_chunk]; writes rows [0, num_rows) to `out` (row stride out_stride).
+void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positions, int64_t num_rows,
+                 int64_t first_chunk, int64_t last_chunk, int64_t head_dim, float scale,
+                 std::optional<int64_t> sliding_window, bf16* out, int64_t out_stride) {
+  constexpr int kParts = kChunkKeys / 16;
+  static_assert(kTileRows == 16, "the per-row state is handled as one 16-lane vector");
+  alignas(64) float scores[kTileRows * kChunkKeys];
+  alignas(64) bf16 probabilities[kTileRows * kChunkKeys];
+  alignas(64) float product[kTileRows * kMaxHeadDim];
+  alignas(64) float accumulator[kTileRows * kMaxHeadDim];
+  alignas(64) float row_sums[kTileRows * 16];  // per row: 16 lanes of partial sums, reduced at the end
+  alignas(64) float row_max[kTileRows];
+  alignas(64) float rescale[kTileRows];
+  const float negative_infinity = -std::numeric_limits<float>::infinity();
+  std::fill(row_max, row_max + kTileRows, negative_infinity);
+  std::fill(row_sums, row_sums + kTileRows * 16, 0.0f);
+  std::fill(accumulator, accumulator + kTileRows * head_dim, 0.0f);
+  const __m512 scale_vector = _mm512_set1_ps(scale);
+  const __m512 masked = _mm512_set1_ps(negative_infinity);
+  const int64_t dim_steps = head_dim / kStep, dim_blocks = head_dim / kKeyBlock;
+  for (int64_t chunk = first_chunk; chunk <= last_chunk; ++chunk) {
+    chunk_scores(query_tile, span.keys + chunk * kChunkKeyBlocks * dim_steps * kTileValues, head_dim, scores);
+    const int64_t chunk_base = span.first_key + chunk * kChunkKeys;
+    // Every row sees the whole chunk when its last key is at or before the first row and, with a window, its
+    // first key is inside the last row's window.
+    const bool is_whole = chunk_base + kChunkKeys - 1 <= positions[0] &&
+                          (!sliding_window || chunk_base > positions[kTileRows - 1] - *sliding_window);
+    // Pass 1, per row: scaled scores with hidden keys at -inf (written back), and the chunk's max.
+    alignas(64) float chunk_max[kTileRows];
+    for (int64_t row = 0; row < kTileRows; ++row) {
+      float* s = scores + row * kChunkKeys;
+      __m512 maximum = masked;
+      if (is_whole) {
+        for (int part = 0; part < kParts; ++part) {
+          const __m512 v = _mm512_mul_ps(_mm512_load_ps(s + part * 16), scale_vector);
+          _mm512_store_ps(s + part * 16, v);
+          maximum = _mm512_max_ps(maximum, v);
+        }
+      } else {
+        // Row `row` sees the chunk's keys [low, high): causal (k <= p) and inside the window (k > p - w).
+        const int64_t position = positions[row];
+        const int64_t high = std::min<int64_t>(kChunkKeys, position - chunk_base + 1);
+        const int64_t low = sliding_window ? std::max<int64_t>(0, position - *sliding_window + 1 - chunk_base) : 0;
+        for (int part = 0; part < kParts; ++part) {
+          const int64_t begin = part * 16;
+          const int64_t lo = std::clamp<int64_t>(low - begin, 0, 16), hi = std::clamp<int64_t>(high - begin, 0, 16);
+          const __mmask16 visible = hi <= lo ? 0 : static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+          const __m512 v = _mm512_mask_mul_ps(masked, visible, _mm512_load_ps(s + begin), scale_vector);
+          _mm512_store_ps(s + begin, v);
+          maximum = _mm512_max_ps(maximum, v);
+        }
+      }
+      chunk_max[row] = _mm512_reduce_max_ps(maximum);
+    }
+    // All rows at once: the new running max and the factor exp(old - new) for the state so far. A row that has
+    // seen no key yet keeps max -inf and factor 1 (its state is zero); its first keys rescale it by exp(-inf) = 0.
+    const __m512 old_max = _mm512_load_ps(row_max);
+    const __m512 new_max = _mm512_max_ps(old_max, _mm512_load_ps(chunk_max));
+    const __mmask16 is_unseen = _mm512_cmp_ps_mask(new_max, masked, _CMP_EQ_OQ);
+    _mm512_store_ps(rescale, _mm512_mask_blend_ps(is_unseen, softmax_exp(_mm512_sub_ps(old_max, new_max)),
+                                                  _mm512_set1_ps(1.0f)));
+    _mm512_store_ps(row_max, new_max);
+    // Pass 2, per row: P = exp(s - max) in bf16, and the running sums.
+    for (int64_t row = 0; row < kTileRows; ++row) {
+      const float* s = scores + row * kChunkKeys;
+      bf16* p = probabilities + row * kChunkKeys;
+      // An unseen row's scores are all -inf: any finite shift gives P = 0.
+      const __m512 shift = _mm512_set1_ps(row_max[row] == negative_infinity ? 0.0f : row_max[row]);
+      __m512 sum = _mm512_mul_ps(_mm512_load_ps(row_sums + row * 16), _mm512_set1_ps(rescale[row]));
+      for (int part = 0; part < kParts; ++part) {
+        const __m512 e = softmax_exp(_mm512_sub_ps(_mm512_load_ps(s + part * 16), shift));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p + part * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      }
+      _mm512_store_ps(row_sums + row * 16, sum);
+    }
+    chunk_values(probabilities, span.values + chunk * kChunkKeySteps * dim_blocks * kTileValues, head_dim, product);
+    for (int64_t row = 0; row < kTileRows; ++row) {
+      const __m512 factor = _mm512_set1_ps(rescale[row]);
+      float* acc = accumulator + row * head_dim;
+      const float* add = product + row * head_dim;
+      for (int64_t dim = 0; dim < head_dim; dim += 16)
+        _mm512_store_ps(acc + dim, _mm512_fmadd_ps(_mm512_load_ps(acc + dim), factor, _mm512_load_ps(add + dim)));
+    }
+  }
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(row_sums + row * 16)));
+    const float* acc = accumulator + row * head_dim;
+    bf16* target = out + row * out_stride;
+    for (int64_t dim = 0; dim < head_dim; dim += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + dim),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + dim),
+                                                                                      inverse))));
+  }
+}
+
+#endif  // PAGEDSERVE_AMX
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                   std::optional<int64_t> sliding_window) {
+  TORCH_CHECK(is_prefill_attention_supported(), "paged_prefill_attention: this build or process has no AMX "
+              "(is_prefill_attention_supported() is False here)");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 with contiguous heads "
+              "expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, "paged_prefill_attention: head_dim=", head_dim,
+              " must be a multiple of 64 up to ", kMaxHeadDim);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim &&
+                  kv_cache.scalar_type() == at::kBFloat16 && kv_cache.is_contiguous(),
+              "paged_prefill_attention: a contiguous bfloat16 kv_cache [2, num_blocks, block_size, num_kv_heads, ",
+              head_dim, "] expected, got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_prefill_attention: num_heads=", num_heads,
+              " must be a multiple of num_kv_heads=", num_kv_heads);
+  const int64_t num_requests = seq_lens.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == num_requests + 1 &&
+                  block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  block_table.size(0) == num_requests,
+              "paged_prefill_attention: int32 seq_lens [R], query_start_loc [R + 1] and block_table [R, *] "
+              "expected, got ", seq_lens.sizes(), ", ", query_start_loc.sizes(), ", ", block_table.sizes());
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "paged_prefill_attention: sliding_window=",
+              *sliding_window, " must be >= 1");
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+#if defined(PAGEDSERVE_AMX)
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t num_blocks = kv_cache.size(1), max_blocks = block_table.size(1);
+  TORCH_CHECK(starts[0] == 0 && starts[num_requests] <= num_tokens, "paged_prefill_attention: query_start_loc "
+              "must start at 0 and end at most at num_tokens=", num_tokens);
+  // Spans and their packed tiles.
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t key_tile_values = kChunkKeyBlocks * (head_dim / kStep) * kTileValues;     // per chunk
+  const int64_t value_tile_values = kChunkKeySteps * (head_dim / kKeyBlock) * kTileValues;  // per chunk
+  std::vector<Span> spans;
+  std::vector<Item> items;
+  int64_t total_chunks = 0;
+  for (int64_t request = 0; request < num_requests; ++request) {
+    const int64_t seq_len = lens[request], q_len = starts[request + 1] - starts[request];
+    TORCH_CHECK(q_len >= 0 && q_len <= seq_len && ceil_div(seq_len, block_size) <= max_blocks,
+                "paged_prefill_attention: request ", request, " has q_len=", q_len, ", seq_len=", seq_len,
+                " (q_len <= seq_len and at most ", max_blocks * block_size, " tokens in its block table)");
+    if (q_len == 0) continue;
+    // Keys before the first query's window are never read (block-aligned, as torch_paged).
+    const int64_t first_query = seq_len - q_len;
+    const int64_t first_key =
+        sliding_window ? std::max<int64_t>(0, first_query - *sliding_window + 1) / block_size * block_size : 0;
+    const int64_t num_chunks = ceil_div(seq_len - first_key, kChunkKeys);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      const int64_t span_index = static_cast<int64_t>(spans.size());
+      spans.push_back({request, kv_head, first_key, num_chunks, nullptr, nullptr});
+      total_chunks += num_chunks;
+      for (int64_t tile = 0; tile < ceil_div(q_len, kTileRows); ++tile) {
+        const int64_t last_position = first_query + std::min(q_len, (tile + 1) * kTileRows) - 1;
+        const int64_t first_position = first_query + tile * kTileRows;
+        const int64_t low = sliding_window ? std::max<int64_t>(0, first_position - *sliding_window + 1 - first_key) : 0;
+        items.push_back({span_index, tile, (last_position - first_key) / kChunkKeys - low / kChunkKeys + 1});
+      }
+    }
+  }
+  at::Tensor packed = at::empty({total_chunks * (key_tile_values + value_tile_values)}, query.options());
+  bf16* cursor = packed.data_ptr<bf16>();
+  for (Span& span : spans) {
+    span.keys = cursor;
+    cursor += span.num_chunks * key_tile_values;
+    span.values = cursor;
+    cursor += span.num_chunks * value_tile_values;
+  }
+  const bf16* cache = kv_cache.data_ptr<bf16>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const bf16* cache_values = cache + num_blocks * block_size * token_stride;
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const Span& span = spans[index];
+      const int64_t offset = span.kv_head * head_dim;
+      pack_span(span, cache + offset, cache_values + offset, block_table.data_ptr<int32_t>() + span.request * max_blocks,
+                lens[span.request], block_size, token_stride, head_dim);
+    }
+  });
+  // Longest items first, taken from a shared counter: causal tiles differ in cost by up to the context length.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next_item{0};
+  const bf16* query_data = query.data_ptr<bf16>();
+  bf16* out_data = out.data_ptr<bf16>();
+  const int64_t query_stride = query.stride(0), out_stride = num_heads * head_dim;
+  const float scale_float = static_cast<float>(scale);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure_tiles();
+    alignas(64) bf16 query_tile[kTileRows * kMaxHeadDim];
+    int64_t positions[kTileRows];
+    for (int64_t index = next_item.fetch_add(1); index < static_cast<int64_t>(items.size());
+         index = next_item.fetch_add(1)) {
+      const Item& item = items[index];
+      const Span& span = spans[item.span];
+      const int64_t seq_len = lens[span.request], row_begin = starts[span.request];
+      const int64_t q_len = starts[span.request + 1] - row_begin;
+      const int64_t first_row = item.tile * kTileRows;
+      const int64_t num_rows = std::min(kTileRows, q_len - first_row);
+      for (int64_t row = 0; row < kTileRows; ++row)
+        positions[row] = seq_len - q_len + first_row + std::min(row, num_rows - 1);
+      const int64_t last_chunk = (positions[kTileRows - 1] - span.first_key) / kChunkKeys;
+      const int64_t first_chunk =
+          sliding_window ? std::max<int64_t>(0, positions[0] - *sliding_window + 1 - span.first_key) / kChunkKeys : 0;
+      for (int64_t member = 0; member < group; ++member) {
+        const int64_t head = span.kv_head * group + member;
+        for (int64_t row = 0; row < kTileRows; ++row)
+          std::memcpy(query_tile + row * head_dim,
+                      query_data + (row_begin + first_row + std::min(row, num_rows - 1)) * query_stride + head * head_dim,
+                      head_dim * sizeof(bf16));
+        attend_tile(span, query_tile, positions, num_rows, first_chunk, last_chunk, head_dim, scale_float,
+                    sliding_window, out_data + (row_begin + first_row) * out_stride + head * head_dim, out_stride);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int? sliding_window) -> Tensor");
+  m.def("is_prefill_attention_supported() -> bool", &is_prefill_attention_supported);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
