@@ -21,7 +21,7 @@ import torch
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.cpu_native_extension import is_native_extension_available, load_native_extension
-from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
+from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, validate_inputs
 
 # Context tokens per work item of the kernel (flash-decoding partitions, merged in order). Part of the
 # numerics: changing it changes results in the last bits, never with the batch. 256 keeps items of similar
@@ -138,6 +138,31 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
         _register_fake()
         self.has_prefill_kernel = is_prefill_attention_available()
 
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        if not (0 < num_tokens == metadata.num_actual_tokens == metadata.num_decodes == metadata.num_seqs
+                and query.device.type == "cpu"):
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+        # A decode-only step without padding rows (every step of steady decoding): the K/V write and one kernel
+        # call whose result is the output, without an output buffer, copies or loops. The inputs are validated
+        # once per step and shape (every layer of a model shares them).
+        validated = ("cpu_native_validated", query.shape, key.shape, kv_cache.shape, sliding_window)
+        if validated not in metadata.backend_cache:
+            validate_inputs(query, key, kv_cache, metadata, sliding_window)
+            metadata.backend_cache[validated] = True
+        self._write_kv(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
+        block_table, seq_lens = _decode_inputs(metadata)
+        return paged_decode_attention(query, kv_cache, block_table, seq_lens, scale, sliding_window)
+
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
         # Only the dtypes are checked here (60 calls a step: each Python check costs ~0.3 us against the op's
@@ -193,16 +218,21 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
             raise ValueError(f"attention backend 'cpu_native' runs on the CPU only, got tensors on "
                              f"{query.device}; use attention_backend='torch_paged'")
         num_decodes = metadata.num_decodes
-        # int32 views the kernel reads directly; built once per step and shared by every layer.
-        key = ("cpu_native_decode_inputs", num_decodes)
-        inputs = metadata.backend_cache.get(key)
-        if inputs is None:
-            block_table = metadata.block_table[:num_decodes].to(torch.int32)
-            if block_table.stride(-1) != 1:
-                block_table = block_table.contiguous()
-            seq_lens = torch.tensor(metadata.seq_lens_cpu[:num_decodes], dtype=torch.int32)
-            inputs = (block_table, seq_lens)
-            metadata.backend_cache[key] = inputs
-        block_table, seq_lens = inputs
+        block_table, seq_lens = _decode_inputs(metadata)
         output[:num_decodes] = paged_decode_attention(query[:num_decodes], kv_cache, block_table, seq_lens, scale,
                                                       sliding_window)
+
+
+def _decode_inputs(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' block table and lengths as the int32 tensors the kernel reads; built once per step and
+    shared by every layer."""
+    key = ("cpu_native_decode_inputs", metadata.num_decodes)
+    inputs = metadata.backend_cache.get(key)
+    if inputs is None:
+        block_table = metadata.block_table[:metadata.num_decodes].to(torch.int32)
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
+        seq_lens = torch.tensor(metadata.seq_lens_cpu[:metadata.num_decodes], dtype=torch.int32)
+        inputs = (block_table, seq_lens)
+        metadata.backend_cache[key] = inputs
+    return inputs

@@ -77,8 +77,10 @@ def first_visible_block(first_query_position: int, sliding_window: int | None, b
     return max(0, first_query_position - sliding_window + 1) // block_size
 
 
-def _validate(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-              sliding_window: int | None) -> None:
+def validate_inputs(query: torch.Tensor, key: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                    sliding_window: int | None) -> None:
+    """ValueError naming the field when the step's tensors and metadata do not fit together (shared by the
+    backends built on this one)."""
     if query.dim() != 3 or key.dim() != 3:
         raise ValueError(f"query/key must be [num_tokens, heads, head_dim], got {tuple(query.shape)} "
                          f"and {tuple(key.shape)}")
@@ -155,7 +157,7 @@ def reference_paged_attention(
 
     Kept as the readable oracle for the batched backend and for other backends' tests.
     """
-    _validate(query, key, kv_cache, metadata, sliding_window)
+    validate_inputs(query, key, kv_cache, metadata, sliding_window)
     num_tokens = metadata.num_actual_tokens
     write_to_kv_cache(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])
     output = torch.zeros_like(query)
@@ -288,7 +290,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        _validate(query, key, kv_cache, metadata, sliding_window)
+        validate_inputs(query, key, kv_cache, metadata, sliding_window)
         num_tokens = metadata.num_actual_tokens
         # Only the step's real tokens are written: padding rows (graph padding) never touch the cache.
         self._write_kv(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])

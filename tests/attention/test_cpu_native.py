@@ -208,6 +208,24 @@ def test_strided_query_from_fused_qkv() -> None:
     _compare_backends(query_view, key_view, value_view, kv_cache, metadata, torch.float32)
 
 
+def test_decode_only_step_fast_path_validates_and_matches(monkeypatch) -> None:
+    """A decode-only step without padding takes the short path (the kernel's result is the output, no copy):
+    same result as torch_paged, and bad shapes still raise, also after a good layer of the same step."""
+    query, key, value, kv_cache, metadata = _step([1] * 4, [3, 50, 600, 17], 6, 2, 64, 16, torch.bfloat16)
+    copies = []
+    real_forward = TorchPagedAttentionBackend.forward
+    monkeypatch.setattr(TorchPagedAttentionBackend, "forward", lambda *args: copies.append(1) or real_forward(*args))
+    expected = real_forward(TorchPagedAttentionBackend(), query, key, value, kv_cache.clone(), metadata, 0.125)
+    backend = CpuNativeAttentionBackend()
+    actual = backend.forward(query, key, value, kv_cache, metadata, 0.125)
+    assert copies == []  # the short path never falls back to the general forward
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[torch.bfloat16])
+    with pytest.raises(ValueError, match="kv_cache shape"):
+        backend.forward(query, key, value, kv_cache[..., :32].contiguous(), metadata, 0.125)
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        backend.forward(query, key, value, kv_cache, metadata, 0.125, 0)
+
+
 def test_bad_inputs_raise() -> None:
     query, _, _, kv_cache, metadata = _step([1, 1], [20, 33], 4, 2, 64, 16, torch.float32)
     with pytest.raises(RuntimeError, match="needs more blocks"):
