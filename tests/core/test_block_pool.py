@@ -128,3 +128,19 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use() -> None:
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(9) is None and blocks[0].block_hash is None
+
+
+def test_reset_puts_used_blocks_first_in_the_free_queue() -> None:
+    """After a reset the blocks handed out before are reused first (their memory is already written), in their
+    previous order; the never-used ones follow, and the queue stays consistent."""
+    pool = BlockPool(num_blocks=10, enable_caching=True)
+    blocks = pool.get_new_blocks(4)  # 1, 2, 3, 4
+    pool.cache_full_blocks(blocks, [11, 12, 13, 14], 0, 4)
+    pool.free_blocks([blocks[2], blocks[0], blocks[3], blocks[1]])  # LRU: to the back in this order
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [5, 6, 7, 8, 9, 3, 1, 4, 2]
+    assert pool.reset_prefix_cache() is True
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [3, 1, 4, 2, 5, 6, 7, 8, 9]
+    assert pool.get_num_free_blocks() == 9
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [3, 1, 4, 2, 5]
+    pool.touch([pool.blocks[7]])  # removal from the middle still works on the rebuilt queue
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [6, 8, 9]
