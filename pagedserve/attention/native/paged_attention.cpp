@@ -24,7 +24,9 @@
 //   flight (an item reads 128-byte rows 384 bytes apart from scattered blocks: the hardware prefetchers
 //   barely help), so the fast path prefetches every key row a fixed distance ahead and every value row
 //   during the key pass, and keeps the arithmetic per row small (one horizontal-sum tree per four keys, bf16
-//   widened without shuffles) so that it hides under the misses.
+//   widened without shuffles) so that it hides under the misses. With a bf16 query and cache (head_dim 64 or
+//   128) both products run on VDPBF16PS instead (attend_partition_bf16: half the instructions per key, P rounded
+//   to bf16 for the value product).
 //
 // Op: pagedserve::reshape_and_cache(key [num_tokens, num_kv_heads, head_dim],
 //       value [num_tokens, num_kv_heads, head_dim], kv_cache (mutated), slot_mapping [num_tokens] int64)
@@ -334,6 +336,16 @@ inline void prefetch_row(const void* row, int64_t row_bytes) {
     _mm_prefetch(static_cast<const char*>(row) + line, _MM_HINT_T0);
 }
 
+inline void prefetch_row_to_l2(const void* row, int64_t row_bytes) {
+  for (int64_t line = 0; line < row_bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(row) + line, _MM_HINT_T1);
+}
+
+// The bfloat16 path prefetches value rows to L2 only during the key pass (a 256-token partition's keys and values
+// outgrow L1's 48 KiB, and L1 prefetches stall once its fill buffers are taken: 45% of that kernel's samples sat
+// on prefetch instructions at GQA group 3), then to L1 this many positions ahead of the value pass.
+constexpr int64_t kValuePrefetchPositions = 16;
+
 // The fast path for a compile-time group size kGroup and head_dim = 16 * kChunks: the partition's row
 // offsets are resolved first, scores are computed four keys at a time (each key row loaded once for up to
 // four heads, one horizontal-sum tree per four keys), and the value accumulators stay in registers.
@@ -424,6 +436,145 @@ void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bfloat16 fast path (bf16 query and cache): both products on VDPBF16PS, which multiplies pairs of bf16 in
+// fp32 and adds both products into an fp32 lane, so a key row is used as stored (no widening) and each
+// instruction does two multiply-adds. With GQA groups the widened-fp32 path above ran out of instructions before
+// memory (13.5 GB/s at group 3 against 23 GB/s at group 1); this one needs about half as many per key.
+// - Scores: lane i of a query-key product sums dims 2i and 2i + 1 (a row is 32 dims per 512-bit vector, in
+//   order); the unscaled score is reduced four keys at a time (sum_lanes_of_4), then multiplied by the scale.
+// - Values: two keys t, t + 1 at a time. Interleaving their rows 16 bits at a time (unpacklo/hi within each
+//   128-bit lane) gives pair vectors whose fp32 lane 4L + i holds dim 8L + i (lo) or 8L + 4 + i (hi) of a
+//   32-dim slice; the probabilities (p_t, p_t+1) are rounded to bf16 and broadcast as one pair. An odd last key
+//   is paired with itself at probability 0.
+// - Prefetching: key rows to L1 as the fp32 path; value rows to L2 during the key pass and to L1
+//   kValuePrefetchPositions ahead of the value pass (13 -> 17 GB/s at 64 requests, group 3).
+// - Numerics: fp32 sums in a fixed order per request (batch and thread-count invariant); P is rounded to bf16
+//   for the value product (as the AMX prefill kernel and ATen's bf16 flash attention do) while the softmax
+//   denominator sums the fp32 probabilities.
+template <int kGroup, int kChunks>
+void attend_partition_bf16(const WorkItem& item, const Geometry& g, const c10::BFloat16* query,
+                           const c10::BFloat16* cache, const int32_t* block_table, float scale, float* query_scratch,
+                           float* scores, int64_t* row_offsets, float* acc, float* max_out, float* sum_out) {
+  constexpr int kHeadDim = kChunks * kLanes;
+  constexpr int kLoads = kHeadDim / 32;  // 512-bit vectors per row
+  constexpr int kKeys = 4;
+  constexpr int kHeadsPerSweep = kGroup < 4 ? kGroup : 4;
+  // Value accumulators held per pass: at most 16 registers (2 pair vectors per 32-dim slice).
+  constexpr int kLoadsPerPass = 8 / kGroup > 0 ? (8 / kGroup < kLoads ? 8 / kGroup : kLoads) : 1;
+  const int64_t num_tokens = item.token_end - item.token_begin;
+  const int64_t score_stride = g.partition_size;
+  const int64_t row_bytes = kHeadDim * 2;
+  const c10::BFloat16* values = cache + g.value_offset;
+  // The group's query rows, unscaled, in the query scratch (bf16, kGroup * kHeadDim values).
+  c10::BFloat16* query_rows = reinterpret_cast<c10::BFloat16*>(query_scratch);
+  const c10::BFloat16* query_row = query + item.request * g.query_token_stride;
+  for (int j = 0; j < kGroup; ++j)
+    std::memcpy(query_rows + j * kHeadDim, query_row + (item.kv_head * kGroup + j) * g.query_head_stride, row_bytes);
+  const int32_t* table_row = block_table + item.request * g.table_stride;
+  for_each_row(g, table_row, item.kv_head, item.token_begin, item.token_end, static_cast<const c10::BFloat16*>(nullptr),
+               [&](int64_t t, int64_t offset) { row_offsets[t] = offset; });
+  for (int64_t t = 0; t < std::min(num_tokens, kPrefetchPositions); ++t) prefetch_row(cache + row_offsets[t], row_bytes);
+
+  // 1. scores[j][t] = (q_j . k_t) * scale
+  const __m128 scale_vector = _mm_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, num_tokens - t0);
+    for (int64_t t = t0; t < t0 + count; ++t) {
+      if (t + kPrefetchPositions < num_tokens) prefetch_row(cache + row_offsets[t + kPrefetchPositions], row_bytes);
+      prefetch_row_to_l2(values + row_offsets[t], row_bytes);
+    }
+    for (int j0 = 0; j0 < kGroup; j0 += kHeadsPerSweep) {
+      __m512 dots[kHeadsPerSweep][kKeys];
+      for (int t = 0; t < kKeys; ++t) {
+        // Past the partition's end the last row is read again; those scores are not stored.
+        const c10::BFloat16* key_row = cache + row_offsets[t0 + std::min<int64_t>(t, count - 1)];
+        __m512bh key[kLoads];
+        for (int l = 0; l < kLoads; ++l) key[l] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(key_row + l * 32));
+        for (int j = 0; j < kHeadsPerSweep; ++j) {
+          if (j0 + j >= kGroup) break;
+          const c10::BFloat16* q = query_rows + (j0 + j) * kHeadDim;
+          __m512 dot = _mm512_setzero_ps();
+          for (int l = 0; l < kLoads; ++l)
+            dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + l * 32)), key[l]);
+          dots[j][t] = dot;
+        }
+      }
+      for (int j = 0; j < kHeadsPerSweep; ++j) {
+        if (j0 + j >= kGroup) break;
+        const __m128 sums = _mm_mul_ps(sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]), scale_vector);
+        float* destination = scores + (j0 + j) * score_stride + t0;
+        if (count == kKeys) {
+          _mm_storeu_ps(destination, sums);
+        } else {
+          alignas(16) float partial[kKeys];
+          _mm_store_ps(partial, sums);
+          std::copy(partial, partial + count, destination);
+        }
+      }
+    }
+  }
+  partition_softmax(g, num_tokens, scores, max_out, sum_out);
+
+  // The probabilities in bf16, in place over each head's scores (a bf16 value at t is written below the float at t
+  // that was already read), with a zero after an odd last key.
+  const int64_t num_pairs = (num_tokens + 1) / 2;
+  for (int j = 0; j < kGroup; ++j) {
+    float* row = scores + j * score_stride;
+    uint16_t* bits = reinterpret_cast<uint16_t*>(row);
+    for (int64_t t = 0; t < num_tokens; t += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, num_tokens - t);
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+      const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row + t)));
+      _mm256_mask_storeu_epi16(bits + t, mask, rounded);
+    }
+    if (num_tokens % 2 != 0) bits[num_tokens] = 0;
+  }
+
+  // 2. acc[j] = sum_t p[j][t] * v_t, two keys per instruction.
+  alignas(64) float laned[kGroup * kHeadDim];
+  for (int l0 = 0; l0 < kLoads; l0 += kLoadsPerPass) {
+    __m512 sums[kGroup][2 * kLoadsPerPass];
+    for (int j = 0; j < kGroup; ++j)
+      for (int c = 0; c < 2 * kLoadsPerPass; ++c) sums[j][c] = _mm512_setzero_ps();
+    for (int64_t pair = 0; pair < num_pairs; ++pair) {
+      const int64_t t = 2 * pair;
+      if (l0 == 0) {
+        for (int64_t ahead = t + kValuePrefetchPositions; ahead < std::min(t + kValuePrefetchPositions + 2, num_tokens);
+             ++ahead)
+          prefetch_row(values + row_offsets[ahead], row_bytes);
+      }
+      const c10::BFloat16* first = values + row_offsets[t];
+      const c10::BFloat16* second = t + 1 < num_tokens ? values + row_offsets[t + 1] : first;
+      __m512bh v[2 * kLoadsPerPass];
+      for (int l = 0; l < kLoadsPerPass; ++l) {
+        if (l0 + l >= kLoads) break;
+        const __m512i a = _mm512_loadu_si512(first + (l0 + l) * 32);
+        const __m512i b = _mm512_loadu_si512(second + (l0 + l) * 32);
+        v[2 * l] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+        v[2 * l + 1] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+      }
+      for (int j = 0; j < kGroup; ++j) {
+        uint32_t probability_pair;
+        std::memcpy(&probability_pair, reinterpret_cast<const uint16_t*>(scores + j * score_stride) + t, 4);
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(probability_pair)));
+        for (int c = 0; c < 2 * kLoadsPerPass; ++c)
+          if (l0 + c / 2 < kLoads) sums[j][c] = _mm512_dpbf16_ps(sums[j][c], v[c], p);
+      }
+    }
+    for (int j = 0; j < kGroup; ++j)
+      for (int c = 0; c < 2 * kLoadsPerPass; ++c)
+        if (l0 + c / 2 < kLoads) _mm512_store_ps(laned + j * kHeadDim + (2 * l0 + c) * kLanes, sums[j][c]);
+  }
+  // Pair vector c of slice l = c / 2: lane 4L + i holds dim 32 l + 8 L + 4 (c % 2) + i.
+  for (int j = 0; j < kGroup; ++j)
+    for (int c = 0; c < 2 * kLoads; ++c)
+      for (int lane = 0; lane < kLanes; ++lane)
+        acc[j * kHeadDim + 32 * (c / 2) + 8 * (lane / 4) + 4 * (c % 2) + lane % 4] =
+            laned[j * kHeadDim + c * kLanes + lane];
+}
+#endif
+
 template <typename query_t, typename cache_t>
 using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*, const cache_t*, const int32_t*,
                                 float, float*, float*, int64_t*, float*, float*, float*);
@@ -431,6 +582,25 @@ using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*
 // The unrolled variant for (group, head_dim) when there is one, else the generic one.
 template <typename query_t, typename cache_t>
 AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+#define PAGEDSERVE_BF16_GROUP_CASES(CHUNKS)                                              \
+    switch (group) {                                                                     \
+      case 1: return &attend_partition_bf16<1, CHUNKS>;                                  \
+      case 2: return &attend_partition_bf16<2, CHUNKS>;                                  \
+      case 3: return &attend_partition_bf16<3, CHUNKS>;                                  \
+      case 4: return &attend_partition_bf16<4, CHUNKS>;                                  \
+      case 5: return &attend_partition_bf16<5, CHUNKS>;                                  \
+      case 6: return &attend_partition_bf16<6, CHUNKS>;                                  \
+      case 7: return &attend_partition_bf16<7, CHUNKS>;                                  \
+      case 8: return &attend_partition_bf16<8, CHUNKS>;                                  \
+      default: break;                                                                    \
+    }
+    if (head_dim == 64) { PAGEDSERVE_BF16_GROUP_CASES(4) }
+    if (head_dim == 128) { PAGEDSERVE_BF16_GROUP_CASES(8) }
+#undef PAGEDSERVE_BF16_GROUP_CASES
+  }
+#endif
 #if defined(__AVX512F__)
 #define PAGEDSERVE_GROUP_CASES(CHUNKS)                                                   \
   switch (group) {                                                                       \
