@@ -202,10 +202,25 @@ def test_pass_manager_applies_enabled_passes() -> None:
     assert only_muls.num_replacements == {"fuse_muls_add": 1}
 
 
-def test_fused_add_rms_norm_matches_reference() -> None:
-    x, residual, weight = torch.randn(3, 16), torch.randn(3, 16), torch.rand(16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "aten"])
+def test_fused_add_rms_norm_matches_reference(monkeypatch, dtype: torch.dtype, native: bool) -> None:
+    """Bitwise the unfused reference, through the native CPU kernel when it is built (counted) and through the
+    ATen body when it is not."""
+    from pagedserve.layers import native_elementwise
+
+    if native and not native_elementwise.native_elementwise_available():
+        pytest.skip("the native CPU kernels are not built here")
+    calls = []
+    real = native_elementwise.add_rms_norm
+    monkeypatch.setattr(native_elementwise, "add_rms_norm", lambda *args: calls.append(1) or real(*args))
+    if not native:
+        monkeypatch.setattr(native_elementwise, "qualifies", lambda x: False)
+    x, residual = torch.randn(3, 5, 576).to(dtype), torch.randn(3, 5, 576).to(dtype)
+    weight = torch.rand(576).to(dtype)
     fused = torch.ops.pagedserve.fused_add_rms_norm(x, residual, weight, 1e-6)
     reference = add_rms_norm_reference(x, residual, weight, 1e-6)
+    assert len(calls) == int(native)
     assert torch.equal(fused[0], reference[0]) and torch.equal(fused[1], reference[1])
 
 
