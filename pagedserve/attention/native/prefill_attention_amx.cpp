@@ -184,94 +184,116 @@ inline __m512 softmax_exp(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~is_zero), _mm512_scalef_ps(p, n));
 }
 
+// The running state of one query tile: per row the max so far, 16 lanes of partial sums of exp, and the factor
+// exp(old max - new max) that the chunk just scored applies to everything before it.
+struct SoftmaxState {
+  alignas(64) float row_max[kTileRows];
+  alignas(64) float rescale[kTileRows];
+  alignas(64) float row_sums[kTileRows * 16];
+};
+
+// Turns one chunk's raw scores (16 x kChunkKeys fp32, overwritten) into P in bf16, updating `state`: scale, mask
+// (row r sees keys k <= positions[r], and k > positions[r] - window), online softmax.
+void chunk_softmax(float* scores, int64_t chunk_base, const int64_t* positions, float scale,
+                   std::optional<int64_t> sliding_window, SoftmaxState& state, bf16* probabilities) {
+  constexpr int kParts = kChunkKeys / 16;
+  static_assert(kTileRows == 16, "the per-row state is handled as one 16-lane vector");
+  const float negative_infinity = -std::numeric_limits<float>::infinity();
+  const __m512 scale_vector = _mm512_set1_ps(scale);
+  const __m512 masked = _mm512_set1_ps(negative_infinity);
+  // Every row sees the whole chunk when its last key is at or before the first row and, with a window, its
+  // first key is inside the last row's window.
+  const bool is_whole = chunk_base + kChunkKeys - 1 <= positions[0] &&
+                        (!sliding_window || chunk_base > positions[kTileRows - 1] - *sliding_window);
+  // Pass 1, per row: scaled scores with hidden keys at -inf (written back), and the chunk's max.
+  alignas(64) float chunk_max[kTileRows];
+  for (int64_t row = 0; row < kTileRows; ++row) {
+    float* s = scores + row * kChunkKeys;
+    __m512 maximum = masked;
+    if (is_whole) {
+      for (int part = 0; part < kParts; ++part) {
+        const __m512 v = _mm512_mul_ps(_mm512_load_ps(s + part * 16), scale_vector);
+        _mm512_store_ps(s + part * 16, v);
+        maximum = _mm512_max_ps(maximum, v);
+      }
+    } else {
+      // Row `row` sees the chunk's keys [low, high).
+      const int64_t position = positions[row];
+      const int64_t high = std::min<int64_t>(kChunkKeys, position - chunk_base + 1);
+      const int64_t low = sliding_window ? std::max<int64_t>(0, position - *sliding_window + 1 - chunk_base) : 0;
+      for (int part = 0; part < kParts; ++part) {
+        const int64_t begin = part * 16;
+        const int64_t lo = std::clamp<int64_t>(low - begin, 0, 16), hi = std::clamp<int64_t>(high - begin, 0, 16);
+        const __mmask16 visible = hi <= lo ? 0 : static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+        const __m512 v = _mm512_mask_mul_ps(masked, visible, _mm512_load_ps(s + begin), scale_vector);
+        _mm512_store_ps(s + begin, v);
+        maximum = _mm512_max_ps(maximum, v);
+      }
+    }
+    chunk_max[row] = _mm512_reduce_max_ps(maximum);
+  }
+  // All rows at once: the new running max and the factor exp(old - new) for the state so far. A row that has
+  // seen no key yet keeps max -inf and factor 1 (its state is zero); its first keys rescale it by exp(-inf) = 0.
+  const __m512 old_max = _mm512_load_ps(state.row_max);
+  const __m512 new_max = _mm512_max_ps(old_max, _mm512_load_ps(chunk_max));
+  const __mmask16 is_unseen = _mm512_cmp_ps_mask(new_max, masked, _CMP_EQ_OQ);
+  _mm512_store_ps(state.rescale, _mm512_mask_blend_ps(is_unseen, softmax_exp(_mm512_sub_ps(old_max, new_max)),
+                                                      _mm512_set1_ps(1.0f)));
+  _mm512_store_ps(state.row_max, new_max);
+  // Pass 2, per row: P = exp(s - max) in bf16, and the running sums.
+  for (int64_t row = 0; row < kTileRows; ++row) {
+    const float* s = scores + row * kChunkKeys;
+    bf16* p = probabilities + row * kChunkKeys;
+    // An unseen row's scores are all -inf: any finite shift gives P = 0.
+    const __m512 shift = _mm512_set1_ps(state.row_max[row] == negative_infinity ? 0.0f : state.row_max[row]);
+    __m512 sum = _mm512_mul_ps(_mm512_load_ps(state.row_sums + row * 16), _mm512_set1_ps(state.rescale[row]));
+    for (int part = 0; part < kParts; ++part) {
+      const __m512 e = softmax_exp(_mm512_sub_ps(_mm512_load_ps(s + part * 16), shift));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p + part * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    }
+    _mm512_store_ps(state.row_sums + row * 16, sum);
+  }
+}
+
 // One query head's tile of up to 16 positions (`positions[i]` absolute, rows past `num_rows` repeat the last) over
 // the span's chunks [first_chunk, last_chunk]; writes rows [0, num_rows) to `out` (row stride out_stride).
+//
+// Software-pipelined: the next chunk's scores are computed on the tiles between this chunk's softmax and its
+// P V product. A tile load right after the vector stores of P waited for them to drain to L1 (12% of the
+// kernel's samples sat on that first product); the next chunk's tile work now fills that wait.
 void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positions, int64_t num_rows,
                  int64_t first_chunk, int64_t last_chunk, int64_t head_dim, float scale,
                  std::optional<int64_t> sliding_window, bf16* out, int64_t out_stride) {
-  constexpr int kParts = kChunkKeys / 16;
-  static_assert(kTileRows == 16, "the per-row state is handled as one 16-lane vector");
-  alignas(64) float scores[kTileRows * kChunkKeys];
+  alignas(64) float scores[2][kTileRows * kChunkKeys];
   alignas(64) bf16 probabilities[kTileRows * kChunkKeys];
   alignas(64) float product[kTileRows * kMaxHeadDim];
   alignas(64) float accumulator[kTileRows * kMaxHeadDim];
-  alignas(64) float row_sums[kTileRows * 16];  // per row: 16 lanes of partial sums, reduced at the end
-  alignas(64) float row_max[kTileRows];
-  alignas(64) float rescale[kTileRows];
-  const float negative_infinity = -std::numeric_limits<float>::infinity();
-  std::fill(row_max, row_max + kTileRows, negative_infinity);
-  std::fill(row_sums, row_sums + kTileRows * 16, 0.0f);
+  SoftmaxState state;
+  std::fill(state.row_max, state.row_max + kTileRows, -std::numeric_limits<float>::infinity());
+  std::fill(state.row_sums, state.row_sums + kTileRows * 16, 0.0f);
   std::fill(accumulator, accumulator + kTileRows * head_dim, 0.0f);
-  const __m512 scale_vector = _mm512_set1_ps(scale);
-  const __m512 masked = _mm512_set1_ps(negative_infinity);
-  const int64_t dim_steps = head_dim / kStep, dim_blocks = head_dim / kKeyBlock;
+  const int64_t key_chunk_values = kChunkKeyBlocks * (head_dim / kStep) * kTileValues;
+  const int64_t value_chunk_values = kChunkKeySteps * (head_dim / kKeyBlock) * kTileValues;
+  const auto chunk_base = [&](int64_t chunk) { return span.first_key + chunk * kChunkKeys; };
+  chunk_scores(query_tile, span.keys + first_chunk * key_chunk_values, head_dim, scores[0]);
+  chunk_softmax(scores[0], chunk_base(first_chunk), positions, scale, sliding_window, state, probabilities);
   for (int64_t chunk = first_chunk; chunk <= last_chunk; ++chunk) {
-    chunk_scores(query_tile, span.keys + chunk * kChunkKeyBlocks * dim_steps * kTileValues, head_dim, scores);
-    const int64_t chunk_base = span.first_key + chunk * kChunkKeys;
-    // Every row sees the whole chunk when its last key is at or before the first row and, with a window, its
-    // first key is inside the last row's window.
-    const bool is_whole = chunk_base + kChunkKeys - 1 <= positions[0] &&
-                          (!sliding_window || chunk_base > positions[kTileRows - 1] - *sliding_window);
-    // Pass 1, per row: scaled scores with hidden keys at -inf (written back), and the chunk's max.
-    alignas(64) float chunk_max[kTileRows];
+    float* next_scores = scores[(chunk - first_chunk + 1) % 2];
+    if (chunk < last_chunk) chunk_scores(query_tile, span.keys + (chunk + 1) * key_chunk_values, head_dim, next_scores);
+    chunk_values(probabilities, span.values + chunk * value_chunk_values, head_dim, product);
     for (int64_t row = 0; row < kTileRows; ++row) {
-      float* s = scores + row * kChunkKeys;
-      __m512 maximum = masked;
-      if (is_whole) {
-        for (int part = 0; part < kParts; ++part) {
-          const __m512 v = _mm512_mul_ps(_mm512_load_ps(s + part * 16), scale_vector);
-          _mm512_store_ps(s + part * 16, v);
-          maximum = _mm512_max_ps(maximum, v);
-        }
-      } else {
-        // Row `row` sees the chunk's keys [low, high): causal (k <= p) and inside the window (k > p - w).
-        const int64_t position = positions[row];
-        const int64_t high = std::min<int64_t>(kChunkKeys, position - chunk_base + 1);
-        const int64_t low = sliding_window ? std::max<int64_t>(0, position - *sliding_window + 1 - chunk_base) : 0;
-        for (int part = 0; part < kParts; ++part) {
-          const int64_t begin = part * 16;
-          const int64_t lo = std::clamp<int64_t>(low - begin, 0, 16), hi = std::clamp<int64_t>(high - begin, 0, 16);
-          const __mmask16 visible = hi <= lo ? 0 : static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-          const __m512 v = _mm512_mask_mul_ps(masked, visible, _mm512_load_ps(s + begin), scale_vector);
-          _mm512_store_ps(s + begin, v);
-          maximum = _mm512_max_ps(maximum, v);
-        }
-      }
-      chunk_max[row] = _mm512_reduce_max_ps(maximum);
-    }
-    // All rows at once: the new running max and the factor exp(old - new) for the state so far. A row that has
-    // seen no key yet keeps max -inf and factor 1 (its state is zero); its first keys rescale it by exp(-inf) = 0.
-    const __m512 old_max = _mm512_load_ps(row_max);
-    const __m512 new_max = _mm512_max_ps(old_max, _mm512_load_ps(chunk_max));
-    const __mmask16 is_unseen = _mm512_cmp_ps_mask(new_max, masked, _CMP_EQ_OQ);
-    _mm512_store_ps(rescale, _mm512_mask_blend_ps(is_unseen, softmax_exp(_mm512_sub_ps(old_max, new_max)),
-                                                  _mm512_set1_ps(1.0f)));
-    _mm512_store_ps(row_max, new_max);
-    // Pass 2, per row: P = exp(s - max) in bf16, and the running sums.
-    for (int64_t row = 0; row < kTileRows; ++row) {
-      const float* s = scores + row * kChunkKeys;
-      bf16* p = probabilities + row * kChunkKeys;
-      // An unseen row's scores are all -inf: any finite shift gives P = 0.
-      const __m512 shift = _mm512_set1_ps(row_max[row] == negative_infinity ? 0.0f : row_max[row]);
-      __m512 sum = _mm512_mul_ps(_mm512_load_ps(row_sums + row * 16), _mm512_set1_ps(rescale[row]));
-      for (int part = 0; part < kParts; ++part) {
-        const __m512 e = softmax_exp(_mm512_sub_ps(_mm512_load_ps(s + part * 16), shift));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p + part * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-      }
-      _mm512_store_ps(row_sums + row * 16, sum);
-    }
-    chunk_values(probabilities, span.values + chunk * kChunkKeySteps * dim_blocks * kTileValues, head_dim, product);
-    for (int64_t row = 0; row < kTileRows; ++row) {
-      const __m512 factor = _mm512_set1_ps(rescale[row]);
+      const __m512 factor = _mm512_set1_ps(state.rescale[row]);
       float* acc = accumulator + row * head_dim;
       const float* add = product + row * head_dim;
       for (int64_t dim = 0; dim < head_dim; dim += 16)
         _mm512_store_ps(acc + dim, _mm512_fmadd_ps(_mm512_load_ps(acc + dim), factor, _mm512_load_ps(add + dim)));
     }
+    if (chunk < last_chunk)
+      chunk_softmax(next_scores, chunk_base(chunk + 1), positions, scale, sliding_window, state, probabilities);
   }
   for (int64_t row = 0; row < num_rows; ++row) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(row_sums + row * 16)));
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(state.row_sums + row * 16)));
     const float* acc = accumulator + row * head_dim;
     bf16* target = out + row * out_stride;
     for (int64_t dim = 0; dim < head_dim; dim += 16)
