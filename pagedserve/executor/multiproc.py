@@ -92,7 +92,6 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
         while True:
             message = codec.decode_to_worker(conn.recv_bytes())
             if isinstance(message, ShutdownWorker):
-                worker.shutdown()
                 break
             output = worker.execute_model(message.scheduler_output)
             if is_output_rank:

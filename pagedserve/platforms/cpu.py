@@ -7,7 +7,6 @@ import torch
 
 from pagedserve.platforms.huge_page_memory import allocate_huge_page_zeros
 from pagedserve.platforms.interface import Platform
-from pagedserve.platforms.memory_prefault import BackgroundPrefault
 
 
 class CpuPlatform(Platform):
@@ -23,11 +22,6 @@ class CpuPlatform(Platform):
         KV cache costs nothing at start, memory is committed as blocks are first written (torch.zeros
         would memset it all), and the scattered block writes and reads fault and miss the TLB 512x less."""
         return allocate_huge_page_zeros(shape, dtype)
-
-    def start_memory_prefault(self, tensors: list[torch.Tensor]) -> BackgroundPrefault:
-        """The lazily mapped KV cache is faulted in by a nice-19 thread (platforms/memory_prefault.py), so steps
-        stop paying first-write page faults without delaying the start."""
-        return BackgroundPrefault(tensors)
 
     def default_attention_backend(self) -> str:
         """'cpu_native' (in-place paged decode kernels) when its C++ extension builds and loads, else the

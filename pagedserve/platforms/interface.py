@@ -36,11 +36,6 @@ class Platform(ABC):
         """A zero-filled tensor on this platform's device (the KV cache is allocated this way)."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
-    def start_memory_prefault(self, tensors: list[torch.Tensor]) -> Any:
-        """Starts faulting in the pages of tensors from `allocate_zeros` in the background, where that memory is
-        mapped lazily; returns a handle with `stop()`, or None (the default: nothing to do)."""
-        return None
-
     def default_attention_backend(self) -> str:
         return "torch_paged"
 

@@ -82,21 +82,12 @@ class Worker:
         kv_caches = allocate_kv_caches(model, num_blocks, cache_config.block_size, model_config.dtype,
                                        self.platform)
         self.model_runner.bind_kv_caches(kv_caches)
-        self.kv_cache_prefault = None
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
                     num_blocks, cache_config.block_size, num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * cache_config.block_size)
-        # Started after the start-up chunk profiling, so as not to compete with its timings.
-        self.kv_cache_prefault = self.platform.start_memory_prefault(kv_caches)
-
-    def shutdown(self) -> None:
-        """Stops the background work this worker started (the KV cache prefault thread)."""
-        if self.kv_cache_prefault is not None:
-            self.kv_cache_prefault.stop()
-            self.kv_cache_prefault = None
 
     def _profile_chunk_latencies(self, model: torch.nn.Module,
                                  num_blocks: int) -> tuple[tuple[int, int, float], ...]:
