@@ -193,9 +193,7 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
         # int32 inputs the kernel reads directly; built once per step and shared by every layer.
         inputs = metadata.backend_cache.get("cpu_native_prefill_inputs")
         if inputs is None:
-            block_table = metadata.block_table[num_decodes:num_seqs].to(torch.int32)
-            if block_table.stride(-1) != 1:
-                block_table = block_table.contiguous()
+            block_table = _int32_rows(metadata.block_table, num_decodes, num_seqs)
             seq_lens = torch.tensor(metadata.seq_lens_cpu[num_decodes:], dtype=torch.int32)
             query_start_loc = torch.tensor([start - first_row for start in starts[num_decodes:num_seqs + 1]],
                                            dtype=torch.int32)
@@ -223,15 +221,19 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
                                                       sliding_window)
 
 
+def _int32_rows(block_table: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """Rows [begin, end) of the block table as int32 with contiguous rows (what the kernels read)."""
+    rows = block_table[begin:end].to(torch.int32)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _decode_inputs(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The decodes' block table and lengths as the int32 tensors the kernel reads; built once per step and
     shared by every layer."""
     key = ("cpu_native_decode_inputs", metadata.num_decodes)
     inputs = metadata.backend_cache.get(key)
     if inputs is None:
-        block_table = metadata.block_table[:metadata.num_decodes].to(torch.int32)
-        if block_table.stride(-1) != 1:
-            block_table = block_table.contiguous()
+        block_table = _int32_rows(metadata.block_table, 0, metadata.num_decodes)
         seq_lens = torch.tensor(metadata.seq_lens_cpu[:metadata.num_decodes], dtype=torch.int32)
         inputs = (block_table, seq_lens)
         metadata.backend_cache[key] = inputs

@@ -326,6 +326,17 @@ inline __m128 sum_lanes_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
+// Stores the scores of four consecutive keys, or of the first `count` (< 4) at a partition's end.
+inline void store_scores(__m128 sums, float* destination, int64_t count) {
+  if (count == 4) {
+    _mm_storeu_ps(destination, sums);
+    return;
+  }
+  alignas(16) float partial[4];
+  _mm_store_ps(partial, sums);
+  std::copy(partial, partial + count, destination);
+}
+
 // Key rows are prefetched this many positions ahead of the key pass (blocks are scattered, so the hardware
 // prefetcher cannot follow them across a block boundary); each position's value row is prefetched as its
 // key is read, for the value pass that follows.
@@ -395,15 +406,8 @@ void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query
       }
       for (int j = 0; j < kHeadsPerSweep; ++j) {
         if (j0 + j >= kGroup) break;
-        const __m128 sums = sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]);
-        float* destination = scores + (j0 + j) * score_stride + t0;
-        if (count == kKeys) {
-          _mm_storeu_ps(destination, sums);
-        } else {
-          alignas(16) float partial[kKeys];
-          _mm_store_ps(partial, sums);
-          std::copy(partial, partial + count, destination);
-        }
+        store_scores(sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]),
+                     scores + (j0 + j) * score_stride + t0, count);
       }
     }
   }
@@ -502,15 +506,8 @@ void attend_partition_bf16(const WorkItem& item, const Geometry& g, const c10::B
       }
       for (int j = 0; j < kHeadsPerSweep; ++j) {
         if (j0 + j >= kGroup) break;
-        const __m128 sums = _mm_mul_ps(sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]), scale_vector);
-        float* destination = scores + (j0 + j) * score_stride + t0;
-        if (count == kKeys) {
-          _mm_storeu_ps(destination, sums);
-        } else {
-          alignas(16) float partial[kKeys];
-          _mm_store_ps(partial, sums);
-          std::copy(partial, partial + count, destination);
-        }
+        store_scores(_mm_mul_ps(sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]), scale_vector),
+                     scores + (j0 + j) * score_stride + t0, count);
       }
     }
   }

@@ -110,31 +110,44 @@ void pack_span(const Span& span, const bf16* cache_keys, const bf16* cache_value
   }
 }
 
+// C tiles 2-5 += A (tile 0, from `a`, row stride `a_stride` bytes) x the four B tiles at b, b + b_stride, ...
+// (1 KiB tiles, b_stride in bf16 values); tiles 6 and 7 alternate so that a load overlaps the previous product.
+inline void four_products(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride) {
+  _tile_loadd(0, a, a_stride);
+  _tile_loadd(6, b, 64);
+  _tile_dpbf16ps(2, 0, 6);
+  _tile_loadd(7, b + b_stride, 64);
+  _tile_dpbf16ps(3, 0, 7);
+  _tile_loadd(6, b + 2 * b_stride, 64);
+  _tile_dpbf16ps(4, 0, 6);
+  _tile_loadd(7, b + 3 * b_stride, 64);
+  _tile_dpbf16ps(5, 0, 7);
+}
+
+inline void zero_four() {
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+}
+
+// Stores C tiles 2-5 side by side: 16 rows x 64 fp32 columns from `out` (row stride `stride` bytes).
+inline void store_four(float* out, int64_t stride) {
+  _tile_stored(2, out, stride);
+  _tile_stored(3, out + 16, stride);
+  _tile_stored(4, out + 32, stride);
+  _tile_stored(5, out + 48, stride);
+}
+
 // S[16 x kChunkKeys] = query_tile[16 x head_dim] . K chunk^T (fp32, row stride kChunkKeys), 64 keys per pass.
 inline void chunk_scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, float* scores) {
   const int64_t dim_steps = head_dim / kStep;
   for (int64_t first = 0; first < kChunkKeyBlocks; first += 4) {
     const bf16* tiles = key_chunk + first * dim_steps * kTileValues;
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t step = 0; step < dim_steps; ++step) {
-      _tile_loadd(0, query_tile + step * kStep, head_dim * 2);
-      _tile_loadd(6, tiles + (0 * dim_steps + step) * kTileValues, 64);
-      _tile_dpbf16ps(2, 0, 6);
-      _tile_loadd(7, tiles + (1 * dim_steps + step) * kTileValues, 64);
-      _tile_dpbf16ps(3, 0, 7);
-      _tile_loadd(6, tiles + (2 * dim_steps + step) * kTileValues, 64);
-      _tile_dpbf16ps(4, 0, 6);
-      _tile_loadd(7, tiles + (3 * dim_steps + step) * kTileValues, 64);
-      _tile_dpbf16ps(5, 0, 7);
-    }
-    float* out = scores + first * kKeyBlock;
-    _tile_stored(2, out, kChunkKeys * 4);
-    _tile_stored(3, out + 16, kChunkKeys * 4);
-    _tile_stored(4, out + 32, kChunkKeys * 4);
-    _tile_stored(5, out + 48, kChunkKeys * 4);
+    zero_four();
+    for (int64_t step = 0; step < dim_steps; ++step)
+      four_products(query_tile + step * kStep, head_dim * 2, tiles + step * kTileValues, dim_steps * kTileValues);
+    store_four(scores + first * kKeyBlock, kChunkKeys * 4);
   }
 }
 
@@ -142,27 +155,11 @@ inline void chunk_scores(const bf16* query_tile, const bf16* key_chunk, int64_t 
 inline void chunk_values(const bf16* probabilities, const bf16* value_chunk, int64_t head_dim, float* product) {
   const int64_t dim_blocks = head_dim / kKeyBlock;
   for (int64_t first = 0; first < dim_blocks; first += 4) {
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t step = 0; step < kChunkKeySteps; ++step) {
-      const bf16* tiles = value_chunk + (step * dim_blocks + first) * kTileValues;
-      _tile_loadd(0, probabilities + step * kStep, kChunkKeys * 2);
-      _tile_loadd(6, tiles, 64);
-      _tile_dpbf16ps(2, 0, 6);
-      _tile_loadd(7, tiles + kTileValues, 64);
-      _tile_dpbf16ps(3, 0, 7);
-      _tile_loadd(6, tiles + 2 * kTileValues, 64);
-      _tile_dpbf16ps(4, 0, 6);
-      _tile_loadd(7, tiles + 3 * kTileValues, 64);
-      _tile_dpbf16ps(5, 0, 7);
-    }
-    float* out = product + first * kKeyBlock;
-    _tile_stored(2, out, head_dim * 4);
-    _tile_stored(3, out + 16, head_dim * 4);
-    _tile_stored(4, out + 32, head_dim * 4);
-    _tile_stored(5, out + 48, head_dim * 4);
+    zero_four();
+    for (int64_t step = 0; step < kChunkKeySteps; ++step)
+      four_products(probabilities + step * kStep, kChunkKeys * 2,
+                    value_chunk + (step * dim_blocks + first) * kTileValues, kTileValues);
+    store_four(product + first * kKeyBlock, head_dim * 4);
   }
 }
 
