@@ -206,6 +206,16 @@ FEATURES: tuple[Feature, ...] = (
                "test_inductor_compiled_equals_eager_and_second_engine_hits_cache"),
     ),
     Feature(
+        line="framework", family="graph mode", feature="native decode stack: decode-only steps of Llama-family "
+                                                       "models (Llama, Mistral, Qwen2) run every layer in one "
+                                                       "native call over the same kernels as the modules "
+                                                       "(bitwise equal; CPU, on by default)",
+        modules=("pagedserve.models.native_decode_stack",),
+        knobs=("native_decode_stack",),
+        docs="docs/params-06-compilation.md",
+        tests=("tests/models/test_native_decode_stack.py",),
+    ),
+    Feature(
         line="framework", family="graph mode", feature="fusion passes wired into graph capture: add+RMSNorm, "
                                                        "Qwen3 q/k-norm+RoPE, x*scale+y (replacements counted "
                                                        "and logged; norm+quant awaits quantised models)",

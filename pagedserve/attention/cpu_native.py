@@ -160,7 +160,7 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
             validate_inputs(query, key, kv_cache, metadata, sliding_window)
             metadata.backend_cache[validated] = True
         self._write_kv(key, value, kv_cache, metadata.slot_mapping[:num_tokens])
-        block_table, seq_lens = _decode_inputs(metadata)
+        block_table, seq_lens = decode_inputs(metadata)
         return paged_decode_attention(query, kv_cache, block_table, seq_lens, scale, sliding_window)
 
     def _write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -216,7 +216,7 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
             raise ValueError(f"attention backend 'cpu_native' runs on the CPU only, got tensors on "
                              f"{query.device}; use attention_backend='torch_paged'")
         num_decodes = metadata.num_decodes
-        block_table, seq_lens = _decode_inputs(metadata)
+        block_table, seq_lens = decode_inputs(metadata)
         output[:num_decodes] = paged_decode_attention(query[:num_decodes], kv_cache, block_table, seq_lens, scale,
                                                       sliding_window)
 
@@ -227,7 +227,7 @@ def _int32_rows(block_table: torch.Tensor, begin: int, end: int) -> torch.Tensor
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _decode_inputs(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_inputs(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """The decodes' block table and lengths as the int32 tensors the kernel reads; built once per step and
     shared by every layer."""
     key = ("cpu_native_decode_inputs", metadata.num_decodes)

@@ -68,6 +68,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                            help="bitwise-identical logits for a request whatever else is in the batch "
                                 "(slower; also VLLM_BATCH_INVARIANT=1)")
+    execution.add_argument("--native-decode-stack", action=argparse.BooleanOptionalAction, default=True,
+                           help="run decode-only steps of Llama-family models on the CPU in one native call "
+                                "(on by default where the model qualifies; --no-native-decode-stack: the modules)")
     add_load_args(parser)
 
 
@@ -111,7 +114,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 compilation_config=getattr(args, "compilation_config", None),
                 enforce_eager=getattr(args, "enforce_eager", False),
                 attention_backend=getattr(args, "attention_backend", None),
-                batch_invariant=getattr(args, "batch_invariant", False))
+                batch_invariant=getattr(args, "batch_invariant", False),
+                native_decode_stack=getattr(args, "native_decode_stack", True))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -42,6 +42,8 @@ class EngineConfig:
     batch_invariant: bool = False
     # Checkpoint read strategy and threads, and the linear weight layout after loading (config/load.py).
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    # Decode-only steps of qualifying Llama-family models in one native call (models/native_decode_stack.py).
+    native_decode_stack: bool = True
 
     @staticmethod
     def create(
@@ -85,6 +87,7 @@ class EngineConfig:
         num_threads: int = 8,
         safetensors_load_strategy: str = "lazy",
         weight_layout: str = "auto",
+        native_decode_stack: bool = True,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -156,6 +159,8 @@ class EngineConfig:
                              f"true or false")
         if not isinstance(enable_cpu_binding, bool):
             raise ValueError(f"enable_cpu_binding={enable_cpu_binding!r} must be true or false")
+        if not isinstance(native_decode_stack, bool):
+            raise ValueError(f"native_decode_stack={native_decode_stack!r} must be true or false")
         profiling_chunk = ProfilingChunkConfig.parse(profiling_chunk_config)
         if profiling_chunk.enable and not enable_chunked_prefill:
             raise ValueError("profiling_chunk_config.enable=True sizes prefill chunks, but "
@@ -201,6 +206,7 @@ class EngineConfig:
             compilation_config=compilation,
             batch_invariant=batch_invariant,
             load_config=load_config,
+            native_decode_stack=native_decode_stack,
         )
 
 

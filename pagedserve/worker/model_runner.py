@@ -22,6 +22,7 @@ from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.models.native_decode_stack import build_native_decode_forward
 from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
@@ -58,6 +59,8 @@ class ModelRunner:
         if self.forward is model:
             # Graph capture (compilation_config / enforce_eager): the model itself when eager.
             self.forward = build_model_forward(model, config, device)
+            # Decode-only steps of qualifying models in one native call (models/native_decode_stack.py).
+            self.forward = build_native_decode_forward(model, config, self.forward, device)
         if config.batch_invariant:
             # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
             from pagedserve.batch_invariant import batch_invariant_step

@@ -186,10 +186,10 @@ def test_injected_step_failure_fails_only_that_batch(folder: str, monkeypatch) -
     # Two seats: later requests are admitted after the failure, so they must come out right.
     llm = LLM(folder, async_scheduling=True, **dict(ENGINE, max_num_seqs=2))
     worker = llm.llm_engine.engine_core.executor.worker
-    model = worker.model_runner.model
+    runner = worker.model_runner
     current = {}
     calls = {"forward": 0}
-    execute_model, forward = worker.execute_model, model.forward
+    execute_model, forward = worker.execute_model, runner.forward
 
     def recording_execute_model(scheduler_output):
         current["batch"] = set(scheduler_output.num_scheduled_tokens)
@@ -203,7 +203,7 @@ def test_injected_step_failure_fails_only_that_batch(folder: str, monkeypatch) -
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(worker, "execute_model", recording_execute_model)
-    monkeypatch.setattr(model, "forward", failing_once_forward)
+    monkeypatch.setattr(runner, "forward", failing_once_forward)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     failed_ids = {str(int(rid)) for rid in current["failed"]}
     errors = {o.request_id for o in outputs if o.outputs[0].finish_reason == "error"}

@@ -1,0 +1,169 @@
+// The decoder stack of a Llama-family model for one decode step, in one native call.
+//
+// Python side: models/native_decode_stack.py (which models and steps qualify, and the reference it must equal).
+// A batch-1 decode step of a small model is ~120 weight streams of a few hundred microseconds each, and the
+// ~40 module calls per layer that drive them in Python (nn.Module dispatch, attribute lookups, op dispatch)
+// cost as much again. This op walks the layers in C++ and calls the very same kernels, in the same order and
+// with the same arguments, through torch's dispatcher:
+//   per layer: [add +] RMSNorm -> qkv linear -> split -> neox RoPE (q, k) -> K/V write -> paged decode attention
+//              -> o linear -> add + RMSNorm -> gate_up linear -> SiLU-and-mul -> down linear
+//   then the final add + RMSNorm.
+// The results are therefore bitwise those of the module path (tests/models/test_native_decode_stack.py).
+//
+// Op:
+//   llama_decode_stack(hidden [M, H] (the embeddings), positions [M] int64, weights (6 per layer: input norm,
+//       qkv, o, post-attention norm, gate_up, down), biases (4 per layer: qkv, o, gate_up, down; None when the
+//       layer has none), kv_caches (one per layer, written), final_norm, cos_sin_cache, block_table [M, B] int32,
+//       seq_lens [M] int32, slot_mapping [M] int64, output_sizes (qkv, o, gate_up, down), sliding_windows
+//       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
+//       partition_size) -> the final norm's output [M, H]
+//   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
+//   at::linear), 2 AMX-packed bfloat16 weights on amx_linear. Every M row is one decoding request.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 6;
+constexpr int64_t kBiasesPerLayer = 4;
+constexpr int64_t kSmallBatchMaxRows = 16;  // layers/small_batch_linear.py MAX_ROWS
+
+enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2 };
+
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+using OptionalTensor = std::optional<at::Tensor>;
+
+// The kernels this op drives, looked up once in the dispatcher (they live in the same library).
+struct Kernels {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t)> rms_norm;
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t)>
+      add_rms_norm;
+  c10::TypedOperatorHandle<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>
+      rotary_embedding;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&)>
+      reshape_and_cache;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      double, std::optional<int64_t>, int64_t)>
+      decode_attention;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)> amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)> small_batch_linear;
+
+  static const Kernels& get() {
+    static const Kernels kernels = [] {
+      auto& dispatcher = c10::Dispatcher::singleton();
+      const auto find = [&](const char* name) { return dispatcher.findSchemaOrThrow(name, ""); };
+      return Kernels{
+          find("pagedserve::cpu_rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, int64_t)>(),
+          find("pagedserve::cpu_add_rms_norm")
+              .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t)>(),
+          find("pagedserve::cpu_rotary_embedding")
+              .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>(),
+          find("pagedserve::cpu_silu_and_mul").typed<at::Tensor(const at::Tensor&)>(),
+          find("pagedserve::reshape_and_cache")
+              .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&)>(),
+          find("pagedserve::paged_decode_attention")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                std::optional<int64_t>, int64_t)>(),
+          find("pagedserve::amx_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)>(),
+          find("pagedserve::small_batch_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>(),
+      };
+    }();
+    return kernels;
+  }
+};
+
+// What the linear layers' methods run (layers/linear.py UnquantizedLinearMethod, small_batch_linear.py,
+// amx_linear.py), for a contiguous 2-D x.
+at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
+                  const OptionalTensor& bias, int64_t output_size) {
+  if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size);
+  if (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) return kernels.small_batch_linear.call(x, weight, bias);
+  return at::linear(x, weight, bias);
+}
+
+at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList weights,
+                              const c10::List<OptionalTensor>& biases, at::TensorList kv_caches,
+                              const at::Tensor& final_norm, const at::Tensor& cos_sin_cache,
+                              const at::Tensor& block_table, const at::Tensor& seq_lens,
+                              const at::Tensor& slot_mapping, at::IntArrayRef output_sizes,
+                              at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, double eps, double scale, int64_t linear_kind,
+                              int64_t reduction_lanes, int64_t partition_size) {
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(num_layers >= 1, "llama_decode_stack: at least one layer expected");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
+              "llama_decode_stack: ", kWeightsPerLayer * num_layers, " weights expected for ", num_layers,
+              " layers, got ", weights.size());
+  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * num_layers,
+              "llama_decode_stack: ", kBiasesPerLayer * num_layers, " biases expected, got ", biases.size());
+  TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
+              "llama_decode_stack: one sliding window per layer expected, got ", sliding_windows.size());
+  TORCH_CHECK(output_sizes.size() == 4, "llama_decode_stack: 4 output sizes (qkv, o, gate_up, down) expected");
+  TORCH_CHECK(linear_kind == kPlain || linear_kind == kSmallBatch || linear_kind == kAmxPacked,
+              "llama_decode_stack: linear_kind=", linear_kind, " must be 0, 1 or 2");
+  TORCH_CHECK(hidden.dim() == 2 && positions.dim() == 1 && positions.size(0) == hidden.size(0),
+              "llama_decode_stack: hidden [M, H] and positions [M] expected, got ", hidden.sizes(), " and ",
+              positions.sizes());
+  const Kernels& kernels = Kernels::get();
+  // The ops below need no autograd (inference): skip the autograd and view-tracking layers of each dispatch.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const int64_t num_tokens = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
+
+  at::Tensor states = hidden, residual, normed;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const int64_t b = layer * kBiasesPerLayer;
+    // LlamaDecoderLayer.forward: the first layer's residual is the embeddings; later ones fuse the add.
+    if (layer == 0) {
+      residual = states;
+      normed = kernels.rms_norm.call(states, w[0], eps, reduction_lanes);
+    } else {
+      std::tie(normed, residual) = kernels.add_rms_norm.call(states, residual, w[0], eps, reduction_lanes);
+    }
+    // LlamaAttention.forward.
+    const at::Tensor qkv = linear(kernels, linear_kind, normed, w[1], biases.get(b), output_sizes[0]);
+    const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
+    at::Tensor query, key;
+    std::tie(query, key) = kernels.rotary_embedding.call(positions, parts[0], parts[1], cos_sin_cache, head_dim);
+    // Attention.forward and CpuNativeAttentionBackend's decode-only path.
+    query = query.view({num_tokens, num_heads, head_dim});
+    key = key.view({num_tokens, num_kv_heads, head_dim});
+    const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
+    at::Tensor kv_cache = kv_caches[layer];
+    kernels.reshape_and_cache.call(key, value, kv_cache, slot_mapping);
+    const std::optional<int64_t> window =
+        sliding_windows[layer] > 0 ? std::optional<int64_t>(sliding_windows[layer]) : std::nullopt;
+    const at::Tensor attended =
+        kernels.decode_attention.call(query, kv_cache, block_table, seq_lens, scale, window, partition_size)
+            .reshape({num_tokens, q_size});
+    const at::Tensor projected = linear(kernels, linear_kind, attended, w[2], biases.get(b + 1), output_sizes[1]);
+    // The post-attention norm and LlamaMLP.
+    std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], eps, reduction_lanes);
+    const at::Tensor gate_up = linear(kernels, linear_kind, normed, w[4], biases.get(b + 2), output_sizes[2]);
+    states = linear(kernels, linear_kind, kernels.silu_and_mul.call(gate_up), w[5], biases.get(b + 3),
+                    output_sizes[3]);
+  }
+  return std::get<0>(kernels.add_rms_norm.call(states, residual, final_norm, eps, reduction_lanes));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def(
+      "llama_decode_stack(Tensor hidden, Tensor positions, Tensor[] weights, Tensor?[] biases, "
+      "Tensor(a!)[] kv_caches, Tensor final_norm, Tensor cos_sin_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor slot_mapping, int[] output_sizes, int[] sliding_windows, int num_heads, int num_kv_heads, "
+      "int head_dim, float eps, float scale, int linear_kind, int reduction_lanes, int partition_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }

@@ -1,0 +1,212 @@
+"""The native decode stack: decode-only steps of a Llama-family model in one native call.
+
+At batch 1 a small model's decode step is bound by memory bandwidth: every weight is read once, ~120 linear
+calls of a few hundred microseconds each on SmolLM2-135M. Driving them through the modules costs ~40 Python
+module calls and op dispatches per layer, as much time again as the reads. `llama_decode_stack`
+(models/native/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
+same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py).
+
+It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path for
+every step the stack does not take. With compilation_config mode 'compile' the compiled graph takes every step
+it covers and the stack stays off. A step takes the stack when every
+request in it decodes one token with no padding rows, the attention metadata is set and grad mode is off. A
+model takes it when, on the CPU with the native kernels built, it is a single-rank, single-stage Llama-family
+model (Llama, Mistral, Qwen2: LlamaModel with unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and
+activation are the native-path modules, its attention backend is cpu_native, every linear of the layers has
+one of the plain, plain_native (float32) or amx_packed (bfloat16) methods, and batch_invariant is off (that
+mode reroutes F.linear through a dispatch mode the native loop would bypass). Anything else keeps the modules;
+`native_decode_stack_plan` says why in its `reason`.
+
+Forward hooks on the decoder's modules do not run on steps the stack takes (the modules are not called); set
+`native_decode_stack=False` to keep them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS, CpuNativeAttentionBackend, decode_inputs
+from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.layers import native_elementwise
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.amx_linear import AmxPackedLinearMethod
+from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod
+from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+# linear_kind of the op, by the layers' linear method.
+LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2}
+
+
+@dataclass
+class NativeDecodeStackPlan:
+    """Everything the op takes that does not change between steps; `reason` says why a model does not qualify
+    (then the other fields are empty)."""
+
+    reason: str = ""
+    weights: tuple[torch.Tensor, ...] = ()
+    biases: tuple[torch.Tensor | None, ...] = ()
+    attention_layers: tuple[nn.Module, ...] = ()
+    embed_tokens: nn.Module | None = None
+    final_norm: torch.Tensor | None = None
+    cos_sin_cache: torch.Tensor | None = None
+    output_sizes: tuple[int, ...] = ()
+    sliding_windows: tuple[int, ...] = ()
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    eps: float = 0.0
+    scale: float = 0.0
+    linear_kind: int = 0
+    dtype: torch.dtype | None = None
+
+    @property
+    def is_usable(self) -> bool:
+        return not self.reason
+
+
+def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None] | str:
+    """(linear kind, the tensor its method computes with, bias) or why the layer does not qualify."""
+    kind = LINEAR_KINDS.get(type(getattr(linear, "linear_method", None)))
+    if kind is None:
+        return f"{linear.prefix}: linear method {type(linear.linear_method).__name__} has no native form"
+    if getattr(linear, "tp_size", 1) != 1 or getattr(linear, "gather_output", False):
+        return f"{linear.prefix}: tensor parallel"
+    gather_group = getattr(linear, "gather_group", None)
+    if gather_group is not None and gather_group.world_size != 1:
+        return f"{linear.prefix}: o_proj gathers over {gather_group.world_size} ranks"
+    weight = packed_weight_of(linear) if kind == LINEAR_KINDS[AmxPackedLinearMethod] else linear.weight
+    return kind, weight, linear.bias
+
+
+def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
+    return (type(norm) is RMSNorm and norm._forward_method == norm.forward_cpu and norm.weight.dtype == dtype
+            and norm.weight.is_contiguous())
+
+
+def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStackPlan:
+    """The plan for `model` (the causal LM), or one whose `reason` says why it cannot take the stack."""
+    decoder = getattr(model, "model", None)
+    if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
+        return NativeDecodeStackPlan(reason=f"{type(model).__name__} is not a Llama-family decoder")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return NativeDecodeStackPlan(reason=f"dtype {dtype} (float32 and bfloat16 only)")
+    if not (is_native_extension_available() and native_elementwise.native_elementwise_available()):
+        return NativeDecodeStackPlan(reason="the native CPU kernels are not built")
+    if not (decoder.stage.is_first and decoder.stage.is_last):
+        return NativeDecodeStackPlan(reason="pipeline parallel")
+    layers = list(decoder.layers)
+    rotary = decoder.rotary_emb
+    if type(rotary) is not RotaryEmbedding or rotary._forward_method != rotary.forward_cpu \
+            or rotary.cos_sin_cache.dtype != torch.float32:
+        return NativeDecodeStackPlan(reason="the rotary embedding has no native path")
+    if not layers or not _is_native_norm(decoder.norm, dtype):
+        return NativeDecodeStackPlan(reason="no layers or a final norm without the native path")
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    kinds: set[int] = set()
+    first_attention = layers[0].self_attn
+    for index, layer in enumerate(layers):
+        attention, mlp = layer.self_attn, getattr(layer, "mlp", None)
+        if type(layer).forward is not LlamaDecoderLayer.forward \
+                or type(layer).feed_forward is not LlamaDecoderLayer.feed_forward \
+                or type(attention).forward is not LlamaAttention.forward \
+                or type(attention).normalize_query_key is not LlamaAttention.normalize_query_key \
+                or type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul \
+                or mlp.act_fn._forward_method != mlp.act_fn.forward_cpu:
+            return NativeDecodeStackPlan(reason=f"layer {index} is not a plain Llama layer")
+        if not (_is_native_norm(layer.input_layernorm, dtype) and _is_native_norm(layer.post_attention_layernorm,
+                                                                                  dtype)):
+            return NativeDecodeStackPlan(reason=f"layer {index}: a norm without the native path")
+        if type(attention.attn.backend) is not CpuNativeAttentionBackend:
+            return NativeDecodeStackPlan(reason=f"layer {index}: attention backend {attention.attn.backend.name}")
+        if attention.rotary_emb is not rotary or (attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                                  attention.attn.scale) != (
+                first_attention.num_heads, first_attention.num_kv_heads, first_attention.head_dim,
+                first_attention.attn.scale) \
+                or layer.input_layernorm.variance_epsilon != decoder.norm.variance_epsilon \
+                or layer.post_attention_layernorm.variance_epsilon != decoder.norm.variance_epsilon:
+            return NativeDecodeStackPlan(reason=f"layer {index}: shapes or constants differ from layer 0's")
+        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        parts = [_linear_parts(linear) for linear in linears]
+        for part in parts:
+            if isinstance(part, str):
+                return NativeDecodeStackPlan(reason=part)
+        (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
+        kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
+        weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
+        biases += [qkv_bias, o_bias, gu_bias, d_bias]
+    if len(kinds) != 1:
+        return NativeDecodeStackPlan(reason="the layers' linears use different methods")
+    mlp = layers[0].mlp
+    return NativeDecodeStackPlan(
+        weights=tuple(weights), biases=tuple(biases),
+        attention_layers=tuple(layer.self_attn.attn for layer in layers), embed_tokens=decoder.embed_tokens,
+        final_norm=decoder.norm.weight, cos_sin_cache=rotary.cos_sin_cache,
+        output_sizes=(first_attention.qkv_proj.output_size_per_partition,
+                      first_attention.o_proj.output_size_per_partition,
+                      mlp.gate_up_proj.output_size_per_partition, mlp.down_proj.output_size_per_partition),
+        sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
+        num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
+        head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
+        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(), dtype=dtype)
+
+
+class NativeDecodeForward:
+    """The runner's forward: decode-only steps on `llama_decode_stack`, every other step on `fallback`."""
+
+    def __init__(self, plan: NativeDecodeStackPlan, fallback: Callable[..., Any]) -> None:
+        assert plan.is_usable, plan.reason
+        self.plan = plan
+        self.fallback = fallback
+        self.op = torch.ops.pagedserve.llama_decode_stack.default
+        self.num_stack_steps = 0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        metadata = get_forward_context().attn_metadata
+        num_tokens = input_ids.shape[0]
+        if args or kwargs or metadata is None or torch.is_grad_enabled() or not (
+                0 < num_tokens == metadata.num_actual_tokens == metadata.num_decodes == metadata.num_seqs):
+            return self.fallback(input_ids, positions, *args, **kwargs)
+        plan = self.plan
+        kv_caches = [layer.kv_cache for layer in plan.attention_layers]
+        if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
+            return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
+        block_table, seq_lens = decode_inputs(metadata)
+        hidden_states = plan.embed_tokens(input_ids)
+        self.num_stack_steps += 1
+        return self.op(hidden_states, positions, plan.weights, plan.biases, kv_caches, plan.final_norm,
+                       plan.cos_sin_cache, block_table, seq_lens, metadata.slot_mapping[:num_tokens],
+                       plan.output_sizes, plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim,
+                       plan.eps, plan.scale, plan.linear_kind, native_elementwise.REDUCTION_LANES,
+                       DECODE_PARTITION_TOKENS)
+
+
+def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: Callable[..., Any],
+                                device: torch.device) -> Callable[..., Any]:
+    """`forward` (the eager model) wrapped so decode-only steps take the native stack, when the engine enables
+    it, runs eagerly on one CPU rank and the model qualifies (logged either way); `forward` itself otherwise."""
+    if not engine_config.native_decode_stack or device.type != "cpu" or engine_config.batch_invariant \
+            or engine_config.parallel_config.world_size_per_engine > 1:
+        return forward
+    if engine_config.compilation_config.is_compiled:
+        return forward  # compilation_config asked for the compiled graph on every step it covers
+    plan = native_decode_stack_plan(model, engine_config.model_config.dtype)
+    if not plan.is_usable:
+        logger.info("native decode stack: not used (%s)", plan.reason)
+        return forward
+    logger.info("native decode stack: decode-only steps run %d layers in one native call", len(plan.sliding_windows))
+    return NativeDecodeForward(plan, forward)
+
+
+__all__ = ["LINEAR_KINDS", "NativeDecodeForward", "NativeDecodeStackPlan", "build_native_decode_forward",
+           "native_decode_stack_plan"]

@@ -1,0 +1,162 @@
+"""The native decode stack (models/native_decode_stack.py): decode-only steps in one native call.
+
+- On/off equivalence: engines with native_decode_stack=True and False produce bitwise-equal logprobs and the
+  same tokens over 40 greedy steps, for every linear method it drives (plain, plain_native, amx_packed), with
+  biases (Qwen2), sliding windows (Mistral, Qwen2 per-layer windows) and batches that cross the small-batch
+  linear's 16-row limit.
+- The independent oracle: HF transformers' greedy tokens over 32 steps with the stack taking the decode steps.
+- Which steps and models take it, the option's validation and the op's own argument checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from generation_helpers import random_prompts
+from hf_reference import hf_greedy_with_logprobs
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.config.engine import EngineConfig
+from pagedserve.layers.amx_linear import amx_linear_available
+from pagedserve.models.native_decode_stack import NativeDecodeForward, native_decode_stack_plan
+
+pytestmark = pytest.mark.skipif(not is_native_extension_available(),
+                                reason="the native CPU kernels do not build here (no compiler)")
+
+NUM_STEPS = 40
+
+
+def _llm(folder: str, **options) -> LLM:
+    options.setdefault("num_kv_blocks", 64)
+    return LLM(folder, max_model_len=256, **options)
+
+
+def _forward(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [sorted((token, entry.logprob) for token, entry in step.items()) for step in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+CASES = [
+    # (kind, dtype, weight_layout, number of prompts)
+    ("llama", "float32", "plain", 3),
+    ("llama", "float32", "plain_native", 3),
+    ("llama", "float32", "plain_native", 19),  # above the small-batch linear's 16 rows: F.linear inside the stack
+    ("llama-tied", "bfloat16", "plain", 4),
+    ("qwen2", "float32", "auto", 5),  # q/k/v biases
+    ("qwen2-sliding", "float32", "auto", 3),  # a full layer, then a 16-token window
+    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed where AMX runs
+]
+
+
+@pytest.mark.parametrize("kind,dtype,weight_layout,num_prompts", CASES)
+def test_on_off_bitwise_equal(tiny_model_dir, kind: str, dtype: str, weight_layout: str, num_prompts: int) -> None:
+    folder = tiny_model_dir(kind)
+    prompts = random_prompts(num_prompts, 5, 40, seed=num_prompts)
+    results = []
+    for enabled in (True, False):
+        llm = _llm(folder, dtype=dtype, weight_layout=weight_layout, num_kv_blocks=64 + 8 * num_prompts,
+                  native_decode_stack=enabled)
+        results.append(_generate(llm, prompts))
+        forward = _forward(llm)
+        if enabled:
+            assert isinstance(forward, NativeDecodeForward), native_decode_stack_plan(_model(llm), getattr(
+                torch, dtype)).reason
+            # Every step after the first (the prompts' prefill) is decode-only.
+            assert forward.num_stack_steps == NUM_STEPS - 1
+        else:
+            assert not isinstance(forward, NativeDecodeForward)
+    assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX (the amx_packed layout)")
+def test_amx_packed_layout_takes_the_stack(tiny_model_dir) -> None:
+    llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
+    prompts = random_prompts(3, 5, 40, seed=7)
+    with_stack = _generate(llm, prompts)
+    assert _forward(llm).plan.linear_kind == 2
+    without = _generate(_llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed",
+                            native_decode_stack=False), prompts)
+    assert with_stack == without
+
+
+def test_greedy_matches_hf(tiny_model_dir) -> None:
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(3, 8, 30, seed=3)
+    llm = _llm(folder, dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert _forward(llm).num_stack_steps == 31
+    expected = hf_greedy_with_logprobs(folder, prompts, 32, 1)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in expected]
+
+
+def test_mixed_steps_take_the_modules(tiny_model_dir) -> None:
+    """A step holding a prefill (or a chunk of one) runs on the modules; only decode-only steps take the stack."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": list(range(10, 20))}, params)
+    engine.step()  # a's prefill
+    engine.add_request("b", {"prompt_token_ids": list(range(10, 50))}, params)  # 40 tokens: three chunks
+    forward = _forward(llm)
+    for _ in range(3):
+        engine.step()  # a decodes next to b's chunks
+    assert forward.num_stack_steps == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert forward.num_stack_steps > 0
+
+
+@pytest.mark.parametrize("kind,options,reason", [
+    ("qwen3", {}, "not a plain Llama layer"),  # q/k RMSNorm before RoPE
+    ("llama", {"attention_backend": "torch_paged"}, "attention backend torch_paged"),
+])
+def test_models_that_keep_the_modules(tiny_model_dir, kind: str, options: dict, reason: str) -> None:
+    llm = _llm(tiny_model_dir(kind), dtype="float32", **options)
+    assert not isinstance(_forward(llm), NativeDecodeForward)
+    assert reason in native_decode_stack_plan(_model(llm), torch.float32).reason
+
+
+def test_batch_invariant_keeps_the_modules(tiny_model_dir) -> None:
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", batch_invariant=True)
+    assert not isinstance(_forward(llm), NativeDecodeForward)
+
+
+def test_option_is_validated_and_parsed(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match=r"native_decode_stack='yes' must be true or false"):
+        EngineConfig.create(tiny_model_dir("llama"), native_decode_stack="yes")
+    from pagedserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dir("llama"), "--no-native-decode-stack"])
+    from pagedserve.config.cli_args import engine_kwargs_from_args
+
+    assert engine_kwargs_from_args(args)["native_decode_stack"] is False
+
+
+def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
+    llm = _llm(tiny_model_dir("llama"), dtype="float32")
+    plan = _forward(llm).plan
+    hidden = torch.zeros(1, 64)
+    positions = torch.zeros(1, dtype=torch.long)
+    kv_caches = [layer.kv_cache for layer in plan.attention_layers]
+    arguments = [plan.final_norm, plan.cos_sin_cache, torch.zeros(1, 4, dtype=torch.int32),
+                 torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), plan.output_sizes,
+                 plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
+                 plan.linear_kind, 8, 256]
+    with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
+        torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights[:-1], plan.biases, kv_caches,
+                                                *arguments)
+    arguments[12] = 5
+    with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1 or 2"):
+        torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights, plan.biases, kv_caches, *arguments)
