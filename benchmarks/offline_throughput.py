@@ -29,29 +29,44 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_range: t
             for _ in range(num_requests)]
 
 
+class PagedserveOfflineRunner:
+    """One loaded engine that times the workload once per `run()` (a fresh prefix cache each time)."""
+
+    def __init__(self, folder: str, workload, dtype: str, **engine_kwargs) -> None:
+        from pagedserve import LLM, SamplingParams
+
+        start = time.perf_counter()
+        self.llm = LLM(folder, dtype=dtype, **engine_kwargs)
+        self.load_s = time.perf_counter() - start
+        self.dtype = dtype
+        self.prompts = [{"prompt_token_ids": p} for p, _ in workload]
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+                       for _, n in workload]
+        self.num_output = sum(n for _, n in workload)
+        # Warm-up (first-touch of weights and caches), not timed.
+        self.llm.generate(self.prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2,
+                          use_tqdm=False)
+
+    def run(self) -> float:
+        # A fresh prefix cache for every run: a repeat must not hit the previous run's prompt blocks.
+        self.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outputs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == self.num_output
+        return seconds
+
+    def result(self, runs_s: list[float]) -> dict:
+        """The best run (all are listed)."""
+        elapsed = min(runs_s)
+        return {"engine": "pagedserve", "dtype": self.dtype, "seconds": elapsed, "output_tokens": self.num_output,
+                "output_tokens_per_s": self.num_output / elapsed, "load_s": self.load_s, "runs_s": runs_s}
+
+
 def run_pagedserve(folder: str, workload, dtype: str, repeats: int = 1, **engine_kwargs) -> dict:
     """Loads the engine once and times the workload `repeats` times; reports the best run (all are listed)."""
-    from pagedserve import LLM, SamplingParams
-
-    start = time.perf_counter()
-    llm = LLM(folder, dtype=dtype, **engine_kwargs)
-    load_s = time.perf_counter() - start
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in workload]
-    # Warm-up (first-touch of weights and caches), not timed.
-    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
-    runs_s = []
-    for _ in range(repeats):
-        # A fresh prefix cache for every run: a repeat must not hit the previous run's prompt blocks.
-        llm.reset_prefix_cache()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        runs_s.append(time.perf_counter() - start)
-        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-        assert num_output == sum(n for _, n in workload)
-    elapsed = min(runs_s)
-    return {"engine": "pagedserve", "dtype": dtype, "seconds": elapsed, "output_tokens": num_output,
-            "output_tokens_per_s": num_output / elapsed, "load_s": load_s, "runs_s": runs_s}
+    runner = PagedserveOfflineRunner(folder, workload, dtype, **engine_kwargs)
+    return runner.result([runner.run() for _ in range(repeats)])
 
 
 def run_transformers(folder: str, workload, dtype: str, batch_size: int) -> dict:

