@@ -2,7 +2,9 @@
 
 Sources (paths relative to the `pagedserve` package root): attention/native/paged_attention.cpp (paged decode
 attention, K/V write; used by attention/cpu_native.py) and layers/native/elementwise.cpp (RMSNorm, residual add
-+ RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py). They are compiled
++ RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py), the prefill attention
+and linear kernels, and models/native/decode_stack.cpp (a decode step's layers in one call, driving the others
+through the dispatcher; models/native_decode_stack.py). They are compiled
 together at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into
 ~/.cache/pagedserve/extensions/<key>/, where <key> hashes every source, the compiler flags, the CPU's
 flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same

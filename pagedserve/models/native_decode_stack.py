@@ -6,19 +6,20 @@ module calls and op dispatches per layer, as much time again as the reads. `llam
 (models/native/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
 same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py).
 
-It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path for
-every step the stack does not take. With compilation_config mode 'compile' the compiled graph takes every step
-it covers and the stack stays off. A step takes the stack when every
-request in it decodes one token with no padding rows, the attention metadata is set and grad mode is off. A
-model takes it when, on the CPU with the native kernels built, it is a single-rank, single-stage Llama-family
-model (Llama, Mistral, Qwen2: LlamaModel with unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and
-activation are the native-path modules, its attention backend is cpu_native, every linear of the layers has
-one of the plain, plain_native (float32) or amx_packed (bfloat16) methods, and batch_invariant is off (that
-mode reroutes F.linear through a dispatch mode the native loop would bypass). Anything else keeps the modules;
-`native_decode_stack_plan` says why in its `reason`.
+It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path
+for every step the stack does not take; with compilation_config mode 'compile' the compiled graph takes every
+step it covers and the stack stays off. A step takes the stack when every request in it decodes one token with
+no padding rows, the attention metadata is set and grad mode is off. A model takes it when, on the CPU with the
+native kernels built, it is a single-rank, single-stage Llama-family model (Llama, Mistral, Qwen2: LlamaModel
+with unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and activation are the native-path modules,
+its attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32) or
+amx_packed (bfloat16) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch mode
+the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its `reason`.
 
 Forward hooks on the decoder's modules do not run on steps the stack takes (the modules are not called); set
-`native_decode_stack=False` to keep them.
+`native_decode_stack=False` to keep them. Positions are range-checked by the RoPE kernel only (RuntimeError,
+where the module raises ValueError); the runner's positions stay below max_model_len, which EngineConfig keeps
+within the model's max_position_embeddings.
 """
 from __future__ import annotations
 
