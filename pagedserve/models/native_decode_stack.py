@@ -19,7 +19,9 @@ the native loop would bypass). Anything else keeps the modules; `native_decode_s
 Forward hooks on the decoder's modules do not run on steps the stack takes (the modules are not called); set
 `native_decode_stack=False` to keep them. Positions are range-checked by the RoPE kernel only (RuntimeError,
 where the module raises ValueError); the runner's positions stay below max_model_len, which EngineConfig keeps
-within the model's max_position_embeddings.
+within the model's max_position_embeddings. The plan holds the weight tensors the layers had when the runner was
+built (after loading and the weight layout); code that replaces weights later (e.g. `restore_plain_layout`)
+must build the runner's forward again.
 """
 from __future__ import annotations
 
