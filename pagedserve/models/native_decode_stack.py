@@ -70,7 +70,6 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
-    dtype: torch.dtype | None = None
 
     @property
     def is_usable(self) -> bool:
@@ -161,7 +160,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
-        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(), dtype=dtype)
+        scale=float(first_attention.attn.scale), linear_kind=kinds.pop())
 
 
 class NativeDecodeForward:
