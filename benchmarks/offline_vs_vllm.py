@@ -10,6 +10,8 @@ timed runs are interleaved: both engines are loaded first (vLLM in its own proce
 runs), then each round times one run of each, the order alternating between rounds. Reported: every run,
 each engine's best run and their ratio (the headline, as in earlier sessions), and the per-round ratios with
 their median (the two runs of a round are minutes apart at most, so a phase change hits both alike more often).
+With --prefill-only every request stops after its first token: the run is the prompts' prefill alone, and a
+full run's time minus it is the decode phase's (how the eighth session split A between the two phases).
 
     python benchmarks/offline_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16
 """
@@ -121,10 +123,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds: each times one run of each engine, interleaved (best runs and per-round "
                              "ratios reported, all runs listed)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="every request generates one token: times the prompts' prefill alone (a full run's "
+                             "time minus this one is its decode time)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     folder = benchmark_model_folder()
     workload = make_workload(args.num_requests, 0, 49152, (64, 512), (64, 256))
+    if args.prefill_only:
+        workload = [(prompt, 1) for prompt, _ in workload]
     vllm = VllmOfflineProcess(args.vllm_python, folder, workload, args.dtype, args.kv_cache_gib)
     try:
         paged = PagedserveOfflineRunner(folder, workload, args.dtype, max_model_len=1024,
