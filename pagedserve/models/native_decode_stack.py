@@ -16,16 +16,18 @@ its attention backend is cpu_native, every linear of the layers has one of the p
 amx_packed (bfloat16) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch mode
 the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its `reason`.
 
-Forward hooks on the decoder's modules do not run on steps the stack takes (the modules are not called); set
-`native_decode_stack=False` to keep them. Positions are range-checked by the RoPE kernel only (RuntimeError,
-where the module raises ValueError); the runner's positions stay below max_model_len, which EngineConfig keeps
-within the model's max_position_embeddings. The plan holds the weight tensors the layers had when the runner was
-built (after loading and the weight layout); code that replaces weights later (e.g. `restore_plain_layout`)
-must build the runner's forward again.
+The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
+(on one of the model's modules, or globally): hooks fire as they would without the stack. The plan holds the
+parameters the layers had when it was made; each step checks that the layers still hold them (code may swap
+weights, e.g. `restore_plain_layout`) and makes the plan again when one changed, keeping the modules from then on
+if the model no longer qualifies. Both checks are identity tests, ~35 us a step for SmolLM2-135M. Positions are
+range-checked by the RoPE kernel only (RuntimeError, where the module raises ValueError); the runner's positions
+stay below max_model_len, which EngineConfig keeps within the model's max_position_embeddings.
 """
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -70,6 +72,16 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
+    # What the fields above were read from, checked before each step: the dicts that hold the attributes
+    # (a module's __dict__, _parameters or _buffers), the attributes' names and the objects they held.
+    source_dicts: tuple[dict[str, Any], ...] = ()
+    source_names: tuple[str, ...] = ()
+    source_values: tuple[Any, ...] = ()
+
+    def is_current(self) -> bool:
+        """Whether every attribute the plan was made from still holds the same object (identity, in C loops:
+        most of the two checks' ~35 us a step for SmolLM2-135M)."""
+        return all(map(operator.is_, map(dict.get, self.source_dicts, self.source_names), self.source_values))
 
     @property
     def is_usable(self) -> bool:
@@ -88,6 +100,24 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
         return f"{linear.prefix}: o_proj gathers over {gather_group.world_size} ranks"
     weight = packed_weight_of(linear) if kind == LINEAR_KINDS[AmxPackedLinearMethod] else linear.weight
     return kind, weight, linear.bias
+
+
+# The attributes of the norms, rotary embedding and linears a plan reads its tensors from.
+_SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method")
+
+
+def _sources(modules: list[nn.Module]) -> dict[str, tuple[Any, ...]]:
+    """The plan's source_* fields for the attributes of `modules` it reads."""
+    dicts, names, values = [], [], []
+    for module in modules:
+        for name in _SOURCE_ATTRIBUTES:
+            for holder in (module._parameters, module._buffers, module.__dict__):
+                if name in holder:
+                    dicts.append(holder)
+                    names.append(name)
+                    values.append(holder[name])
+                    break
+    return {"source_dicts": tuple(dicts), "source_names": tuple(names), "source_values": tuple(values)}
 
 
 def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
@@ -116,6 +146,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     kinds: set[int] = set()
+    sources: list[nn.Module] = [decoder.norm, rotary]
     first_attention = layers[0].self_attn
     for index, layer in enumerate(layers):
         attention, mlp = layer.self_attn, getattr(layer, "mlp", None)
@@ -145,6 +176,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
                 return NativeDecodeStackPlan(reason=part)
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
+        sources += [layer.input_layernorm, layer.post_attention_layernorm, *linears]
         weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         biases += [qkv_bias, o_bias, gu_bias, d_bias]
     if len(kinds) != 1:
@@ -160,18 +192,47 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
-        scale=float(first_attention.attn.scale), linear_kind=kinds.pop())
+        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(),
+        **_sources(sources))
 
 
 class NativeDecodeForward:
     """The runner's forward: decode-only steps on `llama_decode_stack`, every other step on `fallback`."""
 
-    def __init__(self, plan: NativeDecodeStackPlan, fallback: Callable[..., Any]) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, plan: NativeDecodeStackPlan,
+                 fallback: Callable[..., Any]) -> None:
         assert plan.is_usable, plan.reason
-        self.plan = plan
+        self.model = model
+        self.dtype = dtype
+        self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
+        # What the stack stands in for: the model's forward and everything its decoder calls (the LM head is
+        # applied outside the forward, by the runner).
+        modules = (model, *model.model.modules())
+        self.hook_dicts = tuple(hooks for module in modules
+                                for hooks in (module._forward_hooks, module._forward_pre_hooks))
         self.num_stack_steps = 0
+
+    def has_hooks(self) -> bool:
+        """Whether a forward hook or pre-hook would fire in the modules' forward (global or on a module)."""
+        # Registering a hook adds to the module's dict in place, so the dicts collected at start stay current.
+        return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+                    or any(self.hook_dicts))
+
+    def current_plan(self) -> NativeDecodeStackPlan | None:
+        """The plan, made again when a layer no longer holds what it was made from (None: the model no longer
+        qualifies; the modules take every step from then on)."""
+        plan = self.plan
+        if plan is not None and not plan.is_current():
+            plan = native_decode_stack_plan(self.model, self.dtype)
+            if plan.is_usable:
+                logger.info("native decode stack: the model's parameters changed; plan made again")
+            else:
+                logger.info("native decode stack: no longer used (%s)", plan.reason)
+                plan = None
+            self.plan = plan
+        return plan
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         metadata = get_forward_context().attn_metadata
@@ -179,7 +240,9 @@ class NativeDecodeForward:
         if args or kwargs or metadata is None or torch.is_grad_enabled() or not (
                 0 < num_tokens == metadata.num_actual_tokens == metadata.num_decodes == metadata.num_seqs):
             return self.fallback(input_ids, positions, *args, **kwargs)
-        plan = self.plan
+        plan = self.current_plan()
+        if plan is None or self.has_hooks():
+            return self.fallback(input_ids, positions)
         kv_caches = [layer.kv_cache for layer in plan.attention_layers]
         if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
             return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
@@ -202,12 +265,13 @@ def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: C
         return forward
     if engine_config.compilation_config.is_compiled:
         return forward  # compilation_config asked for the compiled graph on every step it covers
-    plan = native_decode_stack_plan(model, engine_config.model_config.dtype)
+    dtype = engine_config.model_config.dtype
+    plan = native_decode_stack_plan(model, dtype)
     if not plan.is_usable:
         logger.info("native decode stack: not used (%s)", plan.reason)
         return forward
     logger.info("native decode stack: decode-only steps run %d layers in one native call", len(plan.sliding_windows))
-    return NativeDecodeForward(plan, forward)
+    return NativeDecodeForward(model, dtype, plan, forward)
 
 
 __all__ = ["LINEAR_KINDS", "NativeDecodeForward", "NativeDecodeStackPlan", "build_native_decode_forward",

@@ -5,7 +5,8 @@
   biases (Qwen2), sliding windows (Mistral, Qwen2 per-layer windows) and batches that cross the small-batch
   linear's 16-row limit.
 - The independent oracle: HF transformers' greedy tokens over 32 steps with the stack taking the decode steps.
-- Which steps and models take it, the option's validation and the op's own argument checks.
+- Which steps and models take it: forward hooks send steps to the modules, weight swaps make the plan again (or
+  end the stack), the option's validation and the op's own argument checks.
 """
 from __future__ import annotations
 
@@ -116,6 +117,66 @@ def test_mixed_steps_take_the_modules(tiny_model_dir) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert forward.num_stack_steps > 0
+
+
+def test_forward_hooks_fire(tiny_model_dir) -> None:
+    """While a hook is registered the decode steps take the modules, so it sees every forward; removed, the
+    stack takes them again. The outputs are the same throughout (no prefix cache: every run computes its prompts)."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", enable_prefix_caching=False)
+    forward, model = _forward(llm), _model(llm)
+    prompts = random_prompts(2, 5, 20, seed=11)
+    reference = _generate(llm, prompts)
+    steps_before = forward.num_stack_steps
+    assert steps_before > 0
+    seen: list[int] = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[0]))
+    with_hook = _generate(llm, prompts)
+    handle.remove()
+    assert forward.num_stack_steps == steps_before
+    assert len(seen) == 1 + (NUM_STEPS - 1)  # the two prompts' prefill step, then every decode step
+    pre_handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        _generate(llm, prompts[:1])
+        assert forward.num_stack_steps == steps_before  # a global hook keeps the modules too
+    finally:
+        pre_handle.remove()
+    assert _generate(llm, prompts) == with_hook == reference
+    assert forward.num_stack_steps == 2 * steps_before
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="no AMX here")
+def test_weight_swap_makes_the_plan_again(tiny_model_dir) -> None:
+    """restore_plain_layout replaces every packed weight by its plain form and the linear method: the next decode
+    step sees it, makes its plan again (plain linears) and keeps producing the same tokens."""
+    from pagedserve.layers.weight_layout import restore_plain_layout
+
+    folder = tiny_model_dir("llama")
+    llm = _llm(folder, dtype="bfloat16", weight_layout="amx_packed", enable_prefix_caching=False)
+    forward = _forward(llm)
+    prompts = random_prompts(2, 5, 20, seed=5)
+    packed_tokens = [tokens for tokens, _ in _generate(llm, prompts)]
+    assert forward.plan.linear_kind == 2
+    assert restore_plain_layout(_model(llm)) > 0
+    steps_before = forward.num_stack_steps
+    plain_outputs = _generate(llm, prompts)
+    assert forward.plan.linear_kind == 0 and forward.num_stack_steps > steps_before
+    fresh = _generate(_llm(folder, dtype="bfloat16", weight_layout="plain", native_decode_stack=False), prompts)
+    assert plain_outputs == fresh
+    assert len(packed_tokens) == len(plain_outputs)
+
+
+def test_model_that_stops_qualifying_keeps_the_modules(tiny_model_dir) -> None:
+    """A swap that leaves no native form (a linear method the stack does not drive) ends the stack for good."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", enable_prefix_caching=False)
+    forward, model = _forward(llm), _model(llm)
+    prompts = random_prompts(1, 5, 10, seed=2)
+    reference = _generate(llm, prompts)
+    down_proj = model.model.layers[0].mlp.down_proj
+    # The same computation under a method class the stack has no native form for.
+    down_proj.linear_method = type("UnknownLinearMethod", (type(down_proj.linear_method),), {})()
+    steps_before = forward.num_stack_steps
+    assert _generate(llm, prompts) == reference
+    assert forward.plan is None and forward.num_stack_steps == steps_before
 
 
 @pytest.mark.parametrize("kind,options,reason", [
