@@ -8,7 +8,9 @@ through the dispatcher; models/native_decode_stack.py). They are compiled
 together at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into
 ~/.cache/pagedserve/extensions/<key>/, where <key> hashes every source, the compiler flags, the CPU's
 flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same
-kind of CPU. A later start finds the built library there and just loads it (no compiler needed).
+kind of CPU. A later start finds the built library there and just loads it (no compiler needed). Every load marks
+its directory as used (mtime); after a build the cache keeps the new build and the NUM_KEPT_BUILDS - 1 most
+recently used others (other versions or checkouts on the machine) and removes the rest.
 
 `load_native_extension()` raises on failure (for callers that asked for the native backend);
 `is_native_extension_available()` never raises: a failed build logs one warning and returns False (the CPU
@@ -41,6 +43,9 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).
 CACHE_DIR_ENV = "PAGEDSERVE_EXTENSION_CACHE"
+# Builds the cache keeps (the current one included): each source change makes a new key, ~2-4 MB each.
+NUM_KEPT_BUILDS = 4
+KEY_LENGTH = 20
 
 _lock = threading.Lock()
 # None: not tried yet; True: loaded in this process; an Exception: the failure, kept so it is reported once.
@@ -68,13 +73,34 @@ def extension_key() -> str:
     digest.update(repr((COMPILE_FLAGS, LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())
     digest.update(_cpu_description().encode())
     digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
-    return digest.hexdigest()[:20]
+    return digest.hexdigest()[:KEY_LENGTH]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve",
+                                                                "extensions"))
 
 
 def extension_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve",
-                                                          "extensions")
-    return Path(root) / extension_key()
+    return cache_root() / extension_key()
+
+
+def _is_build_directory(path: Path) -> bool:
+    """A directory named like a key (anything else under the root is left alone)."""
+    name = path.name
+    return len(name) == KEY_LENGTH and all(c in "0123456789abcdef" for c in name) and path.is_dir()
+
+
+def prune_extension_cache(root: Path, current: str, num_kept: int = NUM_KEPT_BUILDS) -> list[Path]:
+    """Removes the builds under `root` except `current` and the num_kept - 1 most recently used others; returns
+    what it removed. A process that loaded a removed library keeps it (the mapping outlives the file), and a build
+    in progress elsewhere is among the most recent, so it stays."""
+    others = [path for path in root.iterdir() if _is_build_directory(path) and path.name != current]
+    others.sort(key=lambda path: path.stat().st_mtime, reverse=True)
+    removed = others[max(0, num_kept - 1):]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _library_name() -> str:
@@ -102,8 +128,16 @@ def _build_and_load() -> None:
         temporary = directory / f"{library.name}.{os.getpid()}.tmp"
         shutil.copyfile(build_dir / library.name, temporary)
         os.replace(temporary, library)
+        # build/ stays: a process that started at the same time may still be waiting to load the library from it.
+        removed = prune_extension_cache(directory.parent, directory.name)
+        if removed:
+            logger.info("removed %d older native builds from %s", len(removed), directory.parent)
         return  # cpp_extension.load already loaded the library it built
     torch.ops.load_library(str(library))
+    try:
+        os.utime(directory)  # used now: pruning keeps the most recently used builds
+    except OSError:
+        pass  # a read-only cache still loads
 
 
 def load_native_extension() -> None:

@@ -338,3 +338,30 @@ def test_attention_backend_knob_validation_and_cli_flag(tiny_model_dir) -> None:
     add_engine_args(parser)
     args = parser.parse_args(["--attention-backend", "torch_paged"])
     assert engine_kwargs_from_args(args)["attention_backend"] == "torch_paged"
+
+
+def test_prune_extension_cache_keeps_the_most_recently_used(tmp_path) -> None:
+    """After a build the cache keeps the new build and the most recently used others; names that are not build
+    keys are never touched."""
+    keys = [f"{index:020x}" for index in range(6)]
+    for age, key in enumerate(keys):  # keys[0] the most recently used
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "lib.so").write_bytes(b"x")
+        os.utime(tmp_path / key, (1_000_000 - age, 1_000_000 - age))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "0123").mkdir()  # too short for a key
+    current = keys[5]  # just built (its mtime does not matter: it always stays)
+    removed = cpu_native_extension.prune_extension_cache(tmp_path, current, num_kept=3)
+    assert sorted(path.name for path in removed) == sorted(keys[2:5])
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([keys[0], keys[1], current, "notes", "0123"])
+    assert cpu_native_extension.prune_extension_cache(tmp_path, current, num_kept=3) == []
+
+
+def test_loading_marks_the_build_as_used() -> None:
+    directory = cpu_native_extension.extension_dir()
+    os.utime(directory, (1_000_000, 1_000_000))
+    code = "from pagedserve.attention import cpu_native_extension as e\ne.load_native_extension()\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert directory.stat().st_mtime > 1_000_000
