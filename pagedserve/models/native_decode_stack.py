@@ -21,8 +21,7 @@ The stack skips the modules, so a step takes the modules instead while any forwa
 parameters the layers had when it was made; each step checks that the layers still hold them (code may swap
 weights, e.g. `restore_plain_layout`) and makes the plan again when one changed, keeping the modules from then on
 if the model no longer qualifies. Both checks are identity tests, ~35 us a step for SmolLM2-135M. Positions are
-range-checked by the RoPE kernel only (RuntimeError, where the module raises ValueError); the runner's positions
-stay below max_model_len, which EngineConfig keeps within the model's max_position_embeddings.
+range-checked as the modules do (ValueError naming the position and the table's size).
 """
 from __future__ import annotations
 
@@ -64,6 +63,7 @@ class NativeDecodeStackPlan:
     embed_tokens: nn.Module | None = None
     final_norm: torch.Tensor | None = None
     cos_sin_cache: torch.Tensor | None = None
+    rotary: RotaryEmbedding | None = None  # its position range check runs before each stack step
     output_sizes: tuple[int, ...] = ()
     sliding_windows: tuple[int, ...] = ()
     num_heads: int = 0
@@ -185,7 +185,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     return NativeDecodeStackPlan(
         weights=tuple(weights), biases=tuple(biases),
         attention_layers=tuple(layer.self_attn.attn for layer in layers), embed_tokens=decoder.embed_tokens,
-        final_norm=decoder.norm.weight, cos_sin_cache=rotary.cos_sin_cache,
+        final_norm=decoder.norm.weight, cos_sin_cache=rotary.cos_sin_cache, rotary=rotary,
         output_sizes=(first_attention.qkv_proj.output_size_per_partition,
                       first_attention.o_proj.output_size_per_partition,
                       mlp.gate_up_proj.output_size_per_partition, mlp.down_proj.output_size_per_partition),
@@ -246,6 +246,7 @@ class NativeDecodeForward:
         kv_caches = [layer.kv_cache for layer in plan.attention_layers]
         if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
             return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
+        plan.rotary._check_positions(positions)  # the modules' ValueError (the kernel's own check raises RuntimeError)
         block_table, seq_lens = decode_inputs(metadata)
         hidden_states = plan.embed_tokens(input_ids)
         self.num_stack_steps += 1

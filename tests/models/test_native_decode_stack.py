@@ -179,6 +179,21 @@ def test_model_that_stops_qualifying_keeps_the_modules(tiny_model_dir) -> None:
     assert forward.plan is None and forward.num_stack_steps == steps_before
 
 
+def test_positions_beyond_the_rotary_table_raise_value_error(tiny_model_dir, caplog) -> None:
+    """The stack checks positions as the modules do: a decode step past the rotary table fails with the modules'
+    ValueError (the engine fails that step's requests and logs it)."""
+    import logging
+
+    llm = _llm(tiny_model_dir("llama"), dtype="float32")
+    rotary = _model(llm).model.rotary_emb
+    rotary.max_positions = 12  # the check's limit; the table itself stays whole
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with caplog.at_level(logging.ERROR):
+        llm.generate([{"prompt_token_ids": list(range(5))}], params, use_tqdm=False)
+    assert _forward(llm).num_stack_steps == 7  # positions 5..11 decoded on the stack, then 12 fails
+    assert "ValueError: position 12 is beyond the rotary table (max_positions=12)" in caplog.text
+
+
 @pytest.mark.parametrize("kind,options,reason", [
     ("qwen3", {}, "not a plain Llama layer"),  # q/k RMSNorm before RoPE
     ("llama", {"attention_backend": "torch_paged"}, "attention backend torch_paged"),
