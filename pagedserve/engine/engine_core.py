@@ -80,10 +80,14 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix block (vLLM's reset_prefix_cache); False, and nothing changes, while any
-        block is in use (requests running or steps in flight)."""
-        if self.has_unfinished_requests():
+        """Forget every cached prefix block (vLLM's reset_prefix_cache); False, and nothing changes, while a
+        request is waiting or running. Steps still in flight with no request left (async scheduling runs one
+        step ahead, so the last requests can finish with the next step already queued) are completed first:
+        their outputs belong to finished requests and are dropped."""
+        if self.scheduler.has_unfinished_requests():
             return False
+        while self.batch_queue:
+            self.step()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:

@@ -59,6 +59,29 @@ def test_reset_prefix_cache_refused_while_requests_run(folder: str) -> None:
     assert llm.reset_prefix_cache()
 
 
+def test_reset_prefix_cache_after_generate_with_async_scheduling(folder: str) -> None:
+    """Async scheduling queues the next step before the last outputs arrive, so generate() can return with a
+    step still in flight; reset_prefix_cache completes it and resets every time (a rerun then computes its
+    prompts again: no prefix hits, the same tokens)."""
+    llm = LLM(folder, enable_prefix_caching=True, max_model_len=256, num_kv_blocks=256, async_scheduling=True)
+    core = llm.llm_engine.engine_core
+    rng = random.Random(1)
+    num_left_in_flight = 0
+    for _ in range(3):
+        prompts = [[rng.randrange(8, 400) for _ in range(rng.randint(5, 60))] for _ in range(8)]
+        params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(3, 30), ignore_eos=True) for _ in prompts]
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        num_left_in_flight += len(core.batch_queue)
+        assert llm.reset_prefix_cache()
+        assert not core.batch_queue
+        hits_before = core.make_stats().prefix_cache_hits
+        again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+        assert core.make_stats().prefix_cache_hits == hits_before
+        assert llm.reset_prefix_cache()
+    assert num_left_in_flight > 0  # the case this test is about did occur
+
+
 def test_chunked_prefill_tiny_budget_equal(folder: str) -> None:
     prompts = _random_prompts(6, 20, 90, seed=1)
     reference = _generate(LLM(folder, max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False), prompts)
