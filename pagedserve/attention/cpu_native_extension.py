@@ -4,7 +4,8 @@ Sources (paths relative to the `pagedserve` package root): attention/native/page
 attention, K/V write; used by attention/cpu_native.py) and layers/native/elementwise.cpp (RMSNorm, residual add
 + RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py), the prefill attention
 and linear kernels, and models/native/decode_stack.cpp (a decode step's layers in one call, driving the others
-through the dispatcher; models/native_decode_stack.py). They are compiled
+through the dispatcher; models/native_decode_stack.py), and sample/native/first_argmax.cpp (greedy sampling's
+argmax; sample/greedy.py). They are compiled
 together at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into
 ~/.cache/pagedserve/extensions/<key>/, where <key> hashes every source, the compiler flags, the CPU's
 flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_attention_amx.cpp",
            "layers/native/elementwise.cpp", "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp",
-           "models/native/decode_stack.cpp")
+           "models/native/decode_stack.cpp", "sample/native/first_argmax.cpp")
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("layers/native/amx_tiles.h",)
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -12,10 +12,18 @@ those few block maxima picks the first block that holds the row's maximum (or it
 `max(dim=-1)` inside that block picks the first index there. The first maximum of the row lies in the first
 block whose maximum equals the row's, and is that block's first maximum, so ties and NaN resolve as in the
 reference. Small inputs keep the one-pass reference, where the extra ops would cost more than they save.
+
+On the CPU, float32 and bfloat16 logits take the native kernel instead when the native library is built
+(sample/native/first_argmax.cpp: per row, a vectorised pass for the maximum and a second for its first index;
+the same result, [64, 49152] bf16 in ~0.2 ms against ~1.2 ms for the two-level form on this machine).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from pagedserve.attention.cpu_native_extension import is_native_extension_available
 
 # Columns per block: measured best among 512..4096 for vocabularies of 32k-152k (whole blocks stay in L1).
 BLOCK_WIDTH = 1024
@@ -26,13 +34,42 @@ BLOCK_WIDTH = 1024
 MIN_TWO_LEVEL_ELEMENTS = 1 << 18
 
 
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+# None: not looked up yet; False: the native library is not available; else the op's default overload.
+_native_op: Any = None
+
+
+def native_first_argmax_op() -> Any:
+    """pagedserve::cpu_first_argmax when the native library is loaded (building it at first use), else None."""
+    global _native_op
+    if _native_op is None:
+        _native_op = False
+        if is_native_extension_available():
+            torch.library.register_fake("pagedserve::cpu_first_argmax")(
+                lambda logits: logits.new_empty((logits.shape[0],), dtype=torch.long))
+            _native_op = torch.ops.pagedserve.cpu_first_argmax.default
+    return _native_op or None
+
+
 def reference_first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """[num_rows, vocab] -> [num_rows] int64: the first index of each row's maximum (NaN is maximal)."""
     return logits.max(dim=-1).indices
 
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Same result as reference_first_argmax, bit for bit, in two vectorised passes when that is faster."""
+    """Same result as reference_first_argmax, bit for bit: the native kernel on the CPU, else two vectorised
+    passes when that is faster."""
+    if logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES and logits.stride(-1) == 1 \
+            and not torch.compiler.is_compiling():
+        op = _native_op if _native_op is not None else native_first_argmax_op()
+        if op:
+            return op(logits)
+    return two_level_first_argmax(logits)
+
+
+def two_level_first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """first_argmax in portable ops: blocks' amax, then the first block holding the maximum (module docstring)."""
     num_rows, vocab_size = logits.shape
     num_blocks = vocab_size // BLOCK_WIDTH
     if num_blocks < 2 or num_rows * vocab_size < MIN_TWO_LEVEL_ELEMENTS or logits.stride(-1) != 1:

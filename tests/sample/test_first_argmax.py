@@ -1,4 +1,7 @@
-"""first_argmax (sample/greedy.py) picks exactly what max(dim=-1).indices picks: ties, NaN, -inf, tails."""
+"""first_argmax (sample/greedy.py) picks exactly what max(dim=-1).indices picks: ties, NaN, -inf, tails.
+
+Every test that takes the `two_level_only` fixture runs twice: on the native CPU kernel (float32 and bfloat16;
+other dtypes take the two-level form there too) and on the two-level form alone."""
 from __future__ import annotations
 
 import pytest
@@ -14,13 +17,26 @@ from pagedserve.sampling_params import SamplingParams
 VOCAB_SIZES = [49152, 32000, 151936, 2 * BLOCK_WIDTH + 1]
 
 
-@pytest.fixture
-def two_level_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail if first_argmax falls back to the one-pass reference: the tests below must exercise the blocks."""
+@pytest.fixture(params=["native", "two_level"])
+def two_level_only(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail if first_argmax falls back to the one-pass reference: the tests below must exercise the vectorised
+    paths. 'native': float32 / bfloat16 must take the native kernel; 'two_level': the native kernel is off."""
     def refuse(logits: torch.Tensor) -> torch.Tensor:
         raise AssertionError(f"first_argmax took the one-pass path for shape {tuple(logits.shape)}")
 
     monkeypatch.setattr(greedy, "reference_first_argmax", refuse)
+    if request.param == "two_level":
+        monkeypatch.setattr(greedy, "_native_op", False)
+        return
+    if not greedy.native_first_argmax_op():
+        pytest.skip("the native CPU kernels do not build here")
+    two_level = greedy.two_level_first_argmax
+
+    def two_level_unless_native(logits: torch.Tensor) -> torch.Tensor:
+        assert logits.dtype not in greedy.NATIVE_DTYPES, "float32 / bfloat16 logits missed the native kernel"
+        return two_level(logits)
+
+    monkeypatch.setattr(greedy, "two_level_first_argmax", two_level_unless_native)
 
 
 def _rows(vocab_size: int) -> int:
@@ -80,9 +96,32 @@ def test_row_strided_input_matches_reference(two_level_only: None) -> None:
 
 
 @pytest.mark.parametrize("shape", [(1, 1000), (4, BLOCK_WIDTH), (2, 3 * BLOCK_WIDTH), (1, 1)])
-def test_small_inputs_take_the_reference(shape: tuple[int, int]) -> None:
+def test_small_inputs_take_the_reference(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(first_argmax(logits), reference_first_argmax(logits))
+    expected = reference_first_argmax(logits)
+    assert torch.equal(first_argmax(logits), expected)  # the native kernel where it is built
+    monkeypatch.setattr(greedy, "_native_op", False)
+    assert torch.equal(first_argmax(logits), expected)
+
+
+@pytest.mark.parametrize("vocab_size", [1, 15, 16, 17, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_row_lengths_and_errors(vocab_size: int, dtype: torch.dtype) -> None:
+    """Rows shorter than, equal to and just past one 16-lane vector, with the maximum and a NaN in the tail."""
+    op = greedy.native_first_argmax_op()
+    if not op:
+        pytest.skip("the native CPU kernels do not build here")
+    logits = torch.randn(6, vocab_size, generator=torch.Generator().manual_seed(vocab_size)).to(dtype)
+    logits[1, -1] = 50.0
+    logits[2, -1] = float("nan")
+    logits[3] = float("-inf")
+    logits[4] = -0.0
+    logits[4, -1] = 0.0  # -0.0 == 0.0: the first column wins, as in torch.max
+    assert torch.equal(op(logits), logits.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="vocabulary dimension is empty"):
+        op(torch.empty(2, 0))
+    with pytest.raises(RuntimeError, match="2-D float32 or bfloat16"):
+        op(torch.zeros(2, 3, dtype=torch.float16))
 
 
 def test_sampler_greedy_uses_first_argmax_at_full_vocabulary(sample, two_level_only: None) -> None:
