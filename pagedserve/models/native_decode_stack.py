@@ -207,12 +207,14 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
-        # What the stack stands in for: the model's forward and everything its decoder calls (the LM head is
-        # applied outside the forward, by the runner).
-        modules = (model, *model.model.modules())
-        self.hook_dicts = tuple(hooks for module in modules
-                                for hooks in (module._forward_hooks, module._forward_pre_hooks))
+        self.hook_dicts = self._hook_dicts()
         self.num_stack_steps = 0
+
+    def _hook_dicts(self) -> tuple[dict[Any, Any], ...]:
+        """The hook registries of what the stack stands in for: the model's forward and every module its decoder
+        holds (the LM head is applied outside the forward, by the runner)."""
+        modules = (self.model, *self.model.model.modules())
+        return tuple(hooks for module in modules for hooks in (module._forward_hooks, module._forward_pre_hooks))
 
     def has_hooks(self) -> bool:
         """Whether a forward hook or pre-hook would fire in the modules' forward (global or on a module)."""
@@ -228,6 +230,7 @@ class NativeDecodeForward:
             plan = native_decode_stack_plan(self.model, self.dtype)
             if plan.is_usable:
                 logger.info("native decode stack: the model's parameters changed; plan made again")
+                self.hook_dicts = self._hook_dicts()  # modules may have been replaced too
             else:
                 logger.info("native decode stack: no longer used (%s)", plan.reason)
                 plan = None
