@@ -66,11 +66,13 @@ def _solve_least_squares(rows: list[list[float]], targets: list[float]) -> list[
 
 
 def fit_latency_model(samples: list[LatencySample]) -> LatencyModel:
-    """Least-squares fit of a + b n + c n^2 (+ d n h when some sample has history).
+    """Least-squares fit of a + b n + c n^2 (+ d n h when some sample has history), every coefficient >= 0.
 
     Needs >= 3 distinct token counts (>= 4 samples with some history for the history term). A negative
-    quadratic or history coefficient (noise on an almost linear curve) is dropped and the rest refitted,
-    so predictions never decrease as chunks grow. Raises ValueError on unusable samples.
+    coefficient is noise (a concave, almost linear curve; a negative intercept from slow small chunks): it is
+    dropped (held at 0) and the rest refitted, the quadratic and history terms first, then the intercept, then
+    the slope. So predictions are never negative and never decrease as chunks or histories grow, which the
+    chunk search relies on. Raises ValueError on unusable samples.
     """
     for sample in samples:
         if sample.num_tokens < 1 or sample.num_history_tokens < 0 or not sample.seconds >= 0:
@@ -79,22 +81,21 @@ def fit_latency_model(samples: list[LatencySample]) -> LatencyModel:
     if len({sample.num_tokens for sample in samples}) < 3:
         raise ValueError(f"latency samples: {len(samples)} sample(s) with "
                          f"{len({s.num_tokens for s in samples})} distinct token count(s); at least 3 are needed")
-    use_history = any(sample.num_history_tokens for sample in samples)
-    use_quadratic = True
+    features = {
+        "intercept": lambda s: 1.0,
+        "linear": lambda s: float(s.num_tokens),
+        "quadratic": lambda s: float(s.num_tokens) ** 2,
+        "history": lambda s: float(s.num_tokens * s.num_history_tokens),
+    }
+    active = [name for name in features
+              if name != "history" or any(sample.num_history_tokens for sample in samples)]
     while True:
-        rows = [[1.0, float(s.num_tokens)] + ([float(s.num_tokens) ** 2] if use_quadratic else []) +
-                ([float(s.num_tokens * s.num_history_tokens)] if use_history else []) for s in samples]
-        coefficients = _solve_least_squares(rows, [s.seconds for s in samples])
-        intercept, linear = coefficients[0], coefficients[1]
-        quadratic = coefficients[2] if use_quadratic else 0.0
-        history = coefficients[-1] if use_history else 0.0
-        if use_quadratic and quadratic < 0:
-            use_quadratic = False
-            continue
-        if use_history and history < 0:
-            use_history = False
-            continue
-        return LatencyModel(intercept=intercept, linear=linear, quadratic=quadratic, history=history)
+        rows = [[features[name](sample) for name in active] for sample in samples]
+        coefficients = dict(zip(active, _solve_least_squares(rows, [s.seconds for s in samples])))
+        negative = [name for name in ("quadratic", "history", "intercept", "linear") if coefficients.get(name, 0) < 0]
+        if not negative:
+            return LatencyModel(**{name: coefficients.get(name, 0.0) for name in features})
+        active.remove(negative[0])
 
 
 class ProfilingChunkPolicy(PrefillChunkPolicy):
@@ -126,9 +127,8 @@ class ProfilingChunkPolicy(PrefillChunkPolicy):
     def largest_fitting_chunk(self, num_other_tokens: int, num_history_tokens: int) -> int:
         """Largest n in [0, max_chunk] with predict(other + n, history) <= budget (0 if none fits).
 
-        Binary search: the fit's coefficients make predictions non-decreasing in n for n >= 0 as long
-        as `linear` is not negative enough to dominate; a negative slope only makes the search
-        conservative (it returns a fitting n, maybe not the largest).
+        Binary search: the fit's coefficients are all >= 0 (fit_latency_model), so predictions are
+        non-decreasing in n.
         """
         def fits(n: int) -> bool:
             return self.model.predict(num_other_tokens + n, num_history_tokens) <= self.step_budget_seconds

@@ -92,6 +92,16 @@ def test_degenerate_inputs() -> None:
     concave = [LatencySample(n, 0, 0.01 + 1e-4 * n - 1e-9 * n * n) for n in (16, 256, 1024, 2048)]
     fitted = fit_latency_model(concave)
     assert fitted.quadratic == 0.0 and fitted.linear > 0
+    # Larger chunks timed slow (a busy machine while the engine profiled): the unconstrained fit has a negative
+    # intercept and predicts <= 0 s for a few tokens, so any budget would admit them. Every coefficient is
+    # kept >= 0, so predictions never fall below 0 nor decrease with n.
+    slow_start = [LatencySample(n, 0, seconds) for n, seconds in ((8, 0.0001), (16, 0.0004), (32, 0.0025),
+                                                                   (64, 0.0055), (128, 0.0125))]
+    fitted = fit_latency_model(slow_start)
+    assert min(fitted.intercept, fitted.linear, fitted.quadratic, fitted.history) >= 0
+    predictions = [fitted.predict(n) for n in range(1, 129)]
+    assert predictions == sorted(predictions) and predictions[0] > 1e-5
+    assert ProfilingChunkPolicy(fitted, 1e-5, 16, 128, 16).largest_fitting_chunk(0, 0) == 0
     with pytest.raises(ValueError, match="smoothing=0"):
         ProfilingChunkPolicy(fitted, 0.1, 16, 1024, 16, smoothing=0)
     with pytest.raises(ValueError, match="step_budget_seconds=0"):
