@@ -19,6 +19,7 @@ platform then keeps the portable torch_paged backend, and the layers their plain
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -135,10 +136,8 @@ def _build_and_load() -> None:
             logger.info("removed %d older native builds from %s", len(removed), directory.parent)
         return  # cpp_extension.load already loaded the library it built
     torch.ops.load_library(str(library))
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache still loads
         os.utime(directory)  # used now: pruning keeps the most recently used builds
-    except OSError:
-        pass  # a read-only cache still loads
 
 
 def load_native_extension() -> None:

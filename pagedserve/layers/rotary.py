@@ -132,14 +132,14 @@ class RotaryEmbedding(CustomOp):
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == dtype:
             return memo[2], memo[3]
-        self._check_positions(positions)
+        self.check_positions(positions)
         cos, sin = self.cos_sin_cache.index_select(0, positions.reshape(-1)).chunk(2, dim=-1)
         cos = torch.cat([cos, cos], dim=-1).to(dtype)
         sin = torch.cat([sin, sin], dim=-1).to(dtype)
         self._memo = (positions, dtype, cos, sin)
         return cos, sin
 
-    def _check_positions(self, positions: torch.Tensor) -> None:
+    def check_positions(self, positions: torch.Tensor) -> None:
         """ValueError when a position is beyond the table."""
         # Checked on the CPU only: on an accelerator the check would cost a device->host sync. Not in a
         # captured graph either (a data-dependent branch); the scheduler keeps positions < max_model_len.
@@ -172,7 +172,7 @@ class RotaryEmbedding(CustomOp):
             # Every layer passes the same positions tensor: range-check it once per forward (the kernel
             # checks each position too, but raises RuntimeError; this keeps forward_native's ValueError).
             if self._checked_positions is not positions:
-                self._check_positions(positions)
+                self.check_positions(positions)
                 self._checked_positions = positions
             return native_elementwise.rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim)
         return self.forward_native(positions, query, key)

@@ -249,7 +249,7 @@ class NativeDecodeForward:
         kv_caches = [layer.kv_cache for layer in plan.attention_layers]
         if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
             return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
-        plan.rotary._check_positions(positions)  # the modules' ValueError (the kernel's own check raises RuntimeError)
+        plan.rotary.check_positions(positions)  # the modules' ValueError (the kernel's own check raises RuntimeError)
         block_table, seq_lens = decode_inputs(metadata)
         hidden_states = plan.embed_tokens(input_ids)
         self.num_stack_steps += 1

@@ -62,8 +62,8 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     passes when that is faster."""
     if logits.device.type == "cpu" and logits.dtype in NATIVE_DTYPES and logits.stride(-1) == 1 \
             and not torch.compiler.is_compiling():
-        op = _native_op if _native_op is not None else native_first_argmax_op()
-        if op:
+        op = native_first_argmax_op()
+        if op is not None:
             return op(logits)
     return two_level_first_argmax(logits)
 

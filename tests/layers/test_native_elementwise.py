@@ -175,8 +175,8 @@ def test_rotary_position_check_is_memoised_per_forward(monkeypatch) -> None:
     query, key, _ = _qkv_views(3, 64, torch.float32, seed=0)
     positions = torch.tensor([0, 1, 2])
     checks = []
-    original = rope._check_positions
-    monkeypatch.setattr(rope, "_check_positions", lambda p: (checks.append(p), original(p)))
+    original = rope.check_positions
+    monkeypatch.setattr(rope, "check_positions", lambda p: (checks.append(p), original(p)))
     for _ in range(3):  # every layer passes the same positions tensor
         rope.forward_cpu(positions, query, key)
     assert len(checks) == 1
