@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from pagedserve.platforms.heap_retention import retain_freed_heap_memory
 from pagedserve.platforms.huge_page_memory import allocate_huge_page_zeros
 from pagedserve.platforms.interface import Platform
 
@@ -29,6 +30,11 @@ class CpuPlatform(Platform):
         from pagedserve.attention.cpu_native_extension import is_native_extension_available
 
         return "cpu_native" if is_native_extension_available() else "torch_paged"
+
+    def prepare_for_serving(self) -> None:
+        """Steps reuse freed heap memory instead of faulting their activations in again
+        (platforms/heap_retention.py; PAGEDSERVE_RETAIN_HEAP=0 turns it off)."""
+        retain_freed_heap_memory()
 
     def available_memory_bytes(self) -> int:
         try:

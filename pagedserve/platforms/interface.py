@@ -39,6 +39,10 @@ class Platform(ABC):
     def default_attention_backend(self) -> str:
         return "torch_paged"
 
+    def prepare_for_serving(self) -> None:
+        """Called by each worker once its model and KV cache are in place, before the first step."""
+        return None
+
     def synchronize(self) -> None:
         return None
 

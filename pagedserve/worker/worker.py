@@ -88,6 +88,7 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
                     num_blocks, cache_config.block_size, num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * cache_config.block_size)
+        self.platform.prepare_for_serving()
 
     def _profile_chunk_latencies(self, model: torch.nn.Module,
                                  num_blocks: int) -> tuple[tuple[int, int, float], ...]:
