@@ -80,6 +80,29 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count() -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n, k", [(3088, 576), (1000, 1536)])
+def test_paneled_prefill_sizes_match_reference_and_small_batches(n: int, k: int) -> None:
+    """Above 256 rows the kernel cuts the weight into L2-sized panels and x into 32-row chunks: 3088 x 576 makes
+    six panels of 8 groups and a seventh holding the last, one-block group; 1000 x 1536 five of 3 groups and a
+    sixth with the last, three-block group; 600 rows end in a 16- and an 8-row tail. Each row equals the
+    reference and, bit for bit, the same row computed in a batch of <= 256 rows (one chunk, no panels)."""
+    weight, bias = _random(n, k, seed=11), _random(n, seed=12)
+    packed = amx_pack(weight)
+    x = _random(600, k, seed=13)
+    full = amx_linear(x, packed, bias, n)
+    _assert_matches_reference(full, _reference(x, weight, bias))
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in {1, threads}:
+            torch.set_num_threads(num_threads)
+            assert torch.equal(amx_linear(x[:297], packed, bias, n).view(torch.int16), full[:297].view(torch.int16))
+            for start in (0, 256, 512, 576):
+                part = amx_linear(x[start:start + 24].contiguous(), packed, bias, n)
+                assert torch.equal(part.view(torch.int16), full[start:start + 24].view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_leading_dims_and_strided_rows() -> None:
     n, k = 64, 96
     weight = _random(n, k, seed=6)
