@@ -199,6 +199,25 @@ def test_silu_and_mul_equals_forward_native(monkeypatch, dtype: torch.dtype, num
     assert calls[0] == 1
 
 
+@pytest.mark.parametrize("up_value", [1.5, -3.0, 2.0 ** -120])
+def test_silu_and_mul_every_bfloat16_gate(up_value: float) -> None:
+    """bfloat16 gates read the formula's result from a table of all 2^16 gate values: each of them (zeros,
+    subnormals, infinities, NaNs) times an up value, against ATen's vector path bit for bit where ATen's result
+    is a number (a NaN's sign and payload may differ: the kernel's rounding gives the canonical quiet NaN); the
+    smallest up value makes most products subnormal."""
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([gates, torch.full_like(gates, up_value)]).view(1, -1)
+    activation = SiluAndMul()
+    native, reference = activation.forward_cpu(x), activation.forward_native(x)
+    is_nan = reference.isnan()
+    assert torch.equal(native.isnan(), is_nan)
+    assert torch.equal(native[~is_nan].view(torch.int16), reference[~is_nan].view(torch.int16))
+    # Tails of 1..15 gates (masked lanes) read the same entries.
+    for width in (1, 15, 17):
+        part = torch.cat([gates[1000:1000 + width], torch.full((width,), up_value).bfloat16()]).view(1, -1)
+        assert torch.equal(activation.forward_cpu(part).view(torch.int16), native[:, 1000:1000 + width].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_row_tails_and_shapes(dtype: torch.dtype) -> None:
     """A row length that is not a multiple of ATen's vector: ATen's scalar tail may differ in the last bit,

@@ -25,7 +25,9 @@
 // - SiLU-and-mul: silu(g) = g / (1 + exp(-g)) in float32 with ATen's vectorised exp (Sleef_expf16_u10, which
 //   libtorch_cpu exports), rounded to the dtype, then times up (rounded). Every element takes this vector
 //   formula; ATen finishes a row whose length is not a multiple of its vector with scalar std::exp, which can
-//   differ in the last bit there (the batch-invariant mode forces ATen onto the vector formula too).
+//   differ in the last bit there (the batch-invariant mode forces ATen onto the vector formula too). In
+//   bfloat16 the rounded silu of each of the 2^16 gate values is computed once by that formula and then
+//   gathered from a table (bitwise the same, a third less time).
 // Floating-point contraction is off in this file (below): GCC would otherwise fuse a multiply and an add,
 // intrinsics included, into one FMA and move a rounding point.
 //
@@ -567,20 +569,57 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 
 // ---------------------------------------------------------------- SiLU and mul
 
-// out[i] = round(round(silu(gate[i])) * up[i]) for one row: gate = in[0:width], up = in[width:2 * width].
-template <typename scalar_t>
-inline void silu_and_mul_row(const scalar_t* in, scalar_t* out, int64_t width) {
 #if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 sign = _mm512_set1_ps(-0.0f);
+// round(silu(gate)) for 16 gates, by the formula (see the header).
+template <typename scalar_t>
+inline __m512 silu_vector(__m512 gate) {
+  const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_xor_ps(gate, _mm512_set1_ps(-0.0f))));
+  return round_vector<scalar_t>(_mm512_div_ps(gate, denominator));
+}
+
+// round(silu(g)) for every bfloat16 bit pattern g, computed once by silu_vector itself: a bf16 gate has only 2^16
+// values, and a 128 KiB table (L2-resident) gathered 16 lanes at a time costs a third of the formula's exp and
+// division (2048 x 1536 gates: 2.27 -> ~1.5 ms), with bitwise the same results. One spare entry at the end:
+// the gather reads 4 bytes at each 2-byte index.
+const uint16_t* bfloat16_silu_table() {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> values(65536 + 1, 0);
+    for (int64_t first = 0; first < 65536; first += kLanes) {
+      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const __m512 gate = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      const __m512i silu = _mm512_srli_epi32(_mm512_castps_si512(silu_vector<c10::BFloat16>(gate)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(values.data() + first), _mm512_cvtepi32_epi16(silu));
+    }
+    return values;
+  }();
+  return table.data();
+}
+#endif
+
+// out[i] = round(round(silu(gate[i])) * up[i]) for one row: gate = in[0:width], up = in[width:2 * width].
+// `silu_table`: bfloat16_silu_table() for bfloat16 rows on AVX-512 (null otherwise).
+template <typename scalar_t>
+inline void silu_and_mul_row(const scalar_t* in, scalar_t* out, int64_t width, const uint16_t* silu_table) {
+#if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const int* table = reinterpret_cast<const int*>(silu_table);
+    for (int64_t i = 0; i < width; i += kLanes) {
+      const __mmask16 mask = lanes_mask(width - i);
+      // Masked-out lanes load 0: a valid index.
+      const __m512i index = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, in + i));
+      const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16));
+      store_vector(out + i, _mm512_mul_ps(silu, load_vector(in + width + i, mask)), mask);
+    }
+    return;
+  }
   for (int64_t i = 0; i < width; i += kLanes) {
     const __mmask16 mask = lanes_mask(width - i);
-    const __m512 gate = load_vector(in + i, mask);
-    const __m512 silu = round_vector<scalar_t>(
-        _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_xor_ps(gate, sign)))));
+    const __m512 silu = silu_vector<scalar_t>(load_vector(in + i, mask));
     store_vector(out + i, _mm512_mul_ps(silu, load_vector(in + width + i, mask)), mask);
   }
 #else
+  (void)silu_table;
   using S = Storage<scalar_t>;
   for (int64_t i = 0; i < width; ++i) {
     const float gate = S::load(in + i);
@@ -607,9 +646,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     using scalar_t = decltype(tag);
     const scalar_t* source = x.const_data_ptr<scalar_t>();
     scalar_t* destination = out.mutable_data_ptr<scalar_t>();
+    const uint16_t* silu_table = nullptr;
+#if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) silu_table = bfloat16_silu_table();  // built at first use
+#endif
     at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
-        silu_and_mul_row(source + row * row_stride, destination + row * width, width);
+        silu_and_mul_row(source + row * row_stride, destination + row * width, width, silu_table);
     });
   });
   return out;
