@@ -18,7 +18,9 @@
 // - Rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C tiles),
 //   then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows. Beyond
 //   16 rows the weights are read from L2 again for every row block, so each row block also prefetches a share of
-//   the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows).
+//   the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows), into L2: the next group
+//   (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1, the 30 layers' linears
+//   ran 1.02-1.10x slower at 24-64 rows, interleaved).
 // - Above 256 rows (prefill chunks) the weight is cut into panels of whole groups, up to kPanelWeightBytes each
 //   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1); the units (panel, chunk,
 //   block) run panel-major, split evenly between the threads, and nothing is prefetched (the panel is in L2).
@@ -76,7 +78,7 @@ inline void group_product(const at::BFloat16* x, int64_t x_stride_bytes, const a
   if (kBlocks > 3) _tile_zero(3);
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* b = b_first + step * step_stride;
-    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T0);
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
     prefetch += prefetch_lines * 64;
     if (prefetch_lines == 0) {
       // One row block (decode sizes): the weight stream is the whole cost. Prefetching this step's bytes again
@@ -125,7 +127,7 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
   const at::BFloat16* x_lower = x + kTileRows * x_stride_bytes / static_cast<int64_t>(sizeof(at::BFloat16));
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* b = b_first + step * step_stride;
-    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T0);
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
     prefetch += prefetch_lines * 64;
     _tile_loadd(4, x + step * kStepDepth, x_stride_bytes);
     _tile_loadd(5, x_lower + step * kStepDepth, x_stride_bytes);
