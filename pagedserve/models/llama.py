@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve.distributed import get_embedding_tp_group, get_lmhead_tp_group
 from pagedserve.distributed.pipeline_comm import IntermediateTensors
 from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.amx_gate_up_silu import fused_gate_up_silu_and_mul
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -53,7 +54,11 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # Prefill-sized bf16 batches on the AMX layout: both in one native pass (layers/amx_gate_up_silu.py).
+        activated = fused_gate_up_silu_and_mul(self.gate_up_proj, self.act_fn, x)
+        if activated is None:
+            activated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activated)
 
 
 class LlamaAttention(nn.Module):

@@ -51,6 +51,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bfloat16_silu_table.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -577,6 +579,10 @@ inline __m512 silu_vector(__m512 gate) {
   return round_vector<scalar_t>(_mm512_div_ps(gate, denominator));
 }
 
+}  // namespace
+
+namespace pagedserve_native {
+
 // round(silu(g)) for every bfloat16 bit pattern g, computed once by silu_vector itself: a bf16 gate has only 2^16
 // values, and a 128 KiB table (L2-resident) gathered 16 lanes at a time costs a third of the formula's exp and
 // division (2048 x 1536 gates: 2.27 -> ~1.5 ms), with bitwise the same results. One spare entry at the end:
@@ -595,10 +601,14 @@ const uint16_t* bfloat16_silu_table() {
   }();
   return table.data();
 }
+
+}  // namespace pagedserve_native
+
+namespace {
 #endif
 
 // out[i] = round(round(silu(gate[i])) * up[i]) for one row: gate = in[0:width], up = in[width:2 * width].
-// `silu_table`: bfloat16_silu_table() for bfloat16 rows on AVX-512 (null otherwise).
+// `silu_table`: pagedserve_native::bfloat16_silu_table() for bfloat16 rows on AVX-512 (null otherwise).
 template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* in, scalar_t* out, int64_t width, const uint16_t* silu_table) {
 #if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
@@ -648,7 +658,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     scalar_t* destination = out.mutable_data_ptr<scalar_t>();
     const uint16_t* silu_table = nullptr;
 #if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) silu_table = bfloat16_silu_table();  // built at first use
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) silu_table = pagedserve_native::bfloat16_silu_table();
 #endif
     at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
