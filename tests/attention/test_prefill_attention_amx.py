@@ -92,6 +92,14 @@ def test_kernel_matches_float64_attention(num_heads, num_kv_heads, head_dim, blo
                            block_size, seed=head_dim + block_size)
 
 
+def test_last_chunk_cut_at_the_tile_end() -> None:
+    """A tile's last chunk ends at the tile's last position rounded up to 32 keys (the products and softmax past it
+    are skipped): prompts ending at and around each 32-key edge inside a chunk, and chunks behind cached prefixes."""
+    lengths = [31, 32, 33, 63, 64, 65, 95, 96, 97, 159, 160, 161, 223, 224, 225]
+    _check_against_float64(lengths, lengths, 9, 3, 64, 16, seed=5)
+    _check_against_float64([1, 17, 40, 100], [100, 161, 230, 383], 9, 3, 64, 16, seed=6)
+
+
 @pytest.mark.parametrize("sliding_window", [1, 7, 37, 128, 300])
 def test_sliding_window(sliding_window: int) -> None:
     _check_against_float64(FRESH + CHUNKED_QUERY_LENS, FRESH + CHUNKED_SEQ_LENS, 9, 3, 64, 16, sliding_window,
