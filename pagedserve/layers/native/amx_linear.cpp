@@ -361,7 +361,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
-
 // silu(gate) * up straight from the gate_up projection: x [M, K] @ W[2d, K]^T gives gate = columns [0, d) and up =
 // columns [d, 2d), and out [M, d] = round(round(silu(round(gate))) * round(up)), bitwise what amx_linear followed by
 // the SiLU-and-mul kernel (layers/native/elementwise.cpp, bfloat16 table) give, without writing the [M, 2d]
