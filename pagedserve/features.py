@@ -238,16 +238,17 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="model", family="weight layout", feature="per-platform linear weight layout at load: bf16 weights "
                                                      "and LM head tile-packed for a native AMX kernel "
-                                                     "(amx_packed, auto in bfloat16 on CPUs with AMX) or "
-                                                     "prepacked for oneDNN, bit-exact unpack, "
+                                                     "(amx_packed, auto in bfloat16 on CPUs with AMX; "
+                                                     "prefill-sized MLPs run gate_up and SiLU-and-mul as one "
+                                                     "bitwise-equal pass) or prepacked for oneDNN, bit-exact unpack, "
                                                      "torch.compile-traceable; float32 decode batches on a "
                                                      "native streaming kernel (plain_native, auto in float32)",
         modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear", "pagedserve.layers.small_batch_linear",
-                 "pagedserve.layers.amx_linear"),
+                 "pagedserve.layers.amx_linear", "pagedserve.layers.amx_gate_up_silu"),
         knobs=("weight_layout",),
         docs="docs/params-06-weight-loading.md",
         tests=("tests/layers/test_weight_layout.py", "tests/layers/test_small_batch_linear.py",
-               "tests/layers/test_amx_linear.py"),
+               "tests/layers/test_amx_linear.py", "tests/layers/test_amx_gate_up_silu.py"),
     ),
     Feature(
         line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "
