@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ FALLBACK_MMAP_THRESHOLD_BYTES = 32 << 20
 NO_TRIM_BYTES = (1 << 31) - 1  # mallopt takes an int
 
 
-def user_tuned_malloc(environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+def user_tuned_malloc(environ: Mapping[str, str] = os.environ) -> str | None:
     """The environment variable through which the user tuned glibc malloc, None when there is none."""
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         if name in environ:
@@ -54,7 +55,7 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def retain_freed_heap_memory(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+def retain_freed_heap_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Trim what loading left free, then keep freed memory from now on (see the module docstring).
     Returns whether the settings were applied."""
     if environ.get(RETAIN_HEAP_ENV, "1").strip().lower() in ("0", "false", "no"):

@@ -284,7 +284,7 @@ void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positi
   const auto chunk_base = [&](int64_t chunk) { return span.first_key + chunk * kChunkKeys; };
   // The keys of a chunk that some row of the tile sees, from the chunk's start: all of them but in the last chunk,
   // which ends at the tile's last position (rounded up to 32 keys: a P V step). Causal tiles skip the products and
-  // the softmax of the keys past it (a quarter of the work for SmolLM2's prompts); those keys' P is exactly zero.
+  // the softmax of the keys past it (~19% of the kernel's time on SmolLM2-sized prompts); their P is exactly zero.
   const auto visible_keys = [&](int64_t chunk) {
     return std::min(kChunkKeys, ceil_div(positions[kTileRows - 1] - chunk_base(chunk) + 1, kStep) * kStep);
   };
@@ -305,8 +305,8 @@ void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positi
         _mm512_store_ps(acc + dim, _mm512_fmadd_ps(_mm512_load_ps(acc + dim), factor, _mm512_load_ps(add + dim)));
     }
     if (chunk < last_chunk)
-      chunk_softmax(next_scores, chunk_base(chunk + 1), visible_keys(chunk + 1), positions, scale, sliding_window, state,
-                    probabilities);
+      chunk_softmax(next_scores, chunk_base(chunk + 1), visible_keys(chunk + 1), positions, scale, sliding_window,
+                    state, probabilities);
   }
   for (int64_t row = 0; row < num_rows; ++row) {
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(state.row_sums + row * 16)));
