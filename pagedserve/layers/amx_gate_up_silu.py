@@ -21,6 +21,7 @@ from pagedserve.attention.cpu_native_extension import load_native_op
 from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod, amx_linear_available
+from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
 from pagedserve.layers.linear import packed_weight_of
 
 # Up to this many rows the unfused pair runs: amx_linear's one-chunk path streams decode-sized batches' weights
@@ -54,11 +55,6 @@ def amx_linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.T
     return _op(x, packed, bias, output_size)
 
 
-def _has_hooks(*modules: nn.Module) -> bool:
-    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-                or any(module._forward_hooks or module._forward_pre_hooks for module in modules))
-
-
 def fused_gate_up_silu_and_mul(gate_up_proj: nn.Module, act_fn: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """act_fn(gate_up_proj(x)) in one pass when that is bitwise the same and pays (see the module docstring);
     None when the modules should run."""
@@ -73,7 +69,7 @@ def fused_gate_up_silu_and_mul(gate_up_proj: nn.Module, act_fn: nn.Module, x: to
     output_size = gate_up_proj.output_size_per_partition
     if output_size % (2 * GROUP_COLUMNS) or gate_up_proj.input_size_per_partition % STEP_DEPTH or x.stride(-1) != 1:
         return None
-    if _has_hooks(gate_up_proj, act_fn) or not fused_op_available():
+    if has_forward_hooks(hook_registries((gate_up_proj, act_fn))) or not fused_op_available():
         return None
     return _op(x, packed_weight_of(gate_up_proj), gate_up_proj.bias, output_size)
 

@@ -39,6 +39,7 @@ from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
+from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -213,14 +214,11 @@ class NativeDecodeForward:
     def _hook_dicts(self) -> tuple[dict[Any, Any], ...]:
         """The hook registries of what the stack stands in for: the model's forward and every module its decoder
         holds (the LM head is applied outside the forward, by the runner)."""
-        modules = (self.model, *self.model.model.modules())
-        return tuple(hooks for module in modules for hooks in (module._forward_hooks, module._forward_pre_hooks))
+        return hook_registries((self.model, *self.model.model.modules()))
 
     def has_hooks(self) -> bool:
         """Whether a forward hook or pre-hook would fire in the modules' forward (global or on a module)."""
-        # Registering a hook adds to the module's dict in place, so the dicts collected at start stay current.
-        return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-                    or any(self.hook_dicts))
+        return has_forward_hooks(self.hook_dicts)
 
     def current_plan(self) -> NativeDecodeStackPlan | None:
         """The plan, made again when a layer no longer holds what it was made from (None: the model no longer

@@ -40,6 +40,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
 
 namespace {
@@ -458,13 +459,7 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
               _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
           const __m512 silu =
               _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, silu_table, 2), 16));
-          const __m512 product = _mm512_mul_ps(silu, up_rounded);
-          const __m512i bits = _mm512_castps_si512(product);
-          const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-          __m512i rounded =
-              _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-          rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(product, product, _CMP_UNORD_Q),
-                                          _mm512_set1_epi32(0x7FC0));
+          const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + column), _mm512_cvtepi32_epi16(rounded));
         }
       }

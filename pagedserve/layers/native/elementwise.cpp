@@ -51,6 +51,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -109,16 +110,7 @@ inline __m512 load_vector(const c10::BFloat16* pointer, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// The bf16 bit patterns (in the low 16 bits of each lane) nearest to v, ties to even; NaN -> quiet NaN
-// (c10::BFloat16's rounding, lane by lane).
-inline __m512i bfloat16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
-}
+using pagedserve_native::bfloat16_bits;  // c10::BFloat16's rounding, lane by lane
 
 template <typename scalar_t>
 inline __m512 round_vector(__m512 v);
