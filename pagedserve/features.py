@@ -240,15 +240,19 @@ FEATURES: tuple[Feature, ...] = (
                                                      "and LM head tile-packed for a native AMX kernel "
                                                      "(amx_packed, auto in bfloat16 on CPUs with AMX; "
                                                      "prefill-sized MLPs run gate_up and SiLU-and-mul as one "
-                                                     "bitwise-equal pass) or prepacked for oneDNN, bit-exact unpack, "
+                                                     "bitwise-equal pass, and all-greedy steps take the argmax in "
+                                                     "the LM head's epilogue without writing logits) or prepacked "
+                                                     "for oneDNN, bit-exact unpack, "
                                                      "torch.compile-traceable; float32 decode batches on a "
                                                      "native streaming kernel (plain_native, auto in float32)",
         modules=("pagedserve.layers.weight_layout", "pagedserve.layers.linear", "pagedserve.layers.small_batch_linear",
-                 "pagedserve.layers.amx_linear", "pagedserve.layers.amx_gate_up_silu"),
+                 "pagedserve.layers.amx_linear", "pagedserve.layers.amx_gate_up_silu",
+                 "pagedserve.sample.fused_greedy_head"),
         knobs=("weight_layout",),
         docs="docs/params-06-weight-loading.md",
         tests=("tests/layers/test_weight_layout.py", "tests/layers/test_small_batch_linear.py",
-               "tests/layers/test_amx_linear.py", "tests/layers/test_amx_gate_up_silu.py"),
+               "tests/layers/test_amx_linear.py", "tests/layers/test_amx_gate_up_silu.py",
+               "tests/sample/test_fused_greedy_head.py"),
     ),
     Feature(
         line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "

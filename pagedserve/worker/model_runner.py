@@ -24,6 +24,7 @@ from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.models.native_decode_stack import build_native_decode_forward
 from pagedserve.sample.logprobs import compute_prompt_logprobs
+from pagedserve.sample.fused_greedy_head import FusedGreedySampler
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
@@ -48,6 +49,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # Logits at the sampled positions: full logits, or reduce-sample candidates (sample/reduce_sample.py).
         self.sample_logits = sample_logits_function(model, config.parallel_config.enable_reduce_sample)
+        # All-greedy steps that need only the argmax take it inside the LM head where it can (no logits written).
+        self.fused_greedy_sample = FusedGreedySampler(model, config.parallel_config.enable_reduce_sample)
         # Seeded requests keep their generator across preemption, so a seed gives the same tokens
         # whatever happens to the batch; dropped only when the request finishes.
         self.generators: dict[str, torch.Generator] = {}
@@ -105,8 +108,11 @@ class ModelRunner:
                 logits_indices = torch.from_numpy(step.query_start_loc[1:][sampled_rows] - 1)
                 states = [requests[step.request_ids[i]] for i in sampled_rows]
                 sampled_states = hidden_states[logits_indices]
-            logits = self.sample_logits(sampled_states, [s.sampling_params for s in states])
-            sampler_output = self.sampler(logits, self._sampling_metadata(states))
+            metadata = self._sampling_metadata(states)
+            sampler_output = self.fused_greedy_sample(sampled_states, metadata)
+            if sampler_output is None:
+                logits = self.sample_logits(sampled_states, [s.sampling_params for s in states])
+                sampler_output = self.sampler(logits, metadata)
             token_ids = sampler_output.sampled_token_ids.tolist()
             logprobs_lists = None
             if sampler_output.logprobs is not None:
