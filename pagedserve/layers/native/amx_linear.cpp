@@ -159,8 +159,9 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
   }
 }
 
-// y[0:count] = bf16(values + bias), 16 columns at a time (VCVTNEPS2BF16 rounds to nearest even, as
-// at::BFloat16 does).
+// y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
+// does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
+// becomes 0 where at::BFloat16 would keep a subnormal.
 inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
   for (int64_t column = 0; column < count; column += kBlockColumns) {
     const __mmask16 mask = count - column >= kBlockColumns ? static_cast<__mmask16>(0xFFFF)
