@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.attention.cpu_native_extension import load_native_op
 from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
-from pagedserve.layers.amx_linear import AmxPackedLinearMethod, amx_linear_available
+from pagedserve.layers.amx_linear import AmxPackedLinearMethod, load_amx_op
 from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
 from pagedserve.layers.linear import packed_weight_of
 
@@ -42,8 +41,7 @@ def fused_op_available() -> bool:
     """Whether the native library has the fused op and this process may run AMX (loaded at first call)."""
     global _op, _checked
     if not _checked:
-        _op = load_native_op("amx_linear_silu_and_mul", "is_amx_linear_supported", _fused_fake) \
-            if amx_linear_available() else None
+        _op = load_amx_op("amx_linear_silu_and_mul", _fused_fake)
         _checked = True
     return _op is not None
 

@@ -16,6 +16,7 @@ with a float64 reference and the engine's greedy tokens with the plain layout's.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,12 @@ def amx_linear_available() -> bool:
 
 def _amx_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], n))
+
+
+def load_amx_op(op_name: str, fake: Callable[..., Any]) -> Any:
+    """pagedserve::<op_name>, another op of layers/native/amx_linear.cpp (with `fake` for tracing), when
+    `amx_linear_available()`; else None."""
+    return load_native_op(op_name, "is_amx_linear_supported", fake) if amx_linear_available() else None
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -88,4 +95,4 @@ class AmxPackedLinearMethod(LinearMethodBase):
 AMX_PACKED_LINEAR_METHOD = AmxPackedLinearMethod()
 
 __all__ = ["AMX_PACKED_LAYOUT", "AMX_PACKED_LINEAR_METHOD", "AmxPackedLinearMethod", "amx_linear",
-           "amx_linear_available", "amx_pack", "amx_unpack"]
+           "amx_linear_available", "amx_pack", "amx_unpack", "load_amx_op"]

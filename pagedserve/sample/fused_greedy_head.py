@@ -14,19 +14,16 @@ enable_reduce_sample), and under torch.compile tracing.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.attention.cpu_native_extension import load_native_op
-from pagedserve.layers.amx_linear import AmxPackedLinearMethod, amx_linear_available
+from pagedserve.layers.amx_linear import AmxPackedLinearMethod, load_amx_op
 from pagedserve.layers.linear import packed_weight_of
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sample.sampling_metadata import SamplingMetadata
-
-_op: Any = None
-_checked = False
 
 
 def _first_argmax_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
@@ -34,21 +31,22 @@ def _first_argmax_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
+@functools.cache
+def _fused_op() -> Any:
+    """The op, looked up (and the native library built) at first call; None where it cannot run."""
+    return load_amx_op("amx_linear_first_argmax", _first_argmax_fake)
+
+
 def fused_op_available() -> bool:
-    """Whether the native library has the fused op and this process may run AMX (loaded at first call)."""
-    global _op, _checked
-    if not _checked:
-        _op = load_native_op("amx_linear_first_argmax", "is_amx_linear_supported", _first_argmax_fake) \
-            if amx_linear_available() else None
-        _checked = True
-    return _op is not None
+    """Whether the native library has the fused op and this process may run AMX."""
+    return _fused_op() is not None
 
 
 def amx_linear_first_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int,
                             num_columns: int) -> torch.Tensor:
     """[M] int64: the first index of each row's maximum of bf16(x @ W^T + b)[:, :num_columns], W [output_size, K]
     packed by `amx_pack`. Requires `fused_op_available()`."""
-    return _op(x, packed, bias, output_size, num_columns)
+    return _fused_op()(x, packed, bias, output_size, num_columns)
 
 
 def is_plain_greedy(metadata: SamplingMetadata) -> bool:
@@ -67,8 +65,8 @@ def head_first_argmax(lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.
     if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu" \
             or hidden_states.stride(-1) != 1 or torch.compiler.is_compiling() or not fused_op_available():
         return None
-    return _op(hidden_states, packed_weight_of(lm_head), lm_head.bias, lm_head.num_embeddings_per_partition,
-               lm_head.org_vocab_size)
+    return _fused_op()(hidden_states, packed_weight_of(lm_head), lm_head.bias, lm_head.num_embeddings_per_partition,
+                       lm_head.org_vocab_size)
 
 
 class FusedGreedySampler:
