@@ -74,13 +74,16 @@ class FusedGreedySampler:
     logits and the Sampler must run (module docstring)."""
 
     def __init__(self, model: nn.Module, enable_reduce_sample: bool) -> None:
-        # reduce_sample computes its own candidates from shards; a model without a plain LM head has nothing here.
-        self.lm_head = None if enable_reduce_sample else getattr(model, "lm_head", None)
+        self.model = model
+        # reduce_sample computes its own candidates from the vocabulary shards.
+        self.is_enabled = not enable_reduce_sample
 
     def __call__(self, hidden_states: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:
-        if self.lm_head is None or not is_plain_greedy(metadata):
+        if not self.is_enabled or not is_plain_greedy(metadata):
             return None
-        token_ids = head_first_argmax(self.lm_head, hidden_states)
+        # Looked up per call: a model without an LM head here (an earlier pipeline stage) has nothing to fuse.
+        lm_head = getattr(self.model, "lm_head", None)
+        token_ids = None if lm_head is None else head_first_argmax(lm_head, hidden_states)
         return None if token_ids is None else SamplerOutput(sampled_token_ids=token_ids, logprobs=None)
 
 
