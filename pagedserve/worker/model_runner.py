@@ -23,8 +23,8 @@ from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.models.native_decode_stack import build_native_decode_forward
-from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.fused_greedy_head import FusedGreedySampler
+from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty

@@ -8,10 +8,13 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_pack
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.weight_layout import apply_weight_layout
-from pagedserve.sample import Sampler
-from pagedserve.sample import fused_greedy_head
-from pagedserve.sample.fused_greedy_head import (FusedGreedySampler, amx_linear_first_argmax, fused_op_available,
-                                                 head_first_argmax)
+from pagedserve.sample import Sampler, fused_greedy_head
+from pagedserve.sample.fused_greedy_head import (
+    FusedGreedySampler,
+    amx_linear_first_argmax,
+    fused_op_available,
+    head_first_argmax,
+)
 from pagedserve.sample.greedy import reference_first_argmax
 
 pytestmark = pytest.mark.skipif(not (amx_linear_available() and fused_op_available()),
