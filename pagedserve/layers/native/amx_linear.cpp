@@ -162,10 +162,14 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
 // y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
 // does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
 // becomes 0 where at::BFloat16 would keep a subnormal.
+// The lanes of a 16-column piece that hold one of the `remaining` columns left.
+inline __mmask16 columns_mask(int64_t remaining) {
+  return remaining >= kBlockColumns ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
 inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
   for (int64_t column = 0; column < count; column += kBlockColumns) {
-    const __mmask16 mask = count - column >= kBlockColumns ? static_cast<__mmask16>(0xFFFF)
-                                                           : static_cast<__mmask16>((1u << (count - column)) - 1u);
+    const __mmask16 mask = columns_mask(count - column);
     __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
     if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
     const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
@@ -414,7 +418,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 //
 // Each unit's products are rounded to bf16 as store_row rounds them; every row keeps 16 lanes of (max, index) and
 // its first NaN. A lane takes a value only when it is strictly greater, so with a thread's columns visited in
-// increasing order it holds its first maximum; lanes, then threads, are merged by (max, then lowest index).
+// increasing order it holds its first maximum; lanes, then threads, are merged by (max, then lowest index), in any
+// order.
 at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                                    int64_t n, int64_t num_columns) {
   constexpr const char* op = "amx_linear_first_argmax";
@@ -429,9 +434,13 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
 #if defined(PAGEDSERVE_AMX)
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  // One parallel_for call's result per row: (max, index, first NaN), with the call's first unit for ordering.
+  // Whether (value, column) beats the (maximum, index) kept so far: greater, or equal at a lower column (kNone: no
+  // column yet). Order-independent, so lanes and threads merge in any order.
+  const auto is_better = [](float value, int32_t column, float maximum, int32_t index) {
+    return column != kNone && (index == kNone || value > maximum || (value == maximum && column < index));
+  };
+  // One parallel_for call's result per row: (max, index, first NaN).
   struct Partial {
-    int64_t begin;
     std::vector<float> maximum;
     std::vector<int32_t> index, first_nan;
   };
@@ -450,9 +459,7 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
                   __m512 best = _mm512_loadu_ps(lane_max.data() + r * 16);
                   __m512i best_index = _mm512_loadu_si512(lane_index.data() + r * 16);
                   for (int64_t column = 0; column < count; column += kBlockColumns) {
-                    const __mmask16 mask = count - column >= kBlockColumns
-                                               ? static_cast<__mmask16>(0xFFFF)
-                                               : static_cast<__mmask16>((1u << (count - column)) - 1u);
+                    const __mmask16 mask = columns_mask(count - column);
                     __m512 value = _mm512_maskz_loadu_ps(mask, values + row * kGroupColumns + column);
                     if (bias_data != nullptr)
                       value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias_data + first_column + column));
@@ -472,17 +479,14 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
                   _mm512_storeu_si512(lane_index.data() + r * 16, best_index);
                 }
               });
-    Partial partial{begin, std::vector<float>(m), std::vector<int32_t>(m), std::move(first_nan)};
+    Partial partial{std::vector<float>(m), std::vector<int32_t>(m), std::move(first_nan)};
     for (int64_t row = 0; row < m; ++row) {
       float maximum = -std::numeric_limits<float>::infinity();
       int32_t index = kNone;
       for (int64_t lane = 0; lane < 16; ++lane) {
-        const float value = lane_max[row * 16 + lane];
-        const int32_t column = lane_index[row * 16 + lane];
-        if (column == kNone) continue;
-        if (value > maximum || index == kNone || (value == maximum && column < index)) {
-          maximum = value;
-          index = column;
+        if (is_better(lane_max[row * 16 + lane], lane_index[row * 16 + lane], maximum, index)) {
+          maximum = lane_max[row * 16 + lane];
+          index = lane_index[row * 16 + lane];
         }
       }
       partial.maximum[row] = maximum;
@@ -491,18 +495,15 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
     std::lock_guard<std::mutex> lock(partials_mutex);
     partials.push_back(std::move(partial));
   });
-  std::sort(partials.begin(), partials.end(), [](const Partial& a, const Partial& b) { return a.begin < b.begin; });
   int64_t* out = indices.data_ptr<int64_t>();
   for (int64_t row = 0; row < m; ++row) {
     float maximum = -std::numeric_limits<float>::infinity();
     int32_t index = kNone, nan_index = kNone;
     for (const Partial& partial : partials) {
       nan_index = std::min(nan_index, partial.first_nan[row]);
-      const int32_t column = partial.index[row];
-      if (column == kNone) continue;
-      if (index == kNone || partial.maximum[row] > maximum || (partial.maximum[row] == maximum && column < index)) {
+      if (is_better(partial.maximum[row], partial.index[row], maximum, index)) {
         maximum = partial.maximum[row];
-        index = column;
+        index = partial.index[row];
       }
     }
     // Every value -inf: no lane took one, and the first column holds the maximum.
