@@ -5,10 +5,11 @@ Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve
 the KV bytes instead of torch_paged's gather + SDPA (three passes). The step's K/V write goes to
 `pagedserve::reshape_and_cache`: one call for K and V that reads the (strided, fused-QKV) rows in place and
 converts the dtype on the way, instead of two `.to()` copies and two index_copy_ calls; its result is
-bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX, the bfloat16 prefill chunks and multi-token steps go
-to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention_amx.cpp): one call for all of a
-step's prefills, flash attention on AMX tiles reading K/V in place (ATen's CPU flash attention ran at
-~0.15 TFLOPS on SmolLM2's prompts). Everything else (float32 prefills, head dims that are not multiples of
+bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX or AVX512-BF16, the bfloat16 prefill chunks and
+multi-token steps go to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention.cpp): one call
+for all of a step's prefills, flash attention reading K/V in place, its products on AMX tiles or VDPBF16PS dot
+products (ATen's CPU flash attention ran at ~0.15 TFLOPS on SmolLM2's prompts with AMX, ~0.05 without).
+Everything else (float32 prefills, head dims that are not multiples of
 64, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so torch_paged stays the oracle.
 
 The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
@@ -46,7 +47,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("pagedserve::paged_prefill_attention")
     def _paged_prefill_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                                      sliding_window: int | None) -> torch.Tensor:
+                                      sliding_window: int | None, products: str = "auto") -> torch.Tensor:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("pagedserve::reshape_and_cache")
@@ -77,25 +78,36 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                            sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of several requests' new tokens over their paged contexts (AMX, bfloat16).
+                            sliding_window: int | None = None, products: str = "auto") -> torch.Tensor:
+    """Causal attention of several requests' new tokens over their paged contexts (bfloat16).
 
     query [num_tokens, num_heads, head_dim] bfloat16 (heads contiguous, any row stride; head_dim a multiple of
     64 up to 256), kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (contiguous, already
     holding the new tokens' K/V), block_table [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] int32
     (request r owns query rows query_start_loc[r]:query_start_loc[r + 1], its last tokens). Returns
-    [num_tokens, num_heads, head_dim] bfloat16. RuntimeError where the kernels or AMX are unavailable.
+    [num_tokens, num_heads, head_dim] bfloat16. `products`: the unit for both products, 'amx', 'avx512_bf16' or
+    'auto' (AMX where usable, else AVX512-BF16); prefill_attention_products() lists the available ones.
+    RuntimeError where the kernels or the unit are unavailable.
     """
     if not _fake_registered:
         load_native_extension()
         _register_fake()
     return torch.ops.pagedserve.paged_prefill_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
-                                                        scale, sliding_window)
+                                                        scale, sliding_window, products)
 
 
 def is_prefill_attention_available() -> bool:
-    """True when the native library is loaded and this build and process can run the AMX prefill kernel."""
+    """True when the native library is loaded and this build and process can run the prefill kernel (AMX or
+    AVX512-BF16)."""
     return is_native_extension_available() and bool(torch.ops.pagedserve.is_prefill_attention_supported())
+
+
+def prefill_attention_products() -> list[str]:
+    """The prefill kernel's product units usable here, preferred first ('amx', 'avx512_bf16'); [] without the
+    native library."""
+    if not is_native_extension_available():
+        return []
+    return list(torch.ops.pagedserve.prefill_attention_products())
 
 
 def can_use_prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -128,8 +140,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
-    """torch_paged with the K/V write, the decodes and (AMX, bfloat16) the prefills done by the native kernels (CPU
-    tensors only)."""
+    """torch_paged with the K/V write, the decodes and (AMX or AVX512-BF16, bfloat16) the prefills done by the native
+    kernels (CPU tensors only)."""
 
     name = "cpu_native"
 

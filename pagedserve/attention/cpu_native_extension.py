@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # Root of the `pagedserve` package: SOURCES are relative to it (they live next to the code that uses them).
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_attention_amx.cpp",
+SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_attention.cpp",
            "layers/native/elementwise.cpp", "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp",
            "models/native/decode_stack.cpp", "sample/native/first_argmax.cpp")
 # Headers the sources include: part of the build's key like the sources.

@@ -1,6 +1,6 @@
-"""The AMX prefill attention kernel (cpu_native's bfloat16 prefills) against dense float64 attention and torch_paged.
+"""The prefill attention kernel (cpu_native's bfloat16 prefills) against dense float64 attention and torch_paged.
 
-Kernel level: fresh prompts and chunks behind cached prefixes, lengths at the tile (16) and chunk (128) edges,
+Kernel level, on each product unit this CPU has (AMX tiles, AVX512-BF16 dot products): fresh prompts and chunks behind cached prefixes, lengths at the tile (16) and chunk (128) edges,
 GQA ratios 1/3/4, head_dim 64/128/256, block sizes 16/32, sliding windows; a request's rows bitwise the same
 alone, inside a batch and at 1 or 2 threads; strided (fused-QKV) queries; errors. Backend level: the kernel runs
 for bfloat16 (counted) and not for float32, mixed decode + prefill + padding steps agree with torch_paged. End to
@@ -26,7 +26,15 @@ BF16 = torch.bfloat16
 def prefill_kernel() -> None:
     cpu_native_extension.load_native_extension()
     if not cpu_native.is_prefill_attention_available():
-        pytest.skip("this CPU has no AMX-BF16 (or Linux refused the tile state): the prefill kernel is not used")
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16: the prefill kernel is not used")
+
+
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def products(request) -> str:
+    """Each product unit of the kernel, where this build and process can run it."""
+    if request.param not in cpu_native.prefill_attention_products():
+        pytest.skip(f"no {request.param} here (available: {cpu_native.prefill_attention_products()})")
+    return request.param
 
 
 def _prefill_inputs(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -61,12 +69,12 @@ def _float64_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: t
 
 
 def _check_against_float64(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                           sliding_window=None, seed=0) -> None:
+                           sliding_window=None, seed=0, products="auto") -> None:
     query, kv_cache, metadata = _prefill_inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
                                                 seed)
     scale = head_dim ** -0.5
     actual = paged_prefill_attention(query, kv_cache, metadata.block_table, metadata.seq_lens,
-                                     metadata.query_start_loc, scale, sliding_window)
+                                     metadata.query_start_loc, scale, sliding_window, products)
     assert actual.shape == query.shape and actual.dtype == BF16
     starts = metadata.query_start_loc_cpu
     for index, seq_len in enumerate(seq_lens):
@@ -87,26 +95,26 @@ CHUNKED_QUERY_LENS, CHUNKED_SEQ_LENS = [37, 1, 64, 130], [100, 200, 600, 390]
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)], ids=["gqa1", "gqa3", "gqa4"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_kernel_matches_float64_attention(num_heads, num_kv_heads, head_dim, block_size) -> None:
+def test_kernel_matches_float64_attention(products, num_heads, num_kv_heads, head_dim, block_size) -> None:
     _check_against_float64(FRESH + CHUNKED_QUERY_LENS, FRESH + CHUNKED_SEQ_LENS, num_heads, num_kv_heads, head_dim,
-                           block_size, seed=head_dim + block_size)
+                           block_size, seed=head_dim + block_size, products=products)
 
 
-def test_last_chunk_cut_at_the_tile_end() -> None:
+def test_last_chunk_cut_at_the_tile_end(products) -> None:
     """A tile's last chunk ends at the tile's last position rounded up to 32 keys (the products and softmax past it
     are skipped): prompts ending at and around each 32-key edge inside a chunk, and chunks behind cached prefixes."""
     lengths = [31, 32, 33, 63, 64, 65, 95, 96, 97, 159, 160, 161, 223, 224, 225]
-    _check_against_float64(lengths, lengths, 9, 3, 64, 16, seed=5)
-    _check_against_float64([1, 17, 40, 100], [100, 161, 230, 383], 9, 3, 64, 16, seed=6)
+    _check_against_float64(lengths, lengths, 9, 3, 64, 16, seed=5, products=products)
+    _check_against_float64([1, 17, 40, 100], [100, 161, 230, 383], 9, 3, 64, 16, seed=6, products=products)
 
 
 @pytest.mark.parametrize("sliding_window", [1, 7, 37, 128, 300])
-def test_sliding_window(sliding_window: int) -> None:
+def test_sliding_window(products, sliding_window: int) -> None:
     _check_against_float64(FRESH + CHUNKED_QUERY_LENS, FRESH + CHUNKED_SEQ_LENS, 9, 3, 64, 16, sliding_window,
-                           seed=sliding_window)
+                           seed=sliding_window, products=products)
 
 
-def test_rows_are_the_same_in_any_batch_and_thread_count() -> None:
+def test_rows_are_the_same_in_any_batch_and_thread_count(products) -> None:
     """A request's rows have the same bits alone, at any position of a batch, and at 1 or 2 threads."""
     rng = random.Random(3)
     query_lens = [rng.randint(1, 300) for _ in range(8)]
@@ -121,7 +129,8 @@ def test_rows_are_the_same_in_any_batch_and_thread_count() -> None:
             local_starts.append(local_starts[-1] + query_lens[member])
         order = torch.tensor(members)
         out = paged_prefill_attention(query[torch.cat(rows)], kv_cache, metadata.block_table[order],
-                                      metadata.seq_lens[order], torch.tensor(local_starts, dtype=torch.int32), 0.125)
+                                      metadata.seq_lens[order], torch.tensor(local_starts, dtype=torch.int32), 0.125,
+                                      None, products)
         return [out[local_starts[i]:local_starts[i + 1]] for i in range(len(members))]
 
     alone = [run([m])[0] for m in range(len(query_lens))]
@@ -137,13 +146,31 @@ def test_rows_are_the_same_in_any_batch_and_thread_count() -> None:
         torch.set_num_threads(threads)
 
 
-def test_strided_query_from_fused_qkv() -> None:
+def test_strided_query_from_fused_qkv(products) -> None:
     query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16)
     fused = torch.cat([query.flatten(1), torch.zeros(query.shape[0], 256, dtype=BF16)], dim=1)
     query_view = fused[:, :6 * 64].view(-1, 6, 64)
     assert not query_view.is_contiguous()
-    args = (kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125)
+    args = (kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None, products)
     assert torch.equal(paged_prefill_attention(query_view, *args), paged_prefill_attention(query, *args))
+
+
+def test_auto_takes_the_first_available_unit() -> None:
+    available = cpu_native.prefill_attention_products()
+    assert available and set(available) <= {"amx", "avx512_bf16"}
+    query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16)
+    args = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None)
+    assert torch.equal(paged_prefill_attention(*args), paged_prefill_attention(*args, available[0]))
+
+
+def test_units_agree_where_both_run() -> None:
+    """AMX and the dot products round their fp32 sums differently, nothing more."""
+    if cpu_native.prefill_attention_products() != ["amx", "avx512_bf16"]:
+        pytest.skip("needs both AMX and AVX512-BF16")
+    query, kv_cache, metadata = _prefill_inputs(FRESH, FRESH, 9, 3, 64, 16, seed=11)
+    args = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None)
+    torch.testing.assert_close(paged_prefill_attention(*args, "amx").float(),
+                               paged_prefill_attention(*args, "avx512_bf16").float(), atol=1e-2, rtol=1e-2)
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
@@ -159,6 +186,11 @@ def test_bad_inputs_raise_clear_errors() -> None:
         paged_prefill_attention(query, kv_cache, table.long(), lens, starts, 0.1)
     with pytest.raises(RuntimeError, match="sliding_window=0 must be >= 1"):
         paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, 0)
+    with pytest.raises(RuntimeError, match="products must be 'auto', 'amx' or 'avx512_bf16', got 'tiles'"):
+        paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, None, "tiles")
+    if "amx" not in cpu_native.prefill_attention_products():
+        with pytest.raises(RuntimeError, match="products='amx' is not available"):
+            paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, None, "amx")
 
 
 def test_op_registration_and_fake_impl() -> None:

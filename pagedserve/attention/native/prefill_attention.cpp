@@ -1,9 +1,13 @@
-// Paged prefill attention on AMX tiles (bfloat16): flash attention for the multi-token requests of a step.
+// Paged prefill attention for bfloat16: flash attention for the multi-token requests of a step, its two products
+// on AMX tiles or on AVX512-BF16 dot products (VDPBF16PS).
 //
 // Op: pagedserve::paged_prefill_attention(query [num_tokens, num_heads, head_dim] bf16,
 //       kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, block_table [num_requests, *] int32,
-//       seq_lens [num_requests] int32, query_start_loc [num_requests + 1] int32, scale, sliding_window?)
+//       seq_lens [num_requests] int32, query_start_loc [num_requests + 1] int32, scale, sliding_window?,
+//       products = "auto")
 //     -> out [num_tokens, num_heads, head_dim] bf16
+// `products` picks the unit: "amx", "avx512_bf16", or "auto" (AMX where the process may use it, else AVX512-BF16).
+// Op: pagedserve::prefill_attention_products() -> the units this build and process can use ([] when none).
 //
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]): its last q_len tokens, at positions
 // seq_len - q_len .. seq_len - 1, whose K/V are already in the cache (the step writes K/V first). Query position p
@@ -11,7 +15,8 @@
 // Semantics are torch_paged's (_attend_request), which the tests use as the oracle.
 //
 // Why: ATen's CPU flash attention ran at ~0.15 TFLOPS in bf16 for SmolLM2's prompts (head_dim 64, 9 heads over 3
-// KV heads, a few hundred tokens): 11% of an offline run. Here both products run on AMX tiles.
+// KV heads, a few hundred tokens) on an AMX machine: 11% of an offline run; on an AVX512-BF16 machine without AMX
+// (AMD Zen 4) it ran at ~0.05 TFLOPS: 15% of an offline run.
 //
 // Algorithm, per (request, KV head):
 // 1. Pack once (phase 1, parallel): the visible keys, in chunks of 128 keys, as TDPBF16PS B tiles for S = Q K^T
@@ -19,22 +24,29 @@
 //    for O = P V (tile (chunk, key step of 32, dim block of 16): 16 rows of key pairs x 16 dims). Keys past the
 //    context are zero (finite) and masked.
 // 2. Per tile of 16 query positions and each query head of the KV head's group (phase 2, parallel, longest items
-//    first from a shared counter): for each 128-key chunk the tile can see, S (16 x 128 fp32, 64 keys per pass of
-//    4 C tiles) from the query tile; scale, mask, online softmax in fp32 (running max m, sum l); P rounded to bf16;
+//    first from a shared counter): for each 128-key chunk the tile can see, S (16 x 128 fp32, 64 keys per pass)
+//    from the query tile; scale, mask, online softmax in fp32 (running max m, sum l); P rounded to bf16;
 //    P V (16 x head_dim fp32) added to the fp32 accumulator rescaled by exp(m_old - m_new). Out = acc / l, rounded
-//    to bf16 once. The tile's last chunk is cut at its last position rounded up to 32 keys: the keys past it are
+//    to bf16 once.
+//    - AMX: S in 4 C tiles per pass; P V in 4 C tiles per 64 dims, added to the accumulator afterwards.
+//    - AVX512-BF16: the same packed tiles read as vectors. A K tile row (a dim pair of 16 keys) is one 512-bit
+//      vector, so S lanes are keys: 4 query rows x 4 key blocks of accumulators, a broadcast query dim pair per
+//      row, no horizontal sums. A V tile row (a key pair of 16 dims) is one vector: 4 rows x 4 dim blocks, a
+//      broadcast P key pair per row, accumulating straight into the rescaled accumulator. The tile's last chunk is cut at its last position rounded up to 32 keys: the keys past it are
 //    hidden from every row (P exactly 0), so their products and softmax are skipped (7 prompts of 64-512 tokens:
 //    3.77 -> 3.07 ms a call).
 //
 // Numerics: fp32 accumulation everywhere, P in bf16 for the second product (as ATen's bf16 flash attention).
-// A row's result depends only on its request (chunking is aligned on the request's context, sums run in key
-// order): batch invariant and independent of the thread count, but not bitwise SDPA's.
+// A row's result depends only on its request and the unit (chunking is aligned on the request's context, sums run
+// in key order): batch invariant and independent of the thread count, but not bitwise SDPA's, and the two units
+// round their sums differently.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -56,9 +68,26 @@ constexpr int64_t kMaxHeadDim = 256;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-bool is_prefill_attention_supported() { return pagedserve_native::is_amx_usable(); }
+// The dot-product unit's gate; AMX implies it (amx_tiles.h asks for AVX512-BF16 too).
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDSERVE_DPBF16 1
+#endif
 
-#if defined(PAGEDSERVE_AMX)
+constexpr const char* kAmxProducts = "amx";
+constexpr const char* kDotProducts = "avx512_bf16";
+
+std::vector<std::string> prefill_attention_products() {
+  std::vector<std::string> units;
+  if (pagedserve_native::is_amx_usable()) units.emplace_back(kAmxProducts);
+#if defined(PAGEDSERVE_DPBF16)
+  units.emplace_back(kDotProducts);
+#endif
+  return units;
+}
+
+bool is_prefill_attention_supported() { return !prefill_attention_products().empty(); }
+
+#if defined(PAGEDSERVE_DPBF16)
 
 using bf16 = at::BFloat16;
 
@@ -79,8 +108,6 @@ struct Item {
   int64_t cost;  // chunks read, for ordering
 };
 
-// Tiles: 0 A (query or P rows), 2-5 C (S blocks, or 4 dim blocks of P V), 6-7 B.
-void configure_tiles() { pagedserve_native::configure_tile_rows({16, 16, 16, 16, 16, 16, 16, 16}); }
 
 // Packs keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head) as B tiles (see the
 // header): K tile (chunk, key block, dim step) and V tile (chunk, key step, dim block), each chunk's tiles in that
@@ -112,6 +139,7 @@ void pack_span(const Span& span, const bf16* cache_keys, const bf16* cache_value
   }
 }
 
+#if defined(PAGEDSERVE_AMX)
 // C tiles 2-5 += A (tile 0, from `a`, row stride `a_stride` bytes) x the four B tiles at b, b + b_stride, ...
 // (1 KiB tiles, b_stride in bf16 values); tiles 6 and 7 alternate so that a load overlaps the previous product.
 inline void four_products(const bf16* a, int64_t a_stride, const bf16* b, int64_t b_stride) {
@@ -169,6 +197,103 @@ inline void chunk_values(const bf16* probabilities, const bf16* value_chunk, int
     store_four(product + first * kKeyBlock, head_dim * 4);
   }
 }
+
+// The AMX unit: tiles 0 A (query or P rows), 2-5 C (S blocks, or 4 dim blocks of P V), 6-7 B.
+struct AmxProducts {
+  static void begin_thread() { pagedserve_native::configure_tile_rows({16, 16, 16, 16, 16, 16, 16, 16}); }
+  static void end_thread() { _tile_release(); }
+  static void scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, int64_t num_keys,
+                     float* scores) {
+    chunk_scores(query_tile, key_chunk, head_dim, num_keys, scores);
+  }
+  // accumulator[r] = accumulator[r] * rescale[r] + P[r] . V over the chunk's first num_keys keys.
+  static void values(const bf16* probabilities, const bf16* value_chunk, int64_t head_dim, int64_t num_keys,
+                     const float* rescale, float* accumulator) {
+    alignas(64) float product[kTileRows * kMaxHeadDim];
+    chunk_values(probabilities, value_chunk, head_dim, num_keys, product);
+    for (int64_t row = 0; row < kTileRows; ++row) {
+      const __m512 factor = _mm512_set1_ps(rescale[row]);
+      float* acc = accumulator + row * head_dim;
+      const float* add = product + row * head_dim;
+      for (int64_t dim = 0; dim < head_dim; dim += 16)
+        _mm512_store_ps(acc + dim, _mm512_fmadd_ps(_mm512_load_ps(acc + dim), factor, _mm512_load_ps(add + dim)));
+    }
+  }
+};
+#endif  // PAGEDSERVE_AMX
+
+// The AVX512-BF16 unit: the packed tiles read as vectors (see the header). Blocks of 4 rows x 4 vectors keep 16
+// accumulators in registers, 8 loads (4 of them broadcasts) per 16 VDPBF16PS.
+struct DotProducts {
+  static constexpr int kRows = 4;     // query or P rows per register block
+  static constexpr int kVectors = 4;  // key blocks (scores) or dim blocks (values) per register block
+  static void begin_thread() {}
+  static void end_thread() {}
+
+  // S (row stride kChunkKeys) for the chunk's first num_keys keys rounded up to 64, as AmxProducts.
+  static void scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, int64_t num_keys,
+                     float* scores) {
+    const int64_t num_pairs = head_dim / 2;
+    const int64_t block_values = num_pairs * 32;  // bf16 values per packed key block (16 keys)
+    const uint32_t* query_pairs = reinterpret_cast<const uint32_t*>(query_tile);
+    for (int64_t first_block = 0; first_block * kKeyBlock < num_keys; first_block += kVectors) {
+      const bf16* blocks = key_chunk + first_block * block_values;
+      for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
+        __m512 sums[kRows][kVectors];
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
+        const uint32_t* rows = query_pairs + first_row * num_pairs;
+        for (int64_t pair = 0; pair < num_pairs; ++pair) {
+          __m512bh keys[kVectors];
+          for (int v = 0; v < kVectors; ++v)
+            keys[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(blocks + v * block_values + pair * 32));
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh query = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r * num_pairs + pair])));
+            for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], query, keys[v]);
+          }
+        }
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < kVectors; ++v)
+            _mm512_store_ps(scores + (first_row + r) * kChunkKeys + (first_block + v) * kKeyBlock, sums[r][v]);
+      }
+    }
+  }
+
+  // accumulator[r] = accumulator[r] * rescale[r] + P[r] . V over the chunk's first num_keys keys (a multiple of 32).
+  static void values(const bf16* probabilities, const bf16* value_chunk, int64_t head_dim, int64_t num_keys,
+                     const float* rescale, float* accumulator) {
+    const int64_t dim_blocks = head_dim / kKeyBlock;
+    const int64_t num_key_pairs = num_keys / 2;
+    const uint32_t* probability_pairs = reinterpret_cast<const uint32_t*>(probabilities);  // row stride 64 pairs
+    for (int64_t first_dim_block = 0; first_dim_block < dim_blocks; first_dim_block += kVectors) {
+      for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
+        __m512 sums[kRows][kVectors];
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 factor = _mm512_set1_ps(rescale[first_row + r]);
+          const float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + v * kKeyBlock), factor);
+        }
+        const uint32_t* rows = probability_pairs + first_row * (kChunkKeys / 2);
+        for (int64_t pair = 0; pair < num_key_pairs; ++pair) {
+          // V tile (key step pair / 16, dim block), row pair % 16: this key pair's 16 dims.
+          const bf16* tile_row = value_chunk + ((pair / 16) * dim_blocks + first_dim_block) * kTileValues + (pair % 16) * 32;
+          __m512bh values[kVectors];
+          for (int v = 0; v < kVectors; ++v)
+            values[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(tile_row + v * kTileValues));
+          for (int r = 0; r < kRows; ++r) {
+            const __m512bh p =
+                reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r * (kChunkKeys / 2) + pair])));
+            for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], values[v], p);
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
+          float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(acc + v * kKeyBlock, sums[r][v]);
+        }
+      }
+    }
+  }
+};
 
 // exp(x) for x <= 0 as 2^(x log2 e): n = round, 2^f (|f| <= 1/2) by its degree-6 Taylor polynomial (relative error
 // ~1e-7, far below the bf16 rounding P gets). x < -87 (masked keys: -inf) gives exactly 0.
@@ -268,12 +393,12 @@ void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const in
 // Software-pipelined: the next chunk's scores are computed on the tiles between this chunk's softmax and its
 // P V product. A tile load right after the vector stores of P waited for them to drain to L1 (12% of the
 // kernel's samples sat on that first product); the next chunk's tile work now fills that wait.
+template <typename Products>
 void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positions, int64_t num_rows,
                  int64_t first_chunk, int64_t last_chunk, int64_t head_dim, float scale,
                  std::optional<int64_t> sliding_window, bf16* out, int64_t out_stride) {
   alignas(64) float scores[2][kTileRows * kChunkKeys];
   alignas(64) bf16 probabilities[kTileRows * kChunkKeys];
-  alignas(64) float product[kTileRows * kMaxHeadDim];
   alignas(64) float accumulator[kTileRows * kMaxHeadDim];
   SoftmaxState state;
   std::fill(state.row_max, state.row_max + kTileRows, -std::numeric_limits<float>::infinity());
@@ -288,22 +413,17 @@ void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positi
   const auto visible_keys = [&](int64_t chunk) {
     return std::min(kChunkKeys, ceil_div(positions[kTileRows - 1] - chunk_base(chunk) + 1, kStep) * kStep);
   };
-  chunk_scores(query_tile, span.keys + first_chunk * key_chunk_values, head_dim, visible_keys(first_chunk), scores[0]);
+  Products::scores(query_tile, span.keys + first_chunk * key_chunk_values, head_dim, visible_keys(first_chunk),
+                   scores[0]);
   chunk_softmax(scores[0], chunk_base(first_chunk), visible_keys(first_chunk), positions, scale, sliding_window, state,
                 probabilities);
   for (int64_t chunk = first_chunk; chunk <= last_chunk; ++chunk) {
     float* next_scores = scores[(chunk - first_chunk + 1) % 2];
     if (chunk < last_chunk)
-      chunk_scores(query_tile, span.keys + (chunk + 1) * key_chunk_values, head_dim, visible_keys(chunk + 1),
-                   next_scores);
-    chunk_values(probabilities, span.values + chunk * value_chunk_values, head_dim, visible_keys(chunk), product);
-    for (int64_t row = 0; row < kTileRows; ++row) {
-      const __m512 factor = _mm512_set1_ps(state.rescale[row]);
-      float* acc = accumulator + row * head_dim;
-      const float* add = product + row * head_dim;
-      for (int64_t dim = 0; dim < head_dim; dim += 16)
-        _mm512_store_ps(acc + dim, _mm512_fmadd_ps(_mm512_load_ps(acc + dim), factor, _mm512_load_ps(add + dim)));
-    }
+      Products::scores(query_tile, span.keys + (chunk + 1) * key_chunk_values, head_dim, visible_keys(chunk + 1),
+                       next_scores);
+    Products::values(probabilities, span.values + chunk * value_chunk_values, head_dim, visible_keys(chunk),
+                     state.rescale, accumulator);
     if (chunk < last_chunk)
       chunk_softmax(next_scores, chunk_base(chunk + 1), visible_keys(chunk + 1), positions, scale, sliding_window,
                     state, probabilities);
@@ -319,39 +439,14 @@ void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positi
   }
 }
 
-#endif  // PAGEDSERVE_AMX
-
-at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   std::optional<int64_t> sliding_window) {
-  TORCH_CHECK(is_prefill_attention_supported(), "paged_prefill_attention: this build or process has no AMX "
-              "(is_prefill_attention_supported() is False here)");
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
-                  query.stride(1) == query.size(2),
-              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 with contiguous heads "
-              "expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
+// Phases 1 and 2 (see the header) on one product unit; the arguments are validated by the op.
+template <typename Products>
+void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     std::optional<int64_t> sliding_window, at::Tensor& out) {
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, "paged_prefill_attention: head_dim=", head_dim,
-              " must be a multiple of 64 up to ", kMaxHeadDim);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim &&
-                  kv_cache.scalar_type() == at::kBFloat16 && kv_cache.is_contiguous(),
-              "paged_prefill_attention: a contiguous bfloat16 kv_cache [2, num_blocks, block_size, num_kv_heads, ",
-              head_dim, "] expected, got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_prefill_attention: num_heads=", num_heads,
-              " must be a multiple of num_kv_heads=", num_kv_heads);
   const int64_t num_requests = seq_lens.size(0);
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
-                  query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
-                  query_start_loc.is_contiguous() && query_start_loc.size(0) == num_requests + 1 &&
-                  block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
-                  block_table.size(0) == num_requests,
-              "paged_prefill_attention: int32 seq_lens [R], query_start_loc [R + 1] and block_table [R, *] "
-              "expected, got ", seq_lens.sizes(), ", ", query_start_loc.sizes(), ", ", block_table.sizes());
-  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "paged_prefill_attention: sliding_window=",
-              *sliding_window, " must be >= 1");
-  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
-#if defined(PAGEDSERVE_AMX)
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t num_blocks = kv_cache.size(1), max_blocks = block_table.size(1);
@@ -414,7 +509,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   const int64_t query_stride = query.stride(0), out_stride = num_heads * head_dim;
   const float scale_float = static_cast<float>(scale);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_tiles();
+    Products::begin_thread();
     alignas(64) bf16 query_tile[kTileRows * kMaxHeadDim];
     int64_t positions[kTileRows];
     for (int64_t index = next_item.fetch_add(1); index < static_cast<int64_t>(items.size());
@@ -436,12 +531,60 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
           std::memcpy(query_tile + row * head_dim,
                       query_data + (row_begin + first_row + std::min(row, num_rows - 1)) * query_stride + head * head_dim,
                       head_dim * sizeof(bf16));
-        attend_tile(span, query_tile, positions, num_rows, first_chunk, last_chunk, head_dim, scale_float,
+        attend_tile<Products>(span, query_tile, positions, num_rows, first_chunk, last_chunk, head_dim, scale_float,
                     sliding_window, out_data + (row_begin + first_row) * out_stride + head * head_dim, out_stride);
       }
     }
-    _tile_release();
+    Products::end_thread();
   });
+}
+
+#endif  // PAGEDSERVE_DPBF16
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                   std::optional<int64_t> sliding_window, const std::string& products) {
+  TORCH_CHECK(is_prefill_attention_supported(), "paged_prefill_attention: this build or process has neither AMX "
+              "nor AVX512-BF16 (is_prefill_attention_supported() is False here)");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 with contiguous heads "
+              "expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, "paged_prefill_attention: head_dim=", head_dim,
+              " must be a multiple of 64 up to ", kMaxHeadDim);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim &&
+                  kv_cache.scalar_type() == at::kBFloat16 && kv_cache.is_contiguous(),
+              "paged_prefill_attention: a contiguous bfloat16 kv_cache [2, num_blocks, block_size, num_kv_heads, ",
+              head_dim, "] expected, got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_prefill_attention: num_heads=", num_heads,
+              " must be a multiple of num_kv_heads=", num_kv_heads);
+  const int64_t num_requests = seq_lens.size(0);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  query_start_loc.dim() == 1 && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == num_requests + 1 &&
+                  block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  block_table.size(0) == num_requests,
+              "paged_prefill_attention: int32 seq_lens [R], query_start_loc [R + 1] and block_table [R, *] "
+              "expected, got ", seq_lens.sizes(), ", ", query_start_loc.sizes(), ", ", block_table.sizes());
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "paged_prefill_attention: sliding_window=",
+              *sliding_window, " must be >= 1");
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+  const std::vector<std::string> units = prefill_attention_products();
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts,
+              "paged_prefill_attention: products must be 'auto', 'amx' or 'avx512_bf16', got '", products, "'");
+  const std::string unit = products == "auto" ? units.front() : products;
+  TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), "paged_prefill_attention: products='",
+              products, "' is not available in this build or process (prefill_attention_products() lists what is)");
+#if defined(PAGEDSERVE_AMX)
+  if (unit == kAmxProducts) {
+    attend_prefills<AmxProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
+    return out;
+  }
+#endif
+#if defined(PAGEDSERVE_DPBF16)
+  attend_prefills<DotProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
 #endif
   return out;
 }
@@ -450,8 +593,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int? sliding_window) -> Tensor");
+        "Tensor query_start_loc, float scale, int? sliding_window, str products=\"auto\") -> Tensor");
   m.def("is_prefill_attention_supported() -> bool", &is_prefill_attention_supported);
+  m.def("prefill_attention_products() -> str[]", &prefill_attention_products);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
