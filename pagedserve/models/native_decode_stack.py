@@ -12,8 +12,8 @@ step it covers and the stack stays off. A step takes the stack when every reques
 no padding rows, the attention metadata is set and grad mode is off. A model takes it when, on the CPU with the
 native kernels built, it is a single-rank, single-stage Llama-family model (Llama, Mistral, Qwen2: LlamaModel
 with unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and activation are the native-path modules,
-its attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32) or
-amx_packed (bfloat16) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch mode
+its attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32),
+amx_packed (bfloat16) or prepacked (oneDNN) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch mode
 the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its `reason`.
 
 The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
@@ -44,12 +44,16 @@ from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod
+from pagedserve.layers.weight_layout import OneDnnPrepackedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger(__name__)
 
 # linear_kind of the op, by the layers' linear method.
-LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2}
+LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
+                                 OneDnnPrepackedLinearMethod: 3}
+# The kinds whose method computes with packed_weight_of(layer).
+_PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])
 
 
 @dataclass
@@ -99,7 +103,7 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
     gather_group = getattr(linear, "gather_group", None)
     if gather_group is not None and gather_group.world_size != 1:
         return f"{linear.prefix}: o_proj gathers over {gather_group.world_size} ranks"
-    weight = packed_weight_of(linear) if kind == LINEAR_KINDS[AmxPackedLinearMethod] else linear.weight
+    weight = packed_weight_of(linear) if kind in _PACKED_KINDS else linear.weight
     return kind, weight, linear.bias
 
 

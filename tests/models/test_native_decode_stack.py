@@ -1,7 +1,8 @@
 """The native decode stack (models/native_decode_stack.py): decode-only steps in one native call.
 
 - On/off equivalence: engines with native_decode_stack=True and False produce bitwise-equal logprobs and the
-  same tokens over 40 greedy steps, for every linear method it drives (plain, plain_native, amx_packed), with
+  same tokens over 40 greedy steps, for every linear method it drives (plain, plain_native, amx_packed,
+  prepacked), with
   biases (Qwen2), sliding windows (Mistral, Qwen2 per-layer windows) and batches that cross the small-batch
   linear's 16-row limit.
 - The independent oracle: HF transformers' greedy tokens over 32 steps with the stack taking the decode steps.
@@ -56,7 +57,8 @@ CASES = [
     ("llama-tied", "bfloat16", "plain", 4),
     ("qwen2", "float32", "auto", 5),  # q/k/v biases
     ("qwen2-sliding", "float32", "auto", 3),  # a full layer, then a 16-token window
-    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed where AMX runs
+    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed where AMX runs, else prepacked
+    ("llama", "bfloat16", "prepacked", 3),  # oneDNN's packed GEMM
 ]
 
 
@@ -89,6 +91,13 @@ def test_amx_packed_layout_takes_the_stack(tiny_model_dir) -> None:
     without = _generate(_llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed",
                             native_decode_stack=False), prompts)
     assert with_stack == without
+
+
+def test_prepacked_layout_takes_the_stack(tiny_model_dir) -> None:
+    llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="prepacked")
+    _generate(llm, random_prompts(2, 5, 40, seed=8))
+    assert _forward(llm).plan.linear_kind == 3
+    assert _forward(llm).num_stack_steps == NUM_STEPS - 1
 
 
 def test_greedy_matches_hf(tiny_model_dir) -> None:
@@ -234,5 +243,5 @@ def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
         torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights[:-1], plan.biases, kv_caches,
                                                 *arguments)
     arguments[12] = 5
-    with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1 or 2"):
+    with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2 or 3"):
         torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights, plan.biases, kv_caches, *arguments)

@@ -18,7 +18,8 @@
 //       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
 //       partition_size) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
-//   at::linear), 2 AMX-packed bfloat16 weights on amx_linear. Every M row is one decoding request.
+//   at::linear), 2 AMX-packed bfloat16 weights on amx_linear, 3 oneDNN-packed weights on
+//   mkldnn::_linear_pointwise (weight_layout='prepacked'). Every M row is one decoding request.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -33,7 +34,7 @@ constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;
 constexpr int64_t kSmallBatchMaxRows = 16;  // layers/small_batch_linear.py MAX_ROWS
 
-enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2 };
+enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2, kOneDnnPacked = 3 };
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
@@ -80,11 +81,24 @@ struct Kernels {
   }
 };
 
+using OneDnnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
+                                c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+
+// oneDNN's packed GEMM (layers/prepacked_matmul.py), looked up at its first use: a torch built without oneDNN
+// lacks the op, and the other kinds must not need it.
+const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<OneDnnLinear>();
+  return handle;
+}
+
 // What the linear layers' methods run (layers/linear.py UnquantizedLinearMethod, small_batch_linear.py,
-// amx_linear.py), for a contiguous 2-D x.
+// amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod), for a contiguous 2-D x.
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
                   const OptionalTensor& bias, int64_t output_size) {
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size);
+  if (kind == kOneDnnPacked)
+    return onednn_linear().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
   if (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) return kernels.small_batch_linear.call(x, weight, bias);
   return at::linear(x, weight, bias);
 }
@@ -107,8 +121,8 @@ at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positi
   TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
               "llama_decode_stack: one sliding window per layer expected, got ", sliding_windows.size());
   TORCH_CHECK(output_sizes.size() == 4, "llama_decode_stack: 4 output sizes (qkv, o, gate_up, down) expected");
-  TORCH_CHECK(linear_kind == kPlain || linear_kind == kSmallBatch || linear_kind == kAmxPacked,
-              "llama_decode_stack: linear_kind=", linear_kind, " must be 0, 1 or 2");
+  TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kOneDnnPacked, "llama_decode_stack: linear_kind=", linear_kind,
+              " must be 0, 1, 2 or 3");
   TORCH_CHECK(hidden.dim() == 2 && positions.dim() == 1 && positions.size(0) == hidden.size(0),
               "llama_decode_stack: hidden [M, H] and positions [M] expected, got ", hidden.sizes(), " and ",
               positions.sizes());
@@ -167,3 +181,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
+
+// With weight_layout='prepacked' the weights are oneDNN tensors (the MkldnnCPU key), everything else dense CPU.
+TORCH_LIBRARY_IMPL(pagedserve, MkldnnCPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
