@@ -1,4 +1,4 @@
-"""The AMX prefill attention kernel ('cpu_native', bfloat16) against torch_paged's SDPA path, one layer.
+"""The prefill attention kernel ('cpu_native', bfloat16; AMX or AVX512-BF16) against torch_paged's SDPA path, one layer.
 
 One fresh prompt of each length (SmolLM2-135M attention: 9 heads over 3 KV heads, head_dim 64, block size 16,
 shuffled blocks), plus a recipe-A-like step of several prompts (2048 tokens). Both run through the backends'
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     if not is_prefill_attention_available():
-        raise SystemExit("the AMX prefill kernel is not available here (no AMX-BF16, or the native build failed)")
+        raise SystemExit("the prefill kernel is not available here (neither AMX-BF16 nor AVX512-BF16, or the native build failed)")
     backends = {"torch_paged": TorchPagedAttentionBackend(), "cpu_native": CpuNativeAttentionBackend()}
     cases = [([n], f"1 x {n}") for n in args.lengths]
     mixed = [288, 129, 400, 64, 511, 300, 220, 136]  # 2048 tokens from 8 prompts, as a recipe-A prefill step

@@ -49,13 +49,14 @@ FEATURES: tuple[Feature, ...] = (
         line="framework", family="fused ops", feature="native CPU paged attention ('cpu_native'): decode "
                                                       "kernel reading K/V in place through the block table "
                                                       "(GQA-grouped, flash-decoding partitions, AVX-512 fp32, "
-                                                      "AVX512-BF16 dot products for bf16), AMX flash attention "
-                                                      "for bf16 prefills, native K/V write; batch invariant; "
+                                                      "AVX512-BF16 dot products for bf16), flash attention for "
+                                                      "bf16 prefills on AMX tiles or AVX512-BF16 dot products, "
+                                                      "native K/V write; batch invariant; "
                                                       "JIT-built, cached, torch_paged fallback",
         modules=("pagedserve.attention.cpu_native", "pagedserve.attention.cpu_native_extension"),
         knobs=("attention_backend",),
         docs="docs/params-03-attention-backends.md",
-        tests=("tests/attention/test_cpu_native.py", "tests/attention/test_prefill_attention_amx.py"),
+        tests=("tests/attention/test_cpu_native.py", "tests/attention/test_prefill_attention.py"),
     ),
     Feature(
         line="framework", family="sample", feature="sampler: greedy, temperature, top-k/p, min-p, penalties, "
