@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedserve.layers.small_batch_linear as small_batch_module
+import pagedserve.layers.weight_layout as weight_layout_module
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, ReplicatedLinear
 from pagedserve.layers.small_batch_linear import (MAX_ROWS, SMALL_BATCH_LINEAR_METHOD, qualifies,
@@ -97,7 +98,9 @@ def test_method_uses_the_kernel_for_small_batches_and_f_linear_above(monkeypatch
     assert restore_plain_layout(layer) == 1 and layer.linear_method is UNQUANTIZED_LINEAR_METHOD
 
 
-def test_resolve_plain_native() -> None:
+def test_resolve_plain_native(monkeypatch) -> None:
+    # 'auto' picks it on Intel CPUs; elsewhere oneDNN's packed GEMM beats MKL's sgemm (tests/layers/test_weight_layout.py).
+    monkeypatch.setattr(weight_layout_module, "is_intel_cpu", lambda: True)
     assert resolve_weight_layout("auto", "cpu", torch.float32) == "plain_native"
     assert resolve_weight_layout("auto", "cpu", torch.float32, batch_invariant=True) == "plain"
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16) in ("prepacked", "amx_packed")  # not plain_native
@@ -135,7 +138,7 @@ def test_float32_engine_greedy_equals_plain(tiny_model_dir, model: str, monkeypa
     calls = []
     real_op = small_batch_module._op
     monkeypatch.setattr(small_batch_module, "_op", lambda *args: calls.append(1) or real_op(*args))
-    native, model_native = run("auto")
+    native, model_native = run("plain_native")
     assert set(weight_layout_of(model_native)) == {"plain_native"}
     assert model_native.lm_head.linear_method is SMALL_BATCH_LINEAR_METHOD
     assert len(calls) > NUM_STEPS * 4, "decode steps must run on the native kernel"
