@@ -6,7 +6,9 @@ attention kernels) streams the plain [N, K] weight four rows at a time with soft
 weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
 M = 8; benchmarks/small_batch_linear.py). Batches above `MAX_ROWS` rows (prefill chunks, large decode
-batches) keep F.linear, where MKL's blocking wins.
+batches) take F.linear, where MKL's blocking wins, on Intel CPUs; elsewhere they take oneDNN's GEMM on the same
+plain weight (it reorders the weight per call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower
+than that at 32-2048 rows and 1.65x slower for a 49152-column LM head at 64 rows (platforms/cpu_vendor.py).
 
 The weights are not copied or moved: the layout is 'plain' with another compute method, so everything that
 reads `weight` keeps working. The LM head computes its logits the same way.
@@ -25,9 +27,10 @@ import torch.nn.functional as F
 
 from pagedserve.attention.cpu_native_extension import load_native_op
 from pagedserve.layers.linear import LinearMethodBase
+from pagedserve.platforms.cpu_vendor import is_intel_cpu
 
 PLAIN_NATIVE_LAYOUT = "plain_native"
-# Largest batch (rows) the kernel takes; the op rejects more. Above it F.linear (MKL) is faster.
+# Largest batch (rows) the kernel takes; the op rejects more. Above it MKL's or oneDNN's GEMM is faster.
 MAX_ROWS = 16
 
 # None: not checked yet; then whether the kernel is built, loaded and compiled with its AVX-512 path.
@@ -61,8 +64,24 @@ def qualifies(x: torch.Tensor) -> bool:
         and x.is_cpu and not torch.compiler.is_compiling()
 
 
+def large_batches_on_onednn() -> bool:
+    """Whether batches above MAX_ROWS take oneDNN's GEMM (CPUs other than Intel's, with oneDNN) instead of
+    F.linear."""
+    return not is_intel_cpu() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+def large_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias for a batch the kernel does not take: oneDNN's GEMM where large_batches_on_onednn(),
+    for 2-D float32 CPU inputs outside torch.compile tracing; F.linear otherwise."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling() \
+            and large_batches_on_onednn():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class SmallBatchLinearMethod(LinearMethodBase):
-    """Plain float32 weight; batches of <= MAX_ROWS rows on the native kernel, larger ones on F.linear."""
+    """Plain float32 weight; batches of <= MAX_ROWS rows on the native kernel, larger ones on
+    large_batch_linear."""
 
     layout = PLAIN_NATIVE_LAYOUT
 
@@ -73,10 +92,11 @@ class SmallBatchLinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if qualifies(x):
             return _op(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return large_batch_linear(x, layer.weight, bias)
 
 
 SMALL_BATCH_LINEAR_METHOD = SmallBatchLinearMethod()
 
-__all__ = ["MAX_ROWS", "PLAIN_NATIVE_LAYOUT", "SMALL_BATCH_LINEAR_METHOD", "SmallBatchLinearMethod", "qualifies",
-           "small_batch_linear", "small_batch_linear_available"]
+__all__ = ["MAX_ROWS", "PLAIN_NATIVE_LAYOUT", "SMALL_BATCH_LINEAR_METHOD", "SmallBatchLinearMethod",
+           "large_batch_linear", "large_batches_on_onednn", "qualifies", "small_batch_linear",
+           "small_batch_linear_available"]

@@ -24,12 +24,11 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   sizes, where a step streams the weights from DRAM. The LM head too (a tied head gets a packed copy).
 - 'auto': on the CPU in bfloat16, 'amx_packed' where the CPU has AMX and the native kernels are built, else
   'prepacked' (1.4-2.3x F.linear per GEMM at M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512
-  otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py). In float32: on an Intel
-  CPU 'plain_native' where the native kernel is built (there the packed GEMM was slower at M = 1, the decode
-  case, and MKL's sgemm serves the larger batches); on other x86 CPUs 'prepacked' (platforms/cpu_vendor.py:
-  on AMD Zen 4 MKL's sgemm ran 1.1-1.3x slower than oneDNN's packed GEMM at 16-2048 rows and 1.9x slower for the
-  LM head at 64; recipe A float32 took 54.2 s instead of 68.0 s, medians of two alternating rounds; the native
-  kernel is still 1.15-1.4x faster at 1-16 rows, which this layout gives up). Else 'plain': CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs
+  otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py); 'plain_native' on the
+  CPU in float32 where the native kernel is built (in float32 the packed GEMM was slower at M = 1, the decode
+  case: on AMD Zen 4 18.8 against the native kernel's 26.1 GB/s over 30 layers' weights, and batch-1 decode
+  reached 60% of the bandwidth roofline with it against 84%; batches above 16 rows there take oneDNN's GEMM on
+  the plain weight, see layers/small_batch_linear.py); else 'plain': CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs
   the plain GEMMs its mode reroutes.
 
 The packed GEMM itself is layers/prepacked_matmul.py.
@@ -48,7 +47,6 @@ from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, Line
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 from pagedserve.layers.small_batch_linear import (PLAIN_NATIVE_LAYOUT, SMALL_BATCH_LINEAR_METHOD,
                                                   small_batch_linear_available)
-from pagedserve.platforms.cpu_vendor import is_intel_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +127,7 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
         return PLAIN_LAYOUT
     if can_run_natively(AMX_PACKED_LAYOUT):
         return AMX_PACKED_LAYOUT
-    if can_pack and (dtype in _AUTO_PREPACKED_DTYPES or (dtype == torch.float32 and not is_intel_cpu())):
+    if can_pack and dtype in _AUTO_PREPACKED_DTYPES:
         return PREPACKED_LAYOUT
     if can_run_natively(PLAIN_NATIVE_LAYOUT):
         return PLAIN_NATIVE_LAYOUT

@@ -43,7 +43,7 @@ from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod
+from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod, large_batches_on_onednn
 from pagedserve.layers.weight_layout import OneDnnPrepackedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 # linear_kind of the op, by the layers' linear method.
 LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
                                  OneDnnPrepackedLinearMethod: 3}
+# Kind 1 when batches above 16 rows take oneDNN's GEMM (small_batch_linear.large_batches_on_onednn).
+SMALL_BATCH_ONEDNN_KIND = 4
 # The kinds whose method computes with packed_weight_of(layer).
 _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])
 
@@ -103,6 +105,8 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
     gather_group = getattr(linear, "gather_group", None)
     if gather_group is not None and gather_group.world_size != 1:
         return f"{linear.prefix}: o_proj gathers over {gather_group.world_size} ranks"
+    if kind == LINEAR_KINDS[SmallBatchLinearMethod] and large_batches_on_onednn():
+        kind = SMALL_BATCH_ONEDNN_KIND
     weight = packed_weight_of(linear) if kind in _PACKED_KINDS else linear.weight
     return kind, weight, linear.bias
 

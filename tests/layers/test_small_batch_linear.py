@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import pagedserve.layers.small_batch_linear as small_batch_module
-import pagedserve.layers.weight_layout as weight_layout_module
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, ReplicatedLinear
 from pagedserve.layers.small_batch_linear import (MAX_ROWS, SMALL_BATCH_LINEAR_METHOD, qualifies,
@@ -98,9 +97,7 @@ def test_method_uses_the_kernel_for_small_batches_and_f_linear_above(monkeypatch
     assert restore_plain_layout(layer) == 1 and layer.linear_method is UNQUANTIZED_LINEAR_METHOD
 
 
-def test_resolve_plain_native(monkeypatch) -> None:
-    # 'auto' picks it on Intel CPUs; elsewhere oneDNN's packed GEMM beats MKL's sgemm (tests/layers/test_weight_layout.py).
-    monkeypatch.setattr(weight_layout_module, "is_intel_cpu", lambda: True)
+def test_resolve_plain_native() -> None:
     assert resolve_weight_layout("auto", "cpu", torch.float32) == "plain_native"
     assert resolve_weight_layout("auto", "cpu", torch.float32, batch_invariant=True) == "plain"
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16) in ("prepacked", "amx_packed")  # not plain_native
@@ -113,6 +110,35 @@ def test_resolve_plain_native(monkeypatch) -> None:
         resolve_weight_layout("plain_native", "cpu", torch.float32, batch_invariant=True)
     with pytest.raises(ValueError, match=r"weight_layout='packed' must be one of"):
         resolve_weight_layout("packed", "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("is_intel", [True, False], ids=["intel", "other"])
+def test_large_batches_take_mkl_on_intel_and_onednn_elsewhere(monkeypatch, is_intel: bool) -> None:
+    monkeypatch.setattr(small_batch_module, "is_intel_cpu", lambda: is_intel)
+    layer = ReplicatedLinear(48, 40, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(_tensor(40, 48, seed=3))
+        layer.bias.copy_(_tensor(40, seed=4))
+    assert apply_weight_layout(layer, "plain_native") == 1
+    x = _tensor(MAX_ROWS + 9, 48, seed=5)
+    expected = (F.linear(x, layer.weight, layer.bias) if is_intel
+                else torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], ""))
+    assert small_batch_module.large_batches_on_onednn() is (not is_intel)
+    actual = layer(x)
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_vendor_id_reads_cpuinfo(tmp_path) -> None:
+    from pagedserve.platforms.cpu_vendor import cpu_vendor_id
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
+                       "vendor_id\t: AuthenticAMD\n")
+    assert cpu_vendor_id(str(cpuinfo)) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")
+    assert cpu_vendor_id(str(cpuinfo)) is None
+    assert cpu_vendor_id(str(tmp_path / "missing")) is None
 
 
 NUM_STEPS = 32
@@ -138,7 +164,7 @@ def test_float32_engine_greedy_equals_plain(tiny_model_dir, model: str, monkeypa
     calls = []
     real_op = small_batch_module._op
     monkeypatch.setattr(small_batch_module, "_op", lambda *args: calls.append(1) or real_op(*args))
-    native, model_native = run("plain_native")
+    native, model_native = run("auto")
     assert set(weight_layout_of(model_native)) == {"plain_native"}
     assert model_native.lm_head.linear_method is SMALL_BATCH_LINEAR_METHOD
     assert len(calls) > NUM_STEPS * 4, "decode steps must run on the native kernel"

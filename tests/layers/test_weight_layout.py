@@ -92,7 +92,7 @@ def test_resolve_weight_layout_per_platform_dtype_and_mode() -> None:
     # amx_packed where the CPU has AMX (tests/layers/test_amx_linear.py), else prepacked.
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == ("amx_packed" if amx_linear_available()
                                                                      else "prepacked")
-    assert resolve_weight_layout("auto", "cpu", torch.float32) in ("plain", "plain_native", "prepacked")
+    assert resolve_weight_layout("auto", "cpu", torch.float32) in ("plain", "plain_native")  # native: own tests
     assert resolve_weight_layout("auto", "cuda", torch.bfloat16) == "plain"
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, batch_invariant=True) == "plain"
     assert resolve_weight_layout("plain", "cpu", torch.bfloat16) == "plain"
@@ -236,34 +236,10 @@ def test_prepacked_lm_head_equals_plain_and_restores(dtype: torch.dtype, tied: b
         assert torch.equal(head.weight[:1000], table)
 
 
-@pytest.mark.parametrize("is_intel", [True, False], ids=["intel", "other"])
-def test_engine_lm_head_is_packed_where_auto_packs(tiny_model_dir, monkeypatch, is_intel: bool) -> None:
-    """bfloat16 always; float32 off Intel only (a tied head keeps sharing the embedding's table)."""
-    import pagedserve.layers.weight_layout as weight_layout_module
-
-    monkeypatch.setattr(weight_layout_module, "is_intel_cpu", lambda: is_intel)
+def test_engine_lm_head_is_prepacked_in_bfloat16_only(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama-tied", dtype=torch.bfloat16)
-    for dtype, packed in (("bfloat16", True), ("float32", not is_intel)):
+    for dtype, packed in (("bfloat16", True), ("float32", False)):
         llm = LLM(folder, dtype=dtype, max_model_len=64, num_kv_blocks=16)
         model = llm.llm_engine.engine_core.executor.worker.model_runner.model
         assert (model.lm_head.packed_weight is not None) is packed
         assert model.lm_head.weight is model.model.embed_tokens.weight
-
-
-def test_auto_float32_layout_follows_the_cpu_vendor(monkeypatch, tmp_path) -> None:
-    """float32 'auto': oneDNN's packed GEMM off Intel (MKL's sgemm is tuned for Intel), the plain layouts on Intel."""
-    import pagedserve.layers.weight_layout as weight_layout_module
-    from pagedserve.platforms.cpu_vendor import cpu_vendor_id
-
-    monkeypatch.setattr(weight_layout_module, "is_intel_cpu", lambda: False)
-    assert resolve_weight_layout("auto", "cpu", torch.float32) == "prepacked"
-    assert resolve_weight_layout("auto", "cpu", torch.float32, batch_invariant=True) == "plain"
-    monkeypatch.setattr(weight_layout_module, "is_intel_cpu", lambda: True)
-    assert resolve_weight_layout("auto", "cpu", torch.float32) in ("plain", "plain_native")
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
-                       "vendor_id\t: AuthenticAMD\n")
-    assert cpu_vendor_id(str(cpuinfo)) == "AuthenticAMD"
-    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")
-    assert cpu_vendor_id(str(cpuinfo)) is None
-    assert cpu_vendor_id(str(tmp_path / "missing")) is None

@@ -93,6 +93,25 @@ def test_amx_packed_layout_takes_the_stack(tiny_model_dir) -> None:
     assert with_stack == without
 
 
+@pytest.mark.parametrize("is_intel", [True, False], ids=["mkl-above-16", "onednn-above-16"])
+def test_plain_native_large_batches_follow_the_vendor(tiny_model_dir, monkeypatch, is_intel: bool) -> None:
+    """Float32 plain_native above 16 rows: F.linear on Intel (kind 1), oneDNN on the plain weight elsewhere (kind 4);
+    19 requests decode above the limit, bitwise the same with and without the stack."""
+    import pagedserve.layers.small_batch_linear as small_batch_module
+
+    monkeypatch.setattr(small_batch_module, "is_intel_cpu", lambda: is_intel)
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(19, 5, 40, seed=19)
+    results = []
+    for enabled in (True, False):
+        llm = _llm(folder, dtype="float32", weight_layout="plain_native", num_kv_blocks=64 + 8 * 19,
+                  native_decode_stack=enabled)
+        results.append(_generate(llm, prompts))
+        if enabled:
+            assert _forward(llm).plan.linear_kind == (1 if is_intel else 4)
+    assert results[0] == results[1]
+
+
 def test_prepacked_layout_takes_the_stack(tiny_model_dir) -> None:
     llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="prepacked")
     _generate(llm, random_prompts(2, 5, 40, seed=8))
@@ -243,5 +262,5 @@ def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
         torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights[:-1], plan.biases, kv_caches,
                                                 *arguments)
     arguments[12] = 5
-    with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2 or 3"):
+    with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2, 3 or 4"):
         torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights, plan.biases, kv_caches, *arguments)

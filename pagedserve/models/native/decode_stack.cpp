@@ -19,7 +19,9 @@
 //       partition_size) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 AMX-packed bfloat16 weights on amx_linear, 3 oneDNN-packed weights on
-//   mkldnn::_linear_pointwise (weight_layout='prepacked'). Every M row is one decoding request.
+//   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 with mkldnn::_linear_pointwise on the plain
+//   weight above 16 rows (small_batch_linear.py's large_batch_linear off Intel). Every M row is one decoding
+//   request.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -34,7 +36,7 @@ constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;
 constexpr int64_t kSmallBatchMaxRows = 16;  // layers/small_batch_linear.py MAX_ROWS
 
-enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2, kOneDnnPacked = 3 };
+enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2, kOneDnnPacked = 3, kSmallBatchOneDnn = 4 };
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
@@ -97,9 +99,10 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
                   const OptionalTensor& bias, int64_t output_size) {
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size);
-  if (kind == kOneDnnPacked)
+  const bool is_small_batch = (kind == kSmallBatch || kind == kSmallBatchOneDnn) && x.size(0) <= kSmallBatchMaxRows;
+  if (is_small_batch) return kernels.small_batch_linear.call(x, weight, bias);
+  if (kind == kOneDnnPacked || kind == kSmallBatchOneDnn)
     return onednn_linear().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-  if (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) return kernels.small_batch_linear.call(x, weight, bias);
   return at::linear(x, weight, bias);
 }
 
@@ -121,8 +124,8 @@ at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positi
   TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
               "llama_decode_stack: one sliding window per layer expected, got ", sliding_windows.size());
   TORCH_CHECK(output_sizes.size() == 4, "llama_decode_stack: 4 output sizes (qkv, o, gate_up, down) expected");
-  TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kOneDnnPacked, "llama_decode_stack: linear_kind=", linear_kind,
-              " must be 0, 1, 2 or 3");
+  TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "llama_decode_stack: linear_kind=",
+              linear_kind, " must be 0, 1, 2, 3 or 4");
   TORCH_CHECK(hidden.dim() == 2 && positions.dim() == 1 && positions.size(0) == hidden.size(0),
               "llama_decode_stack: hidden [M, H] and positions [M] expected, got ", hidden.sizes(), " and ",
               positions.sizes());
