@@ -27,14 +27,14 @@
 //    first from a shared counter): for each 128-key chunk the tile can see, S (16 x 128 fp32, 64 keys per pass)
 //    from the query tile; scale, mask, online softmax in fp32 (running max m, sum l); P rounded to bf16;
 //    P V (16 x head_dim fp32) added to the fp32 accumulator rescaled by exp(m_old - m_new). Out = acc / l, rounded
-//    to bf16 once.
+//    to bf16 once. The tile's last chunk is cut at its last position rounded up to 32 keys: the keys past it are
+//    hidden from every row (P exactly 0), so their products and softmax are skipped (7 prompts of 64-512 tokens:
+//    3.77 -> 3.07 ms a call on AMX).
 //    - AMX: S in 4 C tiles per pass; P V in 4 C tiles per 64 dims, added to the accumulator afterwards.
 //    - AVX512-BF16: the same packed tiles read as vectors. A K tile row (a dim pair of 16 keys) is one 512-bit
 //      vector, so S lanes are keys: 4 query rows x 4 key blocks of accumulators, a broadcast query dim pair per
 //      row, no horizontal sums. A V tile row (a key pair of 16 dims) is one vector: 4 rows x 4 dim blocks, a
-//      broadcast P key pair per row, accumulating straight into the rescaled accumulator. The tile's last chunk is cut at its last position rounded up to 32 keys: the keys past it are
-//    hidden from every row (P exactly 0), so their products and softmax are skipped (7 prompts of 64-512 tokens:
-//    3.77 -> 3.07 ms a call).
+//      broadcast P key pair per row, accumulating straight into the rescaled accumulator.
 //
 // Numerics: fp32 accumulation everywhere, P in bf16 for the second product (as ATen's bf16 flash attention).
 // A row's result depends only on its request and the unit (chunking is aligned on the request's context, sums run
@@ -46,11 +46,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <string>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../../layers/native/amx_tiles.h"
@@ -107,7 +107,6 @@ struct Item {
   int64_t tile;
   int64_t cost;  // chunks read, for ordering
 };
-
 
 // Packs keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head) as B tiles (see the
 // header): K tile (chunk, key block, dim step) and V tile (chunk, key step, dim block), each chunk's tiles in that
@@ -248,7 +247,8 @@ struct DotProducts {
           for (int v = 0; v < kVectors; ++v)
             keys[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(blocks + v * block_values + pair * 32));
           for (int r = 0; r < kRows; ++r) {
-            const __m512bh query = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r * num_pairs + pair])));
+            const __m512bh query =
+                reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(rows[r * num_pairs + pair])));
             for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], query, keys[v]);
           }
         }
@@ -276,7 +276,8 @@ struct DotProducts {
         const uint32_t* rows = probability_pairs + first_row * (kChunkKeys / 2);
         for (int64_t pair = 0; pair < num_key_pairs; ++pair) {
           // V tile (key step pair / 16, dim block), row pair % 16: this key pair's 16 dims.
-          const bf16* tile_row = value_chunk + ((pair / 16) * dim_blocks + first_dim_block) * kTileValues + (pair % 16) * 32;
+          const bf16* tile_row =
+              value_chunk + ((pair / 16) * dim_blocks + first_dim_block) * kTileValues + (pair % 16) * 32;
           __m512bh values[kVectors];
           for (int v = 0; v < kVectors; ++v)
             values[v] = reinterpret_cast<__m512bh>(_mm512_load_si512(tile_row + v * kTileValues));
@@ -324,7 +325,7 @@ struct SoftmaxState {
 // Turns one chunk's raw scores (16 x kChunkKeys fp32, overwritten) into P in bf16, updating `state`: scale, mask
 // (row r sees keys k <= positions[r], and k > positions[r] - window), online softmax. Only the chunk's first
 // num_keys keys (a multiple of 32) are read and written: the keys after them are hidden from every row, their P is
-// zero and chunk_values skips them.
+// zero and the value product skips them.
 void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const int64_t* positions, float scale,
                    std::optional<int64_t> sliding_window, SoftmaxState& state, bf16* probabilities) {
   const int kParts = static_cast<int>(num_keys / 16);
@@ -390,9 +391,10 @@ void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const in
 // One query head's tile of up to 16 positions (`positions[i]` absolute, rows past `num_rows` repeat the last) over
 // the span's chunks [first_chunk, last_chunk]; writes rows [0, num_rows) to `out` (row stride out_stride).
 //
-// Software-pipelined: the next chunk's scores are computed on the tiles between this chunk's softmax and its
-// P V product. A tile load right after the vector stores of P waited for them to drain to L1 (12% of the
-// kernel's samples sat on that first product); the next chunk's tile work now fills that wait.
+// Software-pipelined for the AMX unit: the next chunk's scores are computed on the tiles between this chunk's
+// softmax and its P V product. A tile load right after the vector stores of P waited for them to drain to L1 (12%
+// of the kernel's samples sat on that first product); the next chunk's tile work now fills that wait. The
+// dot-product unit has no such wait and takes the same order.
 template <typename Products>
 void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positions, int64_t num_rows,
                  int64_t first_chunk, int64_t last_chunk, int64_t head_dim, float scale,
