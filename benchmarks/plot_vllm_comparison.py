@@ -87,7 +87,8 @@ def main() -> None:
             series["pagedserve TTFT p50"].append(ours[rate]["ttft"]["p50"])
             series["vLLM TTFT p50"].append(theirs[rate]["ttft"]["p50"])
     bars(axes[2], groups, series, "C. serving latency (lower is better)", "ms")
-    figure.suptitle("pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model, 2 cores (AMD Zen 4 VM, no AMX)", fontsize=10)
+    figure.suptitle("pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model, 2 cores (AMD Zen 4 VM, no AMX)",
+                    fontsize=10)
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     figure.savefig(args.out, dpi=110)

@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     if not is_prefill_attention_available():
-        raise SystemExit("the prefill kernel is not available here (neither AMX-BF16 nor AVX512-BF16, or the native build failed)")
+        raise SystemExit("the prefill kernel is not available here (neither AMX-BF16 nor AVX512-BF16, or the native "
+                         "build failed)")
     backends = {"torch_paged": TorchPagedAttentionBackend(), "cpu_native": CpuNativeAttentionBackend()}
     cases = [([n], f"1 x {n}") for n in args.lengths]
     mixed = [288, 129, 400, 64, 511, 300, 220, 136]  # 2048 tokens from 8 prompts, as a recipe-A prefill step

@@ -28,8 +28,8 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   CPU in float32 where the native kernel is built (in float32 the packed GEMM was slower at M = 1, the decode
   case: on AMD Zen 4 18.8 against the native kernel's 26.1 GB/s over 30 layers' weights, and batch-1 decode
   reached 60% of the bandwidth roofline with it against 84%; batches above 16 rows there take oneDNN's GEMM on
-  the plain weight, see layers/small_batch_linear.py); else 'plain': CUDA's cuBLAS reads [out, in] directly; batch_invariant=True needs
-  the plain GEMMs its mode reroutes.
+  the plain weight, see layers/small_batch_linear.py); else 'plain': CUDA's cuBLAS reads [out, in] directly;
+  batch_invariant=True needs the plain GEMMs its mode reroutes.
 
 The packed GEMM itself is layers/prepacked_matmul.py.
 """

@@ -8,13 +8,14 @@ same arguments, so its output is bitwise that of the modules (tests/models/test_
 
 It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path
 for every step the stack does not take; with compilation_config mode 'compile' the compiled graph takes every
-step it covers and the stack stays off. A step takes the stack when every request in it decodes one token with
-no padding rows, the attention metadata is set and grad mode is off. A model takes it when, on the CPU with the
-native kernels built, it is a single-rank, single-stage Llama-family model (Llama, Mistral, Qwen2: LlamaModel
-with unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and activation are the native-path modules,
-its attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32),
-amx_packed (bfloat16) or prepacked (oneDNN) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch mode
-the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its `reason`.
+step it covers and the stack stays off. A step takes the stack when every request in it decodes one token with no
+padding rows, the attention metadata is set and grad mode is off. A model takes it when, on the CPU with the native
+kernels built, it is a single-rank, single-stage Llama-family model (Llama, Mistral, Qwen2: LlamaModel with
+unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and activation are the native-path modules, its
+attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32), amx_packed
+(bfloat16) or prepacked (oneDNN) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch
+mode the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its
+`reason`.
 
 The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
 (on one of the model's modules, or globally): hooks fire as they would without the stack. The plan holds the

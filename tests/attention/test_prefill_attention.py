@@ -1,11 +1,11 @@
 """The prefill attention kernel (cpu_native's bfloat16 prefills) against dense float64 attention and torch_paged.
 
-Kernel level, on each product unit this CPU has (AMX tiles, AVX512-BF16 dot products): fresh prompts and chunks behind cached prefixes, lengths at the tile (16) and chunk (128) edges,
-GQA ratios 1/3/4, head_dim 64/128/256, block sizes 16/32, sliding windows; a request's rows bitwise the same
-alone, inside a batch and at 1 or 2 threads; strided (fused-QKV) queries; errors. Backend level: the kernel runs
-for bfloat16 (counted) and not for float32, mixed decode + prefill + padding steps agree with torch_paged. End to
-end: a bfloat16 engine's logprobs with chunked prefill and prefix caching as close to a float32 run as the
-torch_paged backend's.
+Kernel level, on each product unit this CPU has (AMX tiles, AVX512-BF16 dot products): fresh prompts and chunks
+behind cached prefixes, lengths at the tile (16) and chunk (128) edges, GQA ratios 1/3/4, head_dim 64/128/256, block
+sizes 16/32, sliding windows; a request's rows bitwise the same alone, inside a batch and at 1 or 2 threads; strided
+(fused-QKV) queries; errors. Backend level: the kernel runs for bfloat16 (counted) and not for float32, mixed decode
++ prefill + padding steps agree with torch_paged. End to end: a bfloat16 engine's logprobs with chunked prefill and
+prefix caching as close to a float32 run as the torch_paged backend's.
 """
 from __future__ import annotations
 
