@@ -39,3 +39,14 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     build_tiny_tokenizer(folder)
     return str(folder)
 
+
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def linear_products(request: pytest.FixtureRequest) -> str:
+    """Each product unit of the tile-packed bf16 linear kernels (layers/native/amx_linear.cpp) that this CPU and
+    process can run; the others skip."""
+    from pagedserve.layers.amx_linear import amx_linear_products
+
+    if request.param not in amx_linear_products():
+        pytest.skip(f"no {request.param} here (available: {amx_linear_products()})")
+    return request.param
+

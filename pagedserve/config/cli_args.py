@@ -86,7 +86,7 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--weight-layout", default="auto", choices=list(WEIGHT_LAYOUTS),
                       help="linear weight layout after loading (prepacked: the platform GEMM's packed layout; "
                            "plain_native: plain float32 weights, decode batches on a native CPU kernel; "
-                           "amx_packed: bfloat16 weights packed for the native AMX kernel; "
+                           "amx_packed: bfloat16 weights tile-packed for the native AMX / AVX512-BF16 kernel; "
                            "auto: whichever was measured faster for the platform and dtype)")
 
 

@@ -28,7 +28,7 @@ class LoadConfig:
     # After loading, linear weights take the layout the platform's GEMM prefers:
     # 'plain' keeps [out, in]; 'prepacked' uses the platform's packed layout (oneDNN blocked on the CPU);
     # 'plain_native' keeps [out, in] float32 and runs decode-sized batches on a native CPU kernel;
-    # 'amx_packed' packs bfloat16 weights for the native AMX kernel (CPUs with AMX);
+    # 'amx_packed' packs bfloat16 weights for the native tile-packed kernel (CPUs with AMX or AVX512-BF16);
     # 'auto' picks 'amx_packed' or else 'prepacked' (CPU, bfloat16) or 'plain_native' (CPU, float32) where
     # they were measured faster and 'plain' elsewhere.
     weight_layout: str = "auto"

@@ -1,4 +1,4 @@
-"""The MLP's gate_up projection and SiLU-and-mul in one native pass, for prefill-sized batches on AMX.
+"""The MLP's gate_up projection and SiLU-and-mul in one native pass, for prefill-sized batches on the tile layout.
 
 With weight_layout='amx_packed' a bfloat16 MLP computes gate_up = x @ W^T ([M, 2d]), writes it out, and the
 SiLU-and-mul kernel reads it back to produce silu(gate) * up ([M, d]). Above 256 rows `amx_linear_silu_and_mul`
@@ -33,12 +33,14 @@ _op: Any = None
 _checked = False
 
 
-def _fused_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def _fused_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                products: str = "auto") -> torch.Tensor:
     return x.new_empty((x.shape[0], n // 2))
 
 
 def fused_op_available() -> bool:
-    """Whether the native library has the fused op and this process may run AMX (loaded at first call)."""
+    """Whether the native library has the fused op and a product unit this process can run (AMX or AVX512-BF16;
+    loaded at first call)."""
     global _op, _checked
     if not _checked:
         _op = load_amx_op("amx_linear_silu_and_mul", _fused_fake)
@@ -47,10 +49,11 @@ def fused_op_available() -> bool:
 
 
 def amx_linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                            output_size: int) -> torch.Tensor:
+                            output_size: int, products: str = "auto") -> torch.Tensor:
     """silu(gate) * up for [gate | up] = x @ W^T + b, x bfloat16 [M, K] and W [output_size, K] packed by
-    `amx_pack`; [M, output_size // 2]. Requires `fused_op_available()`."""
-    return _op(x, packed, bias, output_size)
+    `amx_pack`; [M, output_size // 2], on the product unit `products` names (layers/amx_linear.py
+    `amx_linear_products`). Requires `fused_op_available()`."""
+    return _op(x, packed, bias, output_size, products)
 
 
 def fused_gate_up_silu_and_mul(gate_up_proj: nn.Module, act_fn: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -1,18 +1,23 @@
-"""weight_layout='amx_packed': bfloat16 linears on AMX tiles, the weight in the kernel's tile-blocked layout.
+"""weight_layout='amx_packed': bfloat16 linears on a native tile kernel, the weight in its tile-blocked layout.
 
 A decode step streams every weight once, so its linears run at the bandwidth their loop sustains. oneDNN's packed
-bf16 GEMM ('prepacked') sustained 17-19 GB/s at M = 1..16 with the weights in DRAM on this machine; the native AMX
-kernel (layers/native/amx_linear.cpp) sustained 25-28 GB/s, 1.4-1.5x, flat up to 16 rows, 1.3-1.4x at 32 and
-1.05-1.2x at 64 (benchmarks/amx_linear.py). Prefill-sized batches run on the same kernel: 1.1-1.2x oneDNN at
-128-512 rows, 0.75-0.85x at 2048.
+bf16 GEMM ('prepacked') sustained 17-19 GB/s at M = 1..16 with the weights in DRAM on an Intel Sapphire Rapids VM;
+the native kernel (layers/native/amx_linear.cpp) on AMX tiles sustained 25-28 GB/s, 1.4-1.5x, flat up to 16 rows,
+1.3-1.4x at 32 and 1.05-1.2x at 64 (benchmarks/amx_linear.py). Prefill-sized batches run on the same kernel:
+1.1-1.2x oneDNN at 128-512 rows, 0.75-0.85x at 2048.
+
+Without AMX the same layout runs on AVX512-BF16 dot products (VDPBF16PS; `amx_linear_products()` lists the units
+here). Over SmolLM2-135M's 30 layers of linears on an AMD Zen 4 VM, against oneDNN's packed GEMM interleaved:
+1.36-1.42x at one row (23-24 against 17 GB/s), 1.1-1.15x at 4-64 rows, 1.05x at 256 and 0.98x at 2048; recipe A
+in bf16 ran 1.05x faster end to end than with 'prepacked', and batch-1 decode 1.33-1.4x.
 
 The packed weight *replaces* the plain one (one copy in memory), as a 1-D tensor of whole 16-column x 32-deep
 tiles (zero padded); `restore_plain_layout` unpacks it bit for bit. A tied LM head, whose plain table the
 embedding still reads, gets a packed copy in `packed_weight` (56 MB for SmolLM2-135M), as under 'prepacked'.
 
-Numerics: one output is TDPBF16PS over K in order into fp32, + bias, rounded to bf16 once. A row's result depends
-only on K and the weight: batch and thread invariant, not bitwise equal to oneDNN's GEMM; tests compare both
-with a float64 reference and the engine's greedy tokens with the plain layout's.
+Numerics: one output is TDPBF16PS (or VDPBF16PS) over K in order into fp32, + bias, rounded to bf16 once. A row's
+result depends only on K and the weight: batch and thread invariant, not bitwise equal to oneDNN's GEMM; tests
+compare both with a float64 reference and the engine's greedy tokens with the plain layout's.
 """
 from __future__ import annotations
 
@@ -27,14 +32,14 @@ from pagedserve.layers.linear import LinearMethodBase, packed_weight_of
 
 AMX_PACKED_LAYOUT = "amx_packed"
 
-# None: not checked yet; then whether the kernel is built, loaded, compiled with AMX, and the process may use AMX.
+# None: not checked yet; then whether the kernel is built and loaded with a unit this process can run.
 _available: bool | None = None
 _linear_op: Any = None
 
 
 def amx_linear_available() -> bool:
-    """True when the native library is loaded (building it at first use) with its AMX kernel and Linux granted
-    this process the AMX tile state."""
+    """True when the native library is loaded (building it at first use) with a product unit this process can
+    run: AMX (compiled in, and Linux granted the tile state) or AVX512-BF16."""
     global _available, _linear_op
     if _available is None:
         _linear_op = load_native_op("amx_linear", "is_amx_linear_supported", _amx_linear_fake)
@@ -42,7 +47,8 @@ def amx_linear_available() -> bool:
     return _available
 
 
-def _amx_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def _amx_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                     products: str = "auto") -> torch.Tensor:
     return x.new_empty((x.shape[0], n))
 
 
@@ -62,18 +68,26 @@ def amx_unpack(packed: torch.Tensor, output_size: int, input_size: int) -> torch
     return torch.ops.pagedserve.amx_unpack_weight(packed.detach(), output_size, input_size)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int) -> torch.Tensor:
-    """x @ W^T + b for bfloat16 x [..., K] on the CPU and W packed by `amx_pack`."""
+def amx_linear_products() -> list[str]:
+    """The product units the kernel can run here, preferred first: 'amx' (AMX tiles, where the CPU has them and
+    Linux grants the tile state) and 'avx512_bf16' (VDPBF16PS dot products); [] without the native kernels."""
+    return list(torch.ops.pagedserve.amx_linear_products()) if amx_linear_available() else []
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int,
+               products: str = "auto") -> torch.Tensor:
+    """x @ W^T + b for bfloat16 x [..., K] on the CPU and W packed by `amx_pack`; `products` picks the unit
+    ('auto': the first of `amx_linear_products()`)."""
     if x.dim() == 2 and x.stride(1) == 1:  # the model's case: [num_tokens, K]; skips ~4 us of reshapes per call
-        return _linear_op(x, packed, bias, output_size)
+        return _linear_op(x, packed, bias, output_size, products)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return _linear_op(rows, packed, bias, output_size).view(*x.shape[:-1], output_size)
+    return _linear_op(rows, packed, bias, output_size, products).view(*x.shape[:-1], output_size)
 
 
 class AmxPackedLinearMethod(LinearMethodBase):
-    """CPU, bfloat16: the weight lives in the AMX kernel's tile-blocked layout; every batch runs on the kernel."""
+    """CPU, bfloat16: the weight lives in the native kernel's tile-blocked layout; every batch runs on the kernel."""
 
     layout = AMX_PACKED_LAYOUT
 
@@ -95,4 +109,4 @@ class AmxPackedLinearMethod(LinearMethodBase):
 AMX_PACKED_LINEAR_METHOD = AmxPackedLinearMethod()
 
 __all__ = ["AMX_PACKED_LAYOUT", "AMX_PACKED_LINEAR_METHOD", "AmxPackedLinearMethod", "amx_linear",
-           "amx_linear_available", "amx_pack", "amx_unpack", "load_amx_op"]
+           "amx_linear_available", "amx_linear_products", "amx_pack", "amx_unpack", "load_amx_op"]

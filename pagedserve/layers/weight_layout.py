@@ -19,10 +19,13 @@ pure layout transform at load time, behind the linear-method seam of layers/line
 - 'plain_native' (CPU, float32): the plain weights, unchanged; batches of up to 16 rows (decode) run on a
   native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on F.linear
   (layers/small_batch_linear.py). The LM head too.
-- 'amx_packed' (CPU with AMX, bfloat16): each weight is replaced by the native AMX kernel's tile-blocked
-  layout and every batch runs on that kernel (layers/amx_linear.py): 1.4-1.5x oneDNN's packed GEMM at decode
-  sizes, where a step streams the weights from DRAM. The LM head too (a tied head gets a packed copy).
-- 'auto': on the CPU in bfloat16, 'amx_packed' where the CPU has AMX and the native kernels are built, else
+- 'amx_packed' (CPU with AMX or AVX512-BF16, bfloat16): each weight is replaced by the native kernel's
+  tile-blocked layout and every batch runs on that kernel (layers/amx_linear.py), its products on AMX tiles or,
+  without AMX, on VDPBF16PS dot products: with AMX 1.4-1.5x oneDNN's packed GEMM at decode sizes, where a step
+  streams the weights from DRAM; on AMD Zen 4 (dot products) 1.36-1.42x at 1 row and 1.1-1.15x at 4-64. The LM
+  head too (a tied head gets a packed copy).
+- 'auto': on the CPU in bfloat16, 'amx_packed' where the CPU has AMX or AVX512-BF16 and the native kernels are
+  built, else
   'prepacked' (1.4-2.3x F.linear per GEMM at M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512
   otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py); 'plain_native' on the
   CPU in float32 where the native kernel is built (in float32 the packed GEMM was slower at M = 1, the decode
@@ -58,7 +61,8 @@ _NATIVE_LAYOUTS = {
     PLAIN_NATIVE_LAYOUT: (torch.float32, small_batch_linear_available,
                           "float32 on the CPU with AVX-512 and the native kernels built"),
     AMX_PACKED_LAYOUT: (torch.bfloat16, amx_linear_available,
-                        "bfloat16 on a CPU with AMX, Linux granting the tile state, and the native kernels built"),
+                        "bfloat16 on a CPU with AMX (Linux granting the tile state) or AVX512-BF16, and the native "
+                        "kernels built"),
 }
 # PLAIN_NATIVE_LAYOUT ('plain_native') comes from layers/small_batch_linear.py, AMX_PACKED_LAYOUT ('amx_packed')
 # from layers/amx_linear.py.
@@ -157,7 +161,7 @@ def _prepack_lm_head(head: ParallelLMHead) -> bool:
 
 
 def _amx_pack_lm_head(head: ParallelLMHead) -> bool:
-    """Give `head` the AMX layout (see the module docstring); False when it cannot be packed."""
+    """Give `head` the tile-packed layout (see the module docstring); False when it cannot be packed."""
     if head.linear_method is not UNQUANTIZED_LINEAR_METHOD or head.weight.dtype != torch.bfloat16 \
             or head.weight.device.type != "cpu":
         return False
@@ -204,8 +208,8 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
             num_heads = sum(_prepack_lm_head(head) for head in _lm_heads(model))
         elif layout == AMX_PACKED_LAYOUT:
             if not amx_linear_available():
-                raise ValueError("weight layout 'amx_packed' needs the native AMX kernel, which is not available "
-                                 "here (resolve_weight_layout checks it)")
+                raise ValueError("weight layout 'amx_packed' needs the native tile-packed kernel, which is not "
+                                 "available here (resolve_weight_layout checks it)")
             for layer in _linear_layers(model):
                 if layer.weight_read_elsewhere or layer.linear_method is not UNQUANTIZED_LINEAR_METHOD \
                         or layer.weight.dtype != torch.bfloat16 or layer.weight.is_mkldnn:

@@ -54,7 +54,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Prefill-sized bf16 batches on the AMX layout: both in one native pass (layers/amx_gate_up_silu.py).
+        # Prefill-sized bf16 batches on the tile-packed layout: both in one native pass (layers/amx_gate_up_silu.py).
         activated = fused_gate_up_silu_and_mul(self.gate_up_proj, self.act_fn, x)
         if activated is None:
             activated = self.act_fn(self.gate_up_proj(x))

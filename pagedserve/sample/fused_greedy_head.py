@@ -27,7 +27,7 @@ from pagedserve.sample.sampling_metadata import SamplingMetadata
 
 
 def _first_argmax_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                       num_columns: int) -> torch.Tensor:
+                       num_columns: int, products: str = "auto") -> torch.Tensor:
     return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
@@ -38,15 +38,17 @@ def _fused_op() -> Any:
 
 
 def fused_op_available() -> bool:
-    """Whether the native library has the fused op and this process may run AMX."""
+    """Whether the native library has the fused op and a product unit this process can run (AMX or
+    AVX512-BF16)."""
     return _fused_op() is not None
 
 
 def amx_linear_first_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int,
-                            num_columns: int) -> torch.Tensor:
+                            num_columns: int, products: str = "auto") -> torch.Tensor:
     """[M] int64: the first index of each row's maximum of bf16(x @ W^T + b)[:, :num_columns], W [output_size, K]
-    packed by `amx_pack`. Requires `fused_op_available()`."""
-    return _fused_op()(x, packed, bias, output_size, num_columns)
+    packed by `amx_pack`, on the product unit `products` names (layers/amx_linear.py `amx_linear_products`).
+    Requires `fused_op_available()`."""
+    return _fused_op()(x, packed, bias, output_size, num_columns, products)
 
 
 def is_plain_greedy(metadata: SamplingMetadata) -> bool:

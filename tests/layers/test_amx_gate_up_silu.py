@@ -15,7 +15,7 @@ from pagedserve.models.llama import LlamaMLP
 
 pytestmark = pytest.mark.skipif(
     not (amx_linear_available() and fused_op_available() and native_elementwise.native_elementwise_available()),
-    reason="no AMX here, or the native kernels are not built")
+    reason="no AMX or AVX512-BF16 here, or the native kernels are not built")
 
 BF16 = torch.bfloat16
 
@@ -30,18 +30,20 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", [1, 17, 257, 300, 600])
 @pytest.mark.parametrize("n, k, has_bias", [(3072, 576, False), (256, 64, True), (384, 1536, True)])
-def test_fused_op_is_bitwise_the_projection_then_silu_and_mul(m: int, n: int, k: int, has_bias: bool) -> None:
+def test_fused_op_is_bitwise_the_projection_then_silu_and_mul(linear_products: str, m: int, n: int, k: int,
+                                                             has_bias: bool) -> None:
     """Panels of group pairs (3072 x 576: 24 pairs, six panels of 4; 384 x 1536: 3 panels of one pair; 256 x 64:
-    one panel of 2), 32-row chunks with 16-row and shorter tails, biases, one and all threads."""
+    one panel of 2), chunks of 32 rows (AMX) or 36 (dot products) with shorter tails, biases, one and all
+    threads, on each product unit."""
     weight, x = _random(n, k, seed=n + k) / k ** 0.5, _random(m, k, seed=m)
     bias = _random(n, seed=3) if has_bias else None
     packed = amx_pack(weight)
-    unfused = native_elementwise.silu_and_mul(amx_linear(x, packed, bias, n))
+    unfused = native_elementwise.silu_and_mul(amx_linear(x, packed, bias, n, linear_products))
     threads = torch.get_num_threads()
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
-            fused = amx_linear_silu_and_mul(x, packed, bias, n)
+            fused = amx_linear_silu_and_mul(x, packed, bias, n, linear_products)
             assert fused.shape == (m, n // 2) and fused.dtype == BF16
             assert torch.equal(_bits(fused), _bits(unfused))
     finally:

@@ -1,5 +1,5 @@
-"""weight_layout='amx_packed': the native AMX bfloat16 linear against a float64 reference, batch and thread
-invariance, the pack/unpack round trip, the layout transform on linear layers and LM heads, torch.compile, and
+"""weight_layout='amx_packed': the native tile-packed bfloat16 linear, on each product unit this CPU has (AMX tiles,
+AVX512-BF16 dot products), against a float64 reference, batch and thread invariance, the pack/unpack round trip, the layout transform on linear layers and LM heads, torch.compile, and
 the engine's logprobs against the plain layout."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers import amx_linear as amx_module
-from pagedserve.layers.amx_linear import (AMX_PACKED_LINEAR_METHOD, amx_linear, amx_linear_available, amx_pack,
-                                          amx_unpack)
+from pagedserve.layers.amx_linear import (AMX_PACKED_LINEAR_METHOD, amx_linear, amx_linear_available,
+                                          amx_linear_products, amx_pack, amx_unpack)
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import (UNQUANTIZED_LINEAR_METHOD, MergedColumnParallelLinear, QKVParallelLinear,
                                       ReplicatedLinear, RowParallelLinear)
@@ -20,8 +20,8 @@ from pagedserve.layers.weight_layout import (apply_weight_layout, resolve_weight
                                              weight_layout_of)
 
 pytestmark = pytest.mark.skipif(not amx_linear_available(),
-                                reason="no AMX here (CPU without AMX tiles, kernel refused the tile state, or the "
-                                       "native kernels are not built)")
+                                reason="no product unit here (CPU without AMX tiles or AVX512-BF16, or the native "
+                                       "kernels are not built)")
 
 BF16 = torch.bfloat16
 
@@ -54,65 +54,101 @@ def test_pack_unpack_round_trip_is_bitwise(n: int, k: int) -> None:
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 33, 64, 300])
 @pytest.mark.parametrize("n, k, has_bias", [(576, 576, False), (192, 576, True), (100, 70, True),
                                             (200, 1536, False)])
-def test_amx_linear_matches_float64_reference(m: int, n: int, k: int, has_bias: bool) -> None:
+def test_amx_linear_matches_float64_reference(linear_products: str, m: int, n: int, k: int, has_bias: bool) -> None:
     weight, x = _random(n, k, seed=1), _random(m, k, seed=m)
     bias = _random(n, seed=2) if has_bias else None
-    actual = amx_linear(x, amx_pack(weight), bias, n)
+    actual = amx_linear(x, amx_pack(weight), bias, n, linear_products)
     assert actual.shape == (m, n) and actual.dtype == BF16
     _assert_matches_reference(actual, _reference(x, weight, bias))
 
 
-def test_a_row_is_the_same_in_any_batch_and_thread_count() -> None:
-    """Row blocks of 16, pairs of 32, chunks of 256 and the thread split all leave a row's bits unchanged."""
+def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -> None:
+    """Row blocks (16 rows and pairs of 32 on AMX, 6-12 on the dot products), chunks of 256 and the thread split all
+    leave a row's bits unchanged."""
     n, k = 200, 576
     weight, bias = _random(n, k, seed=3), _random(n, seed=4)
     packed = amx_pack(weight)
     x = _random(300, k, seed=5)
-    full = amx_linear(x, packed, bias, n)
+    full = amx_linear(x, packed, bias, n, linear_products)
     threads = torch.get_num_threads()
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
             for start, size in ((0, 1), (7, 9), (31, 2), (40, 33), (250, 50), (299, 1)):
-                part = amx_linear(x[start:start + size].contiguous(), packed, bias, n)
+                part = amx_linear(x[start:start + size].contiguous(), packed, bias, n, linear_products)
                 assert torch.equal(part.view(torch.int16), full[start:start + size].view(torch.int16))
     finally:
         torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("n, k", [(3088, 576), (1000, 1536)])
-def test_paneled_prefill_sizes_match_reference_and_small_batches(n: int, k: int) -> None:
-    """Above 256 rows the kernel cuts the weight into L2-sized panels and x into 32-row chunks: 3088 x 576 makes
-    six panels of 8 groups and a seventh holding the last, one-block group; 1000 x 1536 five of 3 groups and a
-    sixth with the last, three-block group; 600 rows end in a 16- and an 8-row tail. Each row equals the
-    reference and, bit for bit, the same row computed in a batch of <= 256 rows (one chunk, no panels)."""
+def test_paneled_prefill_sizes_match_reference_and_small_batches(linear_products: str, n: int, k: int) -> None:
+    """Above 256 rows the kernel cuts the weight into L2-sized panels and x into chunks of 32 rows (AMX) or 36 (dot
+    products): 3088 x 576 makes six panels of 8 groups and a seventh holding the last, one-block group; 1000 x 1536
+    five of 3 groups and a sixth with the last, three-block group; 600 rows end in a 16- and an 8-row tail (AMX) or
+    a 24-row chunk (dot products). Each row equals the reference and, bit for bit, the same row computed in a batch
+    of <= 256 rows (one chunk, no panels)."""
     weight, bias = _random(n, k, seed=11), _random(n, seed=12)
     packed = amx_pack(weight)
     x = _random(600, k, seed=13)
-    full = amx_linear(x, packed, bias, n)
+    full = amx_linear(x, packed, bias, n, linear_products)
     _assert_matches_reference(full, _reference(x, weight, bias))
     threads = torch.get_num_threads()
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
-            assert torch.equal(amx_linear(x[:297], packed, bias, n).view(torch.int16), full[:297].view(torch.int16))
+            assert torch.equal(amx_linear(x[:297], packed, bias, n, linear_products).view(torch.int16),
+                               full[:297].view(torch.int16))
             for start in (0, 256, 512, 576):
-                part = amx_linear(x[start:start + 24].contiguous(), packed, bias, n)
+                part = amx_linear(x[start:start + 24].contiguous(), packed, bias, n, linear_products)
                 assert torch.equal(part.view(torch.int16), full[start:start + 24].view(torch.int16))
     finally:
         torch.set_num_threads(threads)
 
 
-def test_leading_dims_and_strided_rows() -> None:
+def test_leading_dims_and_strided_rows(linear_products: str) -> None:
     n, k = 64, 96
     weight = _random(n, k, seed=6)
     packed = amx_pack(weight)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return amx_linear(x, packed, None, n, linear_products)
+
     x = _random(2, 5, k, seed=7)
-    assert torch.equal(amx_linear(x, packed, None, n), amx_linear(x.reshape(10, k), packed, None, n).view(2, 5, n))
+    assert torch.equal(linear(x), linear(x.reshape(10, k)).view(2, 5, n))
     strided = _random(k, 6, seed=8).t()  # column stride != 1
-    assert torch.equal(amx_linear(strided, packed, None, n), amx_linear(strided.contiguous(), packed, None, n))
+    assert torch.equal(linear(strided), linear(strided.contiguous()))
     wide = _random(4, 2 * k, seed=9)[:, :k]  # row stride 2k, unit column stride: read in place
-    assert torch.equal(amx_linear(wide, packed, None, n), amx_linear(wide.contiguous(), packed, None, n))
+    assert torch.equal(linear(wide), linear(wide.contiguous()))
+    odd = _random(7, k + 1, seed=10)[:, 1:]  # odd row stride, rows at odd element offsets (x pairs unaligned)
+    assert torch.equal(linear(odd), linear(odd.contiguous()))
+
+
+def test_units_agree_where_both_run() -> None:
+    """AMX and the dot products sum the same pairs into fp32 in another rounding order, nothing more: few outputs
+    differ, each within the reference's tolerance of the other."""
+    if len(amx_linear_products()) < 2:
+        pytest.skip(f"needs both units (available: {amx_linear_products()})")
+    n, k = 576, 576
+    weight, bias = _random(n, k, seed=21), _random(n, seed=22)
+    packed = amx_pack(weight)
+    for m in (1, 40, 300):
+        x = _random(m, k, seed=m)
+        amx, dot = (amx_linear(x, packed, bias, n, unit) for unit in ("amx", "avx512_bf16"))
+        _assert_matches_reference(dot, amx.double())
+        assert float((amx.view(torch.int16) != dot.view(torch.int16)).float().mean()) < 0.05
+
+
+def test_products_argument_is_checked() -> None:
+    packed = amx_pack(_random(32, 64, seed=10))
+    x = _random(2, 64, seed=11)
+    assert amx_linear_products()[0] in ("amx", "avx512_bf16")
+    assert torch.equal(amx_linear(x, packed, None, 32), amx_linear(x, packed, None, 32, amx_linear_products()[0]))
+    with pytest.raises(RuntimeError, match=r"products must be 'auto', 'amx' or 'avx512_bf16', got 'tiles'"):
+        amx_linear(x, packed, None, 32, "tiles")
+    for unit in {"amx", "avx512_bf16"} - set(amx_linear_products()):
+        with pytest.raises(RuntimeError, match=rf"products='{unit}' is not available in this build or process"):
+            amx_linear(x, packed, None, 32, unit)
 
 
 def test_bad_arguments_raise_clear_errors() -> None:

@@ -18,7 +18,7 @@ from pagedserve.sample.fused_greedy_head import (
 from pagedserve.sample.greedy import reference_first_argmax
 
 pytestmark = pytest.mark.skipif(not (amx_linear_available() and fused_op_available()),
-                                reason="no AMX here, or the native kernels are not built")
+                                reason="no AMX or AVX512-BF16 here, or the native kernels are not built")
 
 BF16 = torch.bfloat16
 
@@ -27,9 +27,9 @@ def _random(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
 
 
-def _unfused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-             num_columns: int) -> torch.Tensor:
-    return reference_first_argmax(amx_linear(x, packed, bias, n)[:, :num_columns])
+def _unfused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, num_columns: int,
+             products: str = "auto") -> torch.Tensor:
+    return reference_first_argmax(amx_linear(x, packed, bias, n, products)[:, :num_columns])
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -39,8 +39,8 @@ def _unfused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n
     (200, 40, 130, True),  # K not a multiple of 32; columns cut inside a block
     (64, 32, 64, False),  # one group
 ])
-def test_kernel_is_first_argmax_of_the_linear(num_threads: int, n: int, k: int, num_columns: int,
-                                              has_bias: bool) -> None:
+def test_kernel_is_first_argmax_of_the_linear(linear_products: str, num_threads: int, n: int, k: int,
+                                              num_columns: int, has_bias: bool) -> None:
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -48,12 +48,12 @@ def test_kernel_is_first_argmax_of_the_linear(num_threads: int, n: int, k: int, 
         bias = _random(n, seed=k) if has_bias else None
         for m in (1, 5, 16, 33, 64, 257, 300):  # decode-sized chunks, and the paneled path above 256 rows
             x = _random(m, k, seed=m)
-            assert torch.equal(amx_linear_first_argmax(x, packed, bias, n, num_columns),
-                               _unfused(x, packed, bias, n, num_columns)), m
+            assert torch.equal(amx_linear_first_argmax(x, packed, bias, n, num_columns, linear_products),
+                               _unfused(x, packed, bias, n, num_columns, linear_products)), m
             # Integer-valued inputs make equal bf16 logits common: the first of them must win.
             coarse = x.float().mul(4).round().to(BF16)
-            assert torch.equal(amx_linear_first_argmax(coarse, packed, bias, n, num_columns),
-                               _unfused(coarse, packed, bias, n, num_columns)), m
+            assert torch.equal(amx_linear_first_argmax(coarse, packed, bias, n, num_columns, linear_products),
+                               _unfused(coarse, packed, bias, n, num_columns, linear_products)), m
     finally:
         torch.set_num_threads(previous)
 

@@ -1,14 +1,21 @@
-// bfloat16 linear on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight in a tile-blocked layout.
+// bfloat16 linear on AMX tiles or AVX512-BF16 dot products: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight in
+// a tile-blocked layout.
 //
 // Python side: layers/amx_linear.py; the fused MLP pass (amx_linear_silu_and_mul) layers/amx_gate_up_silu.py; greedy
 // sampling in the LM head's epilogue (amx_linear_first_argmax) sample/fused_greedy_head.py. amx_linear and
 // amx_linear_first_argmax run the same work units (run_units) and differ only in their epilogue.
 //
-// A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed only 13-19 GB/s at M = 1..16 on this
-// machine, an AVX512-BF16 dot-product loop ran out of compute from M = 4 on.
-// AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16] fp32 in one instruction,
-// so at decode sizes the loop is bound by the weight stream alone (25-28 GB/s), and the same loop serves prefill
-// sizes (there oneDNN's blocking is still ahead for some shapes: benchmarks/amx_linear.py).
+// Ops take `products`: "amx", "avx512_bf16" or "auto" (AMX where the process may use it, else AVX512-BF16);
+// amx_linear_products() lists what this build and process can run. The two units read the same packed tiles and
+// fill the same fp32 unit results; only the inner products differ (AmxProducts, DotProducts).
+//
+// A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed only 13-19 GB/s at M = 1..16 on an
+// Intel Sapphire Rapids VM. AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16]
+// fp32 in one instruction, so at decode sizes the loop is bound by the weight stream alone (25-28 GB/s), and the same
+// loop serves prefill sizes (there oneDNN's blocking is still ahead for some shapes: benchmarks/amx_linear.py).
+// Without AMX (an AMD Zen 4 VM), VDPBF16PS against broadcast x pairs in register blocks of up to 24 accumulators
+// streams the same layout at 23-24 GB/s at one row (oneDNN 17) and keeps up with oneDNN's compute up to prefill sizes
+// (see DotProducts).
 //
 // Packed layout (`amx_pack_weight`): N is cut into blocks of 16 output columns and K into steps of 32 (both
 // zero-padded). A block's step is one B tile: 16 rows of K pairs, each row the 16 columns' (w[n][k], w[n][k+1])
@@ -19,21 +26,23 @@
 // Work split and numerics:
 // - Up to 256 rows (decode and small prefill steps) x is one chunk, which stays in L2 while the blocks of 16
 //   columns are split evenly between torch's intra-op threads; each thread configures its own tiles.
-// - Rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C tiles),
-//   then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows. Beyond
-//   16 rows the weights are read from L2 again for every row block, so each row block also prefetches a share of
+// - On AMX, rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C
+//   tiles), then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows.
+//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block). Beyond
+//   one row block the weights are read from L2 again for every row block, so each row block also prefetches a share of
 //   the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows), into L2: the next group
 //   (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1, the 30 layers' linears
 //   ran 1.02-1.10x slower at 24-64 rows, interleaved).
 // - Above 256 rows (prefill chunks) the weight is cut into panels of whole groups, up to kPanelWeightBytes each
-//   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1); the units (panel, chunk,
+//   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1; 36 rows, six register blocks,
+//   for the dot products); the units (panel, chunk,
 //   block) run panel-major, split evenly between the threads, and nothing is prefetched (the panel is in L2).
 //   A chunk's row pair then reads its A tiles from L1 and the panel's B tiles from L2 instead of both from L2.
 //   The 30 layers of SmolLM2-135M at 2048 rows, interleaved with the 256-row chunking: 1.01-1.13x (median of
 //   per-round ratios over seven runs, 1.04x); gate_up alone 1.27x in a fast phase. At 257-511 rows the 256-row
 //   chunking also left one thread a short chunk: 320 rows ran 1.33x faster.
-// - One output element: TDPBF16PS over the K steps in order into an fp32 tile row, + bias in fp32, rounded to
-//   bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
+// - One output element: TDPBF16PS (or VDPBF16PS, per lane) over the K steps in order into fp32, + bias in fp32,
+//   rounded to bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
 //   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,6 +53,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -59,11 +69,56 @@ constexpr int64_t kGroupBlocks = 4;                              // B tiles per 
 constexpr int64_t kGroupColumns = kGroupBlocks * kBlockColumns;  // 64
 constexpr int64_t kTileRows = 16;                                // rows of x per A tile
 constexpr int64_t kChunkRows = 256;                              // rows of x per task (L2-resident)
-constexpr int64_t kPanelChunkRows = 32;                          // rows of x per task above kChunkRows rows
+constexpr int64_t kPanelChunkRows = 32;                          // rows of x per task above kChunkRows rows (AMX)
+constexpr int64_t kDotPanelChunkRows = 36;  // the same for the dot-product unit (see panel_chunk_rows)
 constexpr int64_t kPanelWeightBytes = 576 * 1024;                // weight bytes per panel above kChunkRows rows
 constexpr int64_t kFarPrefetchBytes = 32 * 1024;                // see group_product
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The dot-product unit's gate; AMX implies it (amx_tiles.h asks for AVX512-BF16 too).
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_DPBF16 1
+#endif
+
+constexpr const char* kAmxProducts = "amx";
+constexpr const char* kDotProducts = "avx512_bf16";
+
+// The product units this build and process can run, preferred first.
+std::vector<std::string> amx_linear_products() {
+  std::vector<std::string> units;
+  if (pagedserve_native::is_amx_usable()) units.emplace_back(kAmxProducts);
+#if defined(PAGEDSERVE_DPBF16)
+  units.emplace_back(kDotProducts);
+#endif
+  return units;
+}
+
+bool is_amx_linear_supported() { return !amx_linear_products().empty(); }
+
+void check_supported(const char* op) {
+  TORCH_CHECK(is_amx_linear_supported(), op, ": this build has neither AMX nor AVX512-BF16 (is_amx_linear_supported() "
+              "is False here)");
+}
+
+// The unit `products` names ('auto': the first of amx_linear_products()), checked against what is available.
+std::string resolve_products(const char* op, c10::string_view products) {
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts, op,
+              ": products must be 'auto', 'amx' or 'avx512_bf16', got '", products, "'");
+  const std::vector<std::string> units = amx_linear_products();
+  TORCH_CHECK(!units.empty(), op, ": this build has neither AMX nor AVX512-BF16");
+  const std::string unit = products == "auto" ? units.front() : std::string(products);
+  TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), op, ": products='", products,
+              "' is not available in this build or process (amx_linear_products() lists what is)");
+  return unit;
+}
+
+// Rows of x per task above kChunkRows rows for the unit `kind`: AMX takes them as one row pair (two A tiles); the
+// dot-product unit as six blocks of 6 rows (with 32 rows its last block of 2 rows ran 1.5x slower per row: over
+// SmolLM2-135M's 30 layers at 2048 rows, 383 against 405 GFLOP/s with 36, oneDNN 413).
+int64_t panel_chunk_rows(const std::string& kind) {
+  return kind == kAmxProducts ? kPanelChunkRows : kDotPanelChunkRows;
+}
 
 #if defined(PAGEDSERVE_AMX)
 
@@ -159,6 +214,184 @@ inline void row_pair_product(const at::BFloat16* x, int64_t x_stride_bytes, cons
   }
 }
 
+// The AMX unit (tiles 0-3 C, 4-5 A, 6-7 B; configured per thread as the row count changes).
+struct AmxProducts {
+  int64_t configured_rows = 0;  // this thread's tile configuration (0: none yet)
+
+  void configure(int64_t rows) {
+    if (rows != configured_rows) {
+      configure_tiles(rows);
+      configured_rows = rows;
+    }
+  }
+
+  // The passes over a unit's weights that `rows` rows of x take (row pairs count as two, as before they existed:
+  // the prefetch share of each pass is what keeps the memory busy).
+  static int64_t num_passes(int64_t rows) { return ceil_div(rows, kTileRows); }
+
+  // out[r * kGroupColumns + c] = x[r] . W column c for rows [0, rows) and the num_blocks blocks of one group from
+  // b_first (a step's tiles step_stride elements apart). Rows are taken 32 at a time while 32 are left (two A tiles,
+  // each B tile used by both), then 16 at a time.
+  void product(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+               int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines) {
+    const int64_t x_stride_bytes = x_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+    int64_t row = 0;
+    for (; rows - row >= 2 * kTileRows; row += 2 * kTileRows) {
+      configure(kTileRows);
+      for (int64_t pair = 0; pair < num_blocks; pair += 2) {
+        const at::BFloat16* b = b_first + pair * kTileElements;
+        float* out_pair = out + row * kGroupColumns + pair * kBlockColumns;
+        if (pair + 1 < num_blocks)
+          row_pair_product<2>(x + row * x_stride, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
+                              prefetch_lines);
+        else
+          row_pair_product<1>(x + row * x_stride, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
+                              prefetch_lines);
+      }
+    }
+    for (; row < rows; row += kTileRows) {
+      configure(std::min(kTileRows, rows - row));
+      const at::BFloat16* x_rows = x + row * x_stride;
+      float* out_rows = out + row * kGroupColumns;
+      switch (num_blocks) {
+        case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                 prefetch_lines); break;
+        case 3: group_product<3>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                 prefetch_lines); break;
+        case 2: group_product<2>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                 prefetch_lines); break;
+        default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
+                                  prefetch_lines); break;
+      }
+    }
+  }
+
+  void finish() {
+    if (configured_rows != 0) _tile_release();
+    configured_rows = 0;
+  }
+};
+
+#endif  // PAGEDSERVE_AMX
+
+#if defined(PAGEDSERVE_DPBF16)
+
+// The AVX512-BF16 unit: the same packed tiles read as vectors. A B tile row (one K pair of 16 columns) is one
+// vector, and VDPBF16PS against a broadcast x pair adds that pair's products to 16 columns of one row, so a block of
+// kRows rows x kBlocks blocks keeps kRows * kBlocks accumulators (at most 24) in registers, kBlocks loads and kRows
+// broadcasts per kRows * kBlocks VDPBF16PS. Over SmolLM2-135M's 30 layers of linears, interleaved with oneDNN's
+// packed bf16 GEMM on an AMD Zen 4 VM (benchmarks/amx_linear.py): 1.36-1.42x at 1 row (23-24 GB/s against 17 from
+// DRAM), 1.1-1.15x at 4-64 rows, 1.05x at 256, 0.95-0.98x at 2048.
+template <int kBlocks>
+constexpr int dot_block_rows() { return kBlocks == 4 ? 6 : (kBlocks == 3 ? 8 : 12); }
+
+// Rows [0, kRows) of x against kBlocks blocks, over all K steps in order (one accumulator per 16 columns of a row:
+// per lane, the K pairs in order, as TDPBF16PS sums them). Prefetches as group_product; `is_streaming` (one pass
+// over the weights, the decode case) also prefetches each step's bytes kFarPrefetchBytes further on.
+template <int kBlocks, int kRows>
+inline void dot_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* b_first, int64_t step_stride,
+                     int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines, bool is_streaming) {
+  __m512 acc[kRows][kBlocks];
+#pragma GCC unroll 12
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int block = 0; block < kBlocks; ++block) acc[i][block] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const at::BFloat16* b = b_first + step * step_stride;
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
+    prefetch += prefetch_lines * 64;
+    if (is_streaming) {
+      const char* far = reinterpret_cast<const char*>(b) + kFarPrefetchBytes;
+      for (int64_t line = 0; line < kBlocks * kTileElements * 2 / 64; ++line)
+        _mm_prefetch(far + line * 64, _MM_HINT_T2);
+    }
+    const at::BFloat16* x_step = x + step * kStepDepth;
+#pragma GCC unroll 16
+    for (int pair = 0; pair < kStepDepth / 2; ++pair) {
+      __m512i columns[kBlocks];
+#pragma GCC unroll 4
+      for (int block = 0; block < kBlocks; ++block)
+        columns[block] = _mm512_loadu_si512(b + block * kTileElements + pair * 2 * kBlockColumns);
+#pragma GCC unroll 12
+      for (int i = 0; i < kRows; ++i) {
+        int32_t x_pair;  // rows may start at any even or odd element: copied, not dereferenced as int32
+        std::memcpy(&x_pair, x_step + i * x_stride + 2 * pair, sizeof(x_pair));
+        const __m512bh broadcast = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair));
+#pragma GCC unroll 4
+        for (int block = 0; block < kBlocks; ++block)
+          acc[i][block] = _mm512_dpbf16_ps(acc[i][block], broadcast, reinterpret_cast<__m512bh>(columns[block]));
+      }
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int block = 0; block < kBlocks; ++block)
+      _mm512_storeu_ps(out + i * kGroupColumns + block * kBlockColumns, acc[i][block]);
+}
+
+// The last rows - row (< kRows) rows of a dot_group, in one register block of that many rows.
+template <int kBlocks, int kRows>
+inline void dot_tail(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first,
+                     int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines,
+                     bool is_streaming) {
+  if constexpr (kRows > 0) {
+    if (rows == kRows)
+      dot_rows<kBlocks, kRows>(x, x_stride, b_first, step_stride, num_steps, out, prefetch, prefetch_lines,
+                               is_streaming);
+    else
+      dot_tail<kBlocks, kRows - 1>(x, x_stride, rows, b_first, step_stride, num_steps, out, prefetch, prefetch_lines,
+                                   is_streaming);
+  }
+}
+
+template <int kBlocks>
+inline void dot_group(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first,
+                      int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
+                      int64_t prefetch_lines) {
+  constexpr int kRows = dot_block_rows<kBlocks>();
+  const bool is_streaming = prefetch_lines == 0 && rows <= kRows;
+  int64_t row = 0;
+  for (; rows - row >= kRows; row += kRows)
+    dot_rows<kBlocks, kRows>(x + row * x_stride, x_stride, b_first, step_stride, num_steps, out + row * kGroupColumns,
+                             prefetch, prefetch_lines, is_streaming);
+  dot_tail<kBlocks, kRows - 1>(x + row * x_stride, x_stride, rows - row, b_first, step_stride, num_steps,
+                               out + row * kGroupColumns, prefetch, prefetch_lines, is_streaming);
+}
+
+struct DotProducts {
+  // The passes over a unit's weights (see AmxProducts); blocks of 6 rows at a full group.
+  static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
+
+  // As AmxProducts::product.
+  void product(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+               int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines) {
+    switch (num_blocks) {
+      case 4: dot_group<4>(x, x_stride, rows, b_first, step_stride, num_steps, out, prefetch, prefetch_lines); break;
+      case 3: dot_group<3>(x, x_stride, rows, b_first, step_stride, num_steps, out, prefetch, prefetch_lines); break;
+      case 2: dot_group<2>(x, x_stride, rows, b_first, step_stride, num_steps, out, prefetch, prefetch_lines); break;
+      default: dot_group<1>(x, x_stride, rows, b_first, step_stride, num_steps, out, prefetch, prefetch_lines); break;
+    }
+  }
+
+  void finish() {}
+};
+
+// Runs `body(products)` with a fresh unit of the kind `kind` names (resolve_products' answer).
+template <typename Body>
+void with_products(const std::string& kind, Body&& body) {
+#if defined(PAGEDSERVE_AMX)
+  if (kind == kAmxProducts) {
+    AmxProducts products;
+    body(products);
+    products.finish();
+    return;
+  }
+#endif
+  DotProducts products;
+  body(products);
+}
+
 // y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
 // does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
 // becomes 0 where at::BFloat16 would keep a subnormal.
@@ -177,14 +410,7 @@ inline void store_row(const float* values, const float* bias, int64_t count, at:
   }
 }
 
-#endif  // PAGEDSERVE_AMX
-
-bool is_amx_linear_supported() { return pagedserve_native::is_amx_usable(); }
-
-void check_supported(const char* op) {
-  TORCH_CHECK(is_amx_linear_supported(), op, ": this build or process has no AMX (is_amx_linear_supported() is "
-              "False here)");
-}
+#endif  // PAGEDSERVE_DPBF16
 
 int64_t packed_numel(int64_t n, int64_t k) { return ceil_div(n, kBlockColumns) * ceil_div(k, kStepDepth) * kTileElements; }
 
@@ -254,12 +480,13 @@ struct PackedProduct {
   int64_t x_stride;        // elements
   const at::BFloat16* weight;  // packed by amx_pack_weight
   int64_t m, n, num_steps;
+  int64_t panel_chunk_rows;    // rows of x per task above kChunkRows rows (panel_chunk_rows of the unit)
 };
 
 // Checks x and the packed weight of one amx_linear-family op and returns its product; a K that is not a multiple of
 // 32 is read through a zero-padded copy of x, kept alive in `x_padded`.
-PackedProduct packed_product(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                             at::Tensor& x_padded) {
+PackedProduct packed_product(const char* op, const std::string& kind, const at::Tensor& x, const at::Tensor& packed,
+                             int64_t n, at::Tensor& x_padded) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, op,
               ": x [M, K] bfloat16 with unit column stride expected, got ", x.sizes(), " ", x.scalar_type());
   const int64_t m = x.size(0), k = x.size(1);
@@ -273,7 +500,8 @@ PackedProduct packed_product(const char* op, const at::Tensor& x, const at::Tens
     x_padded = at::zeros({m, num_steps * kStepDepth}, x.options());
     x_padded.narrow(1, 0, k).copy_(x);
   }
-  return {x_padded.data_ptr<at::BFloat16>(), x_padded.stride(0), packed.data_ptr<at::BFloat16>(), m, n, num_steps};
+  return {x_padded.data_ptr<at::BFloat16>(), x_padded.stride(0), packed.data_ptr<at::BFloat16>(), m, n, num_steps,
+          panel_chunk_rows(kind)};
 }
 
 // The bias as fp32 (undefined without one), checked against n.
@@ -287,22 +515,22 @@ at::Tensor float_bias(const char* op, const c10::optional<at::Tensor>& bias, int
 // Up to kChunkRows rows there is one panel and one chunk: the threads split the weight stream block by block while x
 // stays in L2.
 int64_t num_units(const PackedProduct& p) {
-  return ceil_div(p.m, p.m > kChunkRows ? kPanelChunkRows : kChunkRows) * ceil_div(p.n, kBlockColumns);
+  return ceil_div(p.m, p.m > kChunkRows ? p.panel_chunk_rows : kChunkRows) * ceil_div(p.n, kBlockColumns);
 }
 
-#if defined(PAGEDSERVE_AMX)
+#if defined(PAGEDSERVE_DPBF16)
 
 // Computes units [begin, end) of `p` (one thread's share of parallel_for over num_units(p)) and hands each unit's
 // fp32 products, before bias and rounding, to `epilogue(values, first_row, num_rows, first_column, num_columns)`:
 // values[r * kGroupColumns + c] is row first_row + r, column first_column + c. A thread's units visit each row's
 // columns in increasing order.
-template <typename Epilogue>
-void run_units(const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& epilogue) {
+template <typename Products, typename Epilogue>
+void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_t end,
+               Epilogue&& epilogue) {
   const int64_t m = p.m, n = p.n, num_steps = p.num_steps;
-  const int64_t x_stride_bytes = p.x_stride * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t num_blocks = ceil_div(n, kBlockColumns);
   const bool is_paneled = m > kChunkRows;
-  const int64_t chunk_rows_max = is_paneled ? kPanelChunkRows : kChunkRows;
+  const int64_t chunk_rows_max = is_paneled ? p.panel_chunk_rows : kChunkRows;
   const int64_t num_chunks = ceil_div(m, chunk_rows_max);
   const int64_t group_bytes = kGroupBlocks * num_steps * kTileElements * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t panel_blocks =
@@ -311,13 +539,6 @@ void run_units(const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& ep
   const int64_t units_per_panel = num_chunks * panel_blocks;  // the last panel may hold fewer blocks
   // One chunk's results for up to one group of blocks, before bias and rounding (64 KiB).
   alignas(64) float out[kChunkRows * kGroupColumns];
-  int64_t configured_rows = 0;  // the tiles' configuration in this thread (0: none yet)
-  const auto configure = [&](int64_t rows) {
-    if (rows != configured_rows) {
-      configure_tiles(rows);
-      configured_rows = rows;
-    }
-  };
   for (int64_t unit = begin; unit < end;) {
     // This thread's blocks [first, last) of one group, for one chunk.
     const int64_t panel = unit / units_per_panel, in_panel = unit % units_per_panel;
@@ -341,70 +562,41 @@ void run_units(const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& ep
     // would leave the memory idle, so every row block also prefetches its share of the bytes that follow (the
     // next group's weights, which this thread most likely reads next). Paneled, the panel is in L2 already:
     // prefetching into L1 would only evict the chunk's A tiles.
-    const int64_t num_row_blocks = ceil_div(chunk_rows, kTileRows);
-    const char* next = reinterpret_cast<const char*>(b_first - first * kTileElements + num_steps * step_stride);
-    const int64_t prefetch_lines = (num_row_blocks == 1 || is_paneled)
+    const int64_t num_passes = Products::num_passes(chunk_rows);
+    const int64_t prefetch_lines = (num_passes == 1 || is_paneled)
                                        ? 0
-                                       : ceil_div(kGroupBlocks * kTileElements * 2 / 64, num_row_blocks);
-    const char* prefetch = next;
-    for (int64_t row = 0; row < chunk_rows;) {
-      const at::BFloat16* x_rows = x_chunk + row * p.x_stride;
-      float* out_rows = out + row * kGroupColumns;
-      if (chunk_rows - row >= 2 * kTileRows) {
-        // Two full row blocks, against two blocks of columns at a time.
-        configure(kTileRows);
-        for (int64_t pair = first; pair < last; pair += 2) {
-          const at::BFloat16* b = b_first + (pair - first) * kTileElements;
-          float* out_pair = out_rows + (pair - first) * kBlockColumns;
-          if (pair + 1 < last)
-            row_pair_product<2>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
-                                prefetch_lines);
-          else
-            row_pair_product<1>(x_rows, x_stride_bytes, b, step_stride, num_steps, out_pair, prefetch,
-                                prefetch_lines);
-        }
-        row += 2 * kTileRows;
-        continue;
-      }
-      configure(std::min(kTileRows, chunk_rows - row));
-      switch (last - first) {
-        case 4: group_product<4>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
-                                 prefetch_lines); break;
-        case 3: group_product<3>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
-                                 prefetch_lines); break;
-        case 2: group_product<2>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
-                                 prefetch_lines); break;
-        default: group_product<1>(x_rows, x_stride_bytes, b_first, step_stride, num_steps, out_rows, prefetch,
-                                  prefetch_lines); break;
-      }
-      row += kTileRows;
-    }
+                                       : ceil_div(kGroupBlocks * kTileElements * 2 / 64, num_passes);
+    const char* prefetch = reinterpret_cast<const char*>(b_first - first * kTileElements + num_steps * step_stride);
+    products.product(x_chunk, p.x_stride, chunk_rows, b_first, last - first, step_stride, num_steps, out, prefetch,
+                     prefetch_lines);
     epilogue(static_cast<const float*>(out), chunk_begin, chunk_rows, first_column, num_columns);
   }
-  if (configured_rows != 0) _tile_release();
 }
 
-#endif  // PAGEDSERVE_AMX
+#endif  // PAGEDSERVE_DPBF16
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
+                      int64_t n, c10::string_view products) {
   constexpr const char* op = "amx_linear";
-  check_supported(op);
+  const std::string kind = resolve_products(op, products);
   at::Tensor x_padded;
-  const PackedProduct product = packed_product(op, x, packed, n, x_padded);
+  const PackedProduct product = packed_product(op, kind, x, packed, n, x_padded);
   const at::Tensor bias_float = float_bias(op, bias, n);
   at::Tensor y = at::empty({product.m, n}, x.options());
   if (product.m == 0 || n == 0) return y;
-#if defined(PAGEDSERVE_AMX)
+#if defined(PAGEDSERVE_DPBF16)
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, num_units(product), 1, [&](int64_t begin, int64_t end) {
-    run_units(product, begin, end,
-              [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column, int64_t num_columns) {
-                for (int64_t row = 0; row < num_rows; ++row)
-                  store_row(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr, num_columns,
-                            y_data + (first_row + row) * n + first_column);
-              });
+    with_products(kind, [&](auto& products) {
+      run_units(products, product, begin, end,
+                [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column,
+                    int64_t num_columns) {
+                  for (int64_t row = 0; row < num_rows; ++row)
+                    store_row(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
+                              num_columns, y_data + (first_row + row) * n + first_column);
+                });
+    });
   });
 #endif
   return y;
@@ -421,17 +613,17 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 // increasing order it holds its first maximum; lanes, then threads, are merged by (max, then lowest index), in any
 // order.
 at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                                   int64_t n, int64_t num_columns) {
+                                   int64_t n, int64_t num_columns, c10::string_view products) {
   constexpr const char* op = "amx_linear_first_argmax";
-  check_supported(op);
+  const std::string kind = resolve_products(op, products);
   at::Tensor x_padded;
-  const PackedProduct product = packed_product(op, x, packed, n, x_padded);
+  const PackedProduct product = packed_product(op, kind, x, packed, n, x_padded);
   const at::Tensor bias_float = float_bias(op, bias, n);
   TORCH_CHECK(num_columns >= 1 && num_columns <= n, op, ": num_columns=", num_columns, " must be in [1, n=", n, "]");
   const int64_t m = product.m;
   at::Tensor indices = at::zeros({m}, x.options().dtype(at::kLong));
   if (m == 0) return indices;
-#if defined(PAGEDSERVE_AMX)
+#if defined(PAGEDSERVE_DPBF16)
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
   // Whether (value, column) beats the (maximum, index) kept so far: greater, or equal at a lower column (kNone: no
@@ -451,34 +643,36 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
     std::vector<float> lane_max(m * 16, -std::numeric_limits<float>::infinity());
     std::vector<int32_t> lane_index(m * 16, kNone), first_nan(m, kNone);
     const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    run_units(product, begin, end,
-              [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column, int64_t count) {
-                count = std::min(count, num_columns - first_column);
-                for (int64_t row = 0; row < num_rows; ++row) {
-                  const int64_t r = first_row + row;
-                  __m512 best = _mm512_loadu_ps(lane_max.data() + r * 16);
-                  __m512i best_index = _mm512_loadu_si512(lane_index.data() + r * 16);
-                  for (int64_t column = 0; column < count; column += kBlockColumns) {
-                    const __mmask16 mask = columns_mask(count - column);
-                    __m512 value = _mm512_maskz_loadu_ps(mask, values + row * kGroupColumns + column);
-                    if (bias_data != nullptr)
-                      value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias_data + first_column + column));
-                    // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
-                    value = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value))), 16));
-                    const __m512i column_index =
-                        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
-                    const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
-                    if (is_nan != 0 && first_nan[r] == kNone)
-                      first_nan[r] = static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan));
-                    const __mmask16 is_greater = _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ);
-                    best = _mm512_mask_mov_ps(best, is_greater, value);
-                    best_index = _mm512_mask_mov_epi32(best_index, is_greater, column_index);
+    with_products(kind, [&](auto& products) {
+      run_units(products, product, begin, end,
+                [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column, int64_t count) {
+                  count = std::min(count, num_columns - first_column);
+                  for (int64_t row = 0; row < num_rows; ++row) {
+                    const int64_t r = first_row + row;
+                    __m512 best = _mm512_loadu_ps(lane_max.data() + r * 16);
+                    __m512i best_index = _mm512_loadu_si512(lane_index.data() + r * 16);
+                    for (int64_t column = 0; column < count; column += kBlockColumns) {
+                      const __mmask16 mask = columns_mask(count - column);
+                      __m512 value = _mm512_maskz_loadu_ps(mask, values + row * kGroupColumns + column);
+                      if (bias_data != nullptr)
+                        value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias_data + first_column + column));
+                      // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
+                      value = _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value))), 16));
+                      const __m512i column_index = _mm512_add_epi32(
+                          _mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
+                      const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
+                      if (is_nan != 0 && first_nan[r] == kNone)
+                        first_nan[r] = static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan));
+                      const __mmask16 is_greater = _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ);
+                      best = _mm512_mask_mov_ps(best, is_greater, value);
+                      best_index = _mm512_mask_mov_epi32(best_index, is_greater, column_index);
+                    }
+                    _mm512_storeu_ps(lane_max.data() + r * 16, best);
+                    _mm512_storeu_si512(lane_index.data() + r * 16, best_index);
                   }
-                  _mm512_storeu_ps(lane_max.data() + r * 16, best);
-                  _mm512_storeu_si512(lane_index.data() + r * 16, best_index);
-                }
-              });
+                });
+    });
     Partial partial{std::vector<float>(m), std::vector<int32_t>(m), std::move(first_nan)};
     for (int64_t row = 0; row < m; ++row) {
       float maximum = -std::numeric_limits<float>::infinity();
@@ -523,9 +717,9 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
 // unit computes both groups' 32 x 64 results into L1 and writes 32 x 64 outputs. Interleaved with the unfused pair
 // over 30 layers of SmolLM2's gate_up (3072 x 576): 1.17x at 2048 rows, 1.13x at 1024.
 at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                                   int64_t n) {
+                                   int64_t n, c10::string_view products) {
   constexpr const char* op = "amx_linear_silu_and_mul";
-  check_supported(op);
+  const std::string kind = resolve_products(op, products);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, op,
               ": x [M, K] bfloat16 with unit column stride expected, got ", x.sizes(), " ", x.scalar_type());
   const int64_t m = x.size(0), k = x.size(1), d = n / 2;
@@ -542,10 +736,10 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
   }
   at::Tensor out = at::empty({m, d}, x.options());
   if (m == 0 || d == 0) return out;
-#if defined(PAGEDSERVE_AMX) && defined(__AVX512VL__)
+#if defined(PAGEDSERVE_DPBF16)
   const int64_t num_steps = k / kStepDepth;
   const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
-  const int64_t x_stride = x.stride(0), x_stride_bytes = x_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t x_stride = x.stride(0);
   const at::BFloat16* weight = packed.data_ptr<at::BFloat16>();
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   uint16_t* out_data = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -554,71 +748,53 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
   const int64_t group_elements = kGroupBlocks * num_steps * kTileElements;
   const int64_t group_bytes = group_elements * static_cast<int64_t>(sizeof(at::BFloat16));
   const int64_t panel_pairs = std::min(num_pairs, std::max<int64_t>(1, kPanelWeightBytes / (2 * group_bytes)));
-  const int64_t num_chunks = ceil_div(m, kPanelChunkRows);
+  const int64_t chunk_rows_max = panel_chunk_rows(kind);
+  const int64_t num_chunks = ceil_div(m, chunk_rows_max);
   const int64_t units_per_panel = num_chunks * panel_pairs;  // the last panel may hold fewer pairs
   at::parallel_for(0, num_chunks * num_pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float results[2][kPanelChunkRows * kGroupColumns];  // gate, up
-    int64_t configured_rows = 0;
-    const auto configure = [&](int64_t rows) {
-      if (rows != configured_rows) {
-        configure_tiles(rows);
-        configured_rows = rows;
-      }
-    };
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t panel = unit / units_per_panel, in_panel = unit % units_per_panel;
-      const int64_t first_pair = panel * panel_pairs;
-      const int64_t num_panel_pairs = std::min(panel_pairs, num_pairs - first_pair);
-      const int64_t chunk = in_panel / num_panel_pairs, pair = first_pair + in_panel % num_panel_pairs;
-      const int64_t chunk_begin = chunk * kPanelChunkRows;
-      const int64_t chunk_rows = std::min(m, chunk_begin + kPanelChunkRows) - chunk_begin;
-      const at::BFloat16* x_chunk = x_data + chunk_begin * x_stride;
-      for (int64_t half = 0; half < 2; ++half) {
-        const at::BFloat16* b_group = weight + (pair + half * num_pairs) * group_elements;
-        constexpr int64_t step_stride = kGroupBlocks * kTileElements;
-        float* result = results[half];
-        const char* no_prefetch = nullptr;  // the panel is in L2 (see amx_linear's paneled path)
-        int64_t row = 0;
-        for (; chunk_rows - row >= 2 * kTileRows; row += 2 * kTileRows) {
-          configure(kTileRows);
-          for (int64_t block = 0; block < kGroupBlocks; block += 2)
-            row_pair_product<2>(x_chunk + row * x_stride, x_stride_bytes, b_group + block * kTileElements,
-                                step_stride, num_steps, result + row * kGroupColumns + block * kBlockColumns,
-                                no_prefetch, 0);
+    with_products(kind, [&](auto& products) {
+      alignas(64) float results[2][kDotPanelChunkRows * kGroupColumns];  // gate, up (for up to 36 rows)
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t panel = unit / units_per_panel, in_panel = unit % units_per_panel;
+        const int64_t first_pair = panel * panel_pairs;
+        const int64_t num_panel_pairs = std::min(panel_pairs, num_pairs - first_pair);
+        const int64_t chunk = in_panel / num_panel_pairs, pair = first_pair + in_panel % num_panel_pairs;
+        const int64_t chunk_begin = chunk * chunk_rows_max;
+        const int64_t chunk_rows = std::min(m, chunk_begin + chunk_rows_max) - chunk_begin;
+        const at::BFloat16* x_chunk = x_data + chunk_begin * x_stride;
+        for (int64_t half = 0; half < 2; ++half) {
+          const at::BFloat16* b_group = weight + (pair + half * num_pairs) * group_elements;
+          constexpr int64_t step_stride = kGroupBlocks * kTileElements;
+          float* result = results[half];
+          const char* no_prefetch = nullptr;  // the panel is in L2 (see amx_linear's paneled path)
+          products.product(x_chunk, x_stride, chunk_rows, b_group, kGroupBlocks, step_stride, num_steps, result,
+                           no_prefetch, 0);
         }
-        for (; row < chunk_rows; row += kTileRows) {
-          configure(std::min(kTileRows, chunk_rows - row));
-          group_product<kGroupBlocks>(x_chunk + row * x_stride, x_stride_bytes, b_group, step_stride, num_steps,
-                                      result + row * kGroupColumns, no_prefetch, 0);
-        }
-      }
-      const float* gate_bias = bias_data ? bias_data + pair * kGroupColumns : nullptr;
-      const float* up_bias = bias_data ? bias_data + d + pair * kGroupColumns : nullptr;
-      for (int64_t row = 0; row < chunk_rows; ++row) {
-        uint16_t* target = out_data + (chunk_begin + row) * d + pair * kGroupColumns;
-        for (int64_t column = 0; column < kGroupColumns; column += kBlockColumns) {
-          __m512 gate = _mm512_load_ps(results[0] + row * kGroupColumns + column);
-          __m512 up = _mm512_load_ps(results[1] + row * kGroupColumns + column);
-          if (bias_data != nullptr) {
-            gate = _mm512_add_ps(gate, _mm512_loadu_ps(gate_bias + column));
-            up = _mm512_add_ps(up, _mm512_loadu_ps(up_bias + column));
+        const float* gate_bias = bias_data ? bias_data + pair * kGroupColumns : nullptr;
+        const float* up_bias = bias_data ? bias_data + d + pair * kGroupColumns : nullptr;
+        for (int64_t row = 0; row < chunk_rows; ++row) {
+          uint16_t* target = out_data + (chunk_begin + row) * d + pair * kGroupColumns;
+          for (int64_t column = 0; column < kGroupColumns; column += kBlockColumns) {
+            __m512 gate = _mm512_load_ps(results[0] + row * kGroupColumns + column);
+            __m512 up = _mm512_load_ps(results[1] + row * kGroupColumns + column);
+            if (bias_data != nullptr) {
+              gate = _mm512_add_ps(gate, _mm512_loadu_ps(gate_bias + column));
+              up = _mm512_add_ps(up, _mm512_loadu_ps(up_bias + column));
+            }
+            // The projection's rounding (store_row's), then the SiLU kernel's table and product, rounded as
+            // at::BFloat16 (ties to even, NaN -> 0x7FC0, subnormals kept).
+            const __m512i gate_bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(gate)));
+            const __m512 up_rounded = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
+            const __m512 silu =
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, silu_table, 2), 16));
+            const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + column), _mm512_cvtepi32_epi16(rounded));
           }
-          // The projection's rounding (store_row's), then the SiLU kernel's table and product, rounded as
-          // at::BFloat16 (ties to even, NaN -> 0x7FC0, subnormals kept).
-          const __m512i gate_bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(gate)));
-          const __m512 up_rounded = _mm512_castsi512_ps(
-              _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
-          const __m512 silu =
-              _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, silu_table, 2), 16));
-          const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + column), _mm512_cvtepi32_epi16(rounded));
         }
       }
-    }
-    if (configured_rows != 0) _tile_release();
+    });
   });
-#else
-  TORCH_CHECK(false, op, ": this build has no AVX-512VL");
 #endif
   return out;
 }
@@ -628,11 +804,14 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_unpack_weight(Tensor packed, int n, int k) -> Tensor");
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("amx_linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("amx_linear_first_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int num_columns) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int n, str products=\"auto\") -> Tensor");
+  m.def("amx_linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, int n, str products=\"auto\") -> "
+        "Tensor");
+  m.def("amx_linear_first_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int num_columns, "
+        "str products=\"auto\") -> Tensor");
   // No tensor arguments to dispatch on: a catch-all kernel.
   m.def("is_amx_linear_supported() -> bool", &is_amx_linear_supported);
+  m.def("amx_linear_products() -> str[]", &amx_linear_products);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

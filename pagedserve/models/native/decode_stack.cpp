@@ -54,7 +54,9 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       double, std::optional<int64_t>, int64_t)>
       decode_attention;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)> amx_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t,
+                                      c10::string_view)>
+      amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)> small_batch_linear;
 
   static const Kernels& get() {
@@ -74,7 +76,8 @@ struct Kernels {
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                 std::optional<int64_t>, int64_t)>(),
           find("pagedserve::amx_linear")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t)>(),
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t,
+                                c10::string_view)>(),
           find("pagedserve::small_batch_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>(),
       };
@@ -98,7 +101,7 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 // amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod), for a contiguous 2-D x.
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
                   const OptionalTensor& bias, int64_t output_size) {
-  if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size);
+  if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size, "auto");
   const bool is_small_batch = (kind == kSmallBatch || kind == kSmallBatchOneDnn) && x.size(0) <= kSmallBatchMaxRows;
   if (is_small_batch) return kernels.small_batch_linear.call(x, weight, bias);
   if (kind == kOneDnnPacked || kind == kSmallBatchOneDnn)
