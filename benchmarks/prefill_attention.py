@@ -1,10 +1,11 @@
-"""The prefill attention kernel ('cpu_native', bfloat16; AMX or AVX512-BF16) against torch_paged's SDPA path, one layer.
+"""The prefill attention kernel ('cpu_native'; bf16 on AMX or AVX512-BF16, fp32 on FMA) against torch_paged's SDPA
+path, one layer.
 
 One fresh prompt of each length (SmolLM2-135M attention: 9 heads over 3 KV heads, head_dim 64, block size 16,
 shuffled blocks), plus a recipe-A-like step of several prompts (2048 tokens). Both run through the backends'
 `forward` with the same K/V write, interleaved, best of --repeats; prints ms per layer and the ratio.
 
-    python benchmarks/prefill_attention.py [--lengths 128 288 512 2048] [--repeats 10]
+    python benchmarks/prefill_attention.py [--dtype bfloat16|float32] [--lengths 128 288 512 2048] [--repeats 10]
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pagedserve.attention.torch_paged import TorchPagedAttentionBackend  # noqa:
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def prefill_step(prompt_lens: list[int], seed: int = 0):
+def prefill_step(prompt_lens: list[int], dtype: torch.dtype, seed: int = 0):
     """query/key/value, a KV cache with shuffled blocks and the metadata of one step of fresh prompts."""
     rng = random.Random(seed)
     blocks_per_request = [-(-n // BLOCK_SIZE) for n in prompt_lens]
@@ -47,16 +48,17 @@ def prefill_step(prompt_lens: list[int], seed: int = 0):
         max_query_len=max(prompt_lens), max_seq_len=max(prompt_lens), num_decodes=0, num_decode_tokens=0,
         query_start_loc_cpu=starts, seq_lens_cpu=list(prompt_lens), block_size=BLOCK_SIZE)
     generator = torch.Generator().manual_seed(seed)
-    kv_cache = torch.zeros(2, len(block_ids) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    kv_cache = torch.zeros(2, len(block_ids) + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
 
     def random_rows(heads: int) -> torch.Tensor:
-        return torch.randn(num_tokens, heads, HEAD_DIM, generator=generator).to(torch.bfloat16)
+        return torch.randn(num_tokens, heads, HEAD_DIM, generator=generator).to(dtype)
 
     return random_rows(NUM_HEADS), random_rows(NUM_KV_HEADS), random_rows(NUM_KV_HEADS), kv_cache, metadata
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 288, 512, 2048])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -69,7 +71,7 @@ def main() -> None:
     cases.append((mixed, f"{len(mixed)} prompts, {sum(mixed)} tokens"))
     print(f"{'step':<28} {'torch_paged ms':>15} {'cpu_native ms':>14} {'ratio':>7}")
     for prompt_lens, label in cases:
-        inputs = prefill_step(prompt_lens)
+        inputs = prefill_step(prompt_lens, getattr(torch, args.dtype))
         best = {name: float("inf") for name in backends}
         for _ in range(args.repeats):
             for name, backend in backends.items():

@@ -5,12 +5,13 @@ Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve
 the KV bytes instead of torch_paged's gather + SDPA (three passes). The step's K/V write goes to
 `pagedserve::reshape_and_cache`: one call for K and V that reads the (strided, fused-QKV) rows in place and
 converts the dtype on the way, instead of two `.to()` copies and two index_copy_ calls; its result is
-bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX or AVX512-BF16, the bfloat16 prefill chunks and
-multi-token steps go to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention.cpp): one call
-for all of a step's prefills, flash attention reading K/V in place, its products on AMX tiles or VDPBF16PS dot
-products (ATen's CPU flash attention ran at ~0.15 TFLOPS on SmolLM2's prompts with AMX, ~0.05 without).
-Everything else (float32 prefills, head dims that are not multiples of
-64, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so torch_paged stays the oracle.
+bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX or AVX512-BF16, the prefill chunks and multi-token
+steps (bfloat16 or float32) go to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention.cpp):
+one call for all of a step's prefills, flash attention reading K/V in place, its products on AMX tiles or
+VDPBF16PS dot products in bfloat16 and FMA in float32 (ATen's CPU flash attention ran at ~0.15 TFLOPS on
+SmolLM2's bf16 prompts with AMX, ~0.05 without, and ~0.05 in float32). Everything else (head dims that are not
+multiples of 64, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so torch_paged stays
+the oracle.
 
 The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
 opaque nodes. Each decode's result depends only on that request (fixed context partitions, fixed
@@ -79,14 +80,15 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                             sliding_window: int | None = None, products: str = "auto") -> torch.Tensor:
-    """Causal attention of several requests' new tokens over their paged contexts (bfloat16).
+    """Causal attention of several requests' new tokens over their paged contexts (bfloat16 or float32).
 
-    query [num_tokens, num_heads, head_dim] bfloat16 (heads contiguous, any row stride; head_dim a multiple of
-    64 up to 256), kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (contiguous, already
-    holding the new tokens' K/V), block_table [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] int32
-    (request r owns query rows query_start_loc[r]:query_start_loc[r + 1], its last tokens). Returns
-    [num_tokens, num_heads, head_dim] bfloat16. `products`: the unit for both products, 'amx', 'avx512_bf16' or
-    'auto' (AMX where usable, else AVX512-BF16); prefill_attention_products() lists the available ones.
+    query [num_tokens, num_heads, head_dim] bfloat16 or float32 (heads contiguous, any row stride; head_dim a
+    multiple of 64 up to 256), kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] of the same dtype
+    (contiguous, already holding the new tokens' K/V), block_table [R, max_blocks], seq_lens [R] and
+    query_start_loc [R + 1] int32 (request r owns query rows query_start_loc[r]:query_start_loc[r + 1], its last
+    tokens). Returns [num_tokens, num_heads, head_dim] in the query's dtype. `products`: the unit for both
+    products, 'amx' or 'avx512_bf16' (bfloat16), 'avx512_fp32' (float32) or 'auto' (float32: 'avx512_fp32';
+    bfloat16: AMX where usable, else AVX512-BF16); prefill_attention_products() lists the available ones.
     RuntimeError where the kernels or the unit are unavailable.
     """
     if not _fake_registered:
@@ -103,18 +105,27 @@ def is_prefill_attention_available() -> bool:
 
 
 def prefill_attention_products() -> list[str]:
-    """The prefill kernel's product units usable here, preferred first ('amx', 'avx512_bf16'); [] without the
-    native library."""
+    """The prefill kernel's product units usable here: the bfloat16 ones preferred first ('amx', 'avx512_bf16'),
+    then 'avx512_fp32' (float32); [] without the native library."""
     if not is_native_extension_available():
         return []
     return list(torch.ops.pagedserve.prefill_attention_products())
 
 
-def can_use_prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether paged_prefill_attention takes these tensors (bfloat16 query and cache, head_dim a multiple of
-    64 up to 256, heads contiguous); the caller also checks is_prefill_attention_available()."""
+def prefill_kernel_dtypes() -> frozenset[torch.dtype]:
+    """The query/cache dtypes the prefill kernel has a unit for here."""
+    units = prefill_attention_products()
+    dtypes = {torch.bfloat16} if {"amx", "avx512_bf16"} & set(units) else set()
+    if "avx512_fp32" in units:
+        dtypes.add(torch.float32)
+    return frozenset(dtypes)
+
+
+def can_use_prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor, dtypes: frozenset[torch.dtype]) -> bool:
+    """Whether paged_prefill_attention takes these tensors (query and cache of one dtype in `dtypes`, from
+    prefill_kernel_dtypes(); head_dim a multiple of 64 up to 256, heads contiguous)."""
     head_dim = query.shape[-1]
-    return (query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and head_dim % 64 == 0
+    return (query.dtype in dtypes and kv_cache.dtype == query.dtype and head_dim % 64 == 0
             and head_dim <= 256 and query.stride(-1) == 1 and query.stride(-2) == head_dim)
 
 
@@ -140,7 +151,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
-    """torch_paged with the K/V write, the decodes and (AMX or AVX512-BF16, bfloat16) the prefills done by the native
+    """torch_paged with the K/V write, the decodes and (AMX or AVX512-BF16) the prefills done by the native
     kernels (CPU tensors only)."""
 
     name = "cpu_native"
@@ -148,7 +159,7 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
     def __init__(self) -> None:
         load_native_extension()  # RuntimeError naming the cause when the kernels cannot be built
         _register_fake()
-        self.has_prefill_kernel = is_prefill_attention_available()
+        self.prefill_dtypes = prefill_kernel_dtypes() if is_prefill_attention_available() else frozenset()
 
     def forward(
         self,
@@ -196,7 +207,7 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
         sliding_window: int | None,
         output: torch.Tensor,
     ) -> None:
-        if not (self.has_prefill_kernel and can_use_prefill_kernel(query, kv_cache)):
+        if not can_use_prefill_kernel(query, kv_cache, self.prefill_dtypes):
             super()._forward_prefills(query, key, value, kv_cache, metadata, scale, sliding_window, output)
             return
         num_decodes, num_seqs = metadata.num_decodes, metadata.num_seqs

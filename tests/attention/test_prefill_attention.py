@@ -1,11 +1,12 @@
-"""The prefill attention kernel (cpu_native's bfloat16 prefills) against dense float64 attention and torch_paged.
+"""The prefill attention kernel (cpu_native's prefills) against dense float64 attention and torch_paged.
 
-Kernel level, on each product unit this CPU has (AMX tiles, AVX512-BF16 dot products): fresh prompts and chunks
-behind cached prefixes, lengths at the tile (16) and chunk (128) edges, GQA ratios 1/3/4, head_dim 64/128/256, block
-sizes 16/32, sliding windows; a request's rows bitwise the same alone, inside a batch and at 1 or 2 threads; strided
-(fused-QKV) queries; errors. Backend level: the kernel runs for bfloat16 (counted) and not for float32, mixed decode
-+ prefill + padding steps agree with torch_paged. End to end: a bfloat16 engine's logprobs with chunked prefill and
-prefix caching as close to a float32 run as the torch_paged backend's.
+Kernel level, on each product unit this CPU has (AMX tiles and AVX512-BF16 dot products for bfloat16, FMA for
+float32): fresh prompts and chunks behind cached prefixes, lengths at the tile (16) and chunk (128) edges, GQA ratios
+1/3/4, head_dim 64/128/256, block sizes 16/32, sliding windows; a request's rows bitwise the same alone, inside a
+batch and at 1 or 2 threads; strided (fused-QKV) queries; errors. Backend level: the kernel runs for bfloat16 and
+float32 (counted) and not for other head dims, mixed decode + prefill + padding steps agree with torch_paged. End to
+end: a bfloat16 engine's logprobs with chunked prefill and prefix caching as close to a float32 run as the
+torch_paged backend's; a float32 engine's greedy tokens the same as torch_paged's.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def prefill_kernel() -> None:
         pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16: the prefill kernel is not used")
 
 
-@pytest.fixture(params=["amx", "avx512_bf16"])
+@pytest.fixture(params=["amx", "avx512_bf16", "avx512_fp32"])
 def products(request) -> str:
     """Each product unit of the kernel, where this build and process can run it."""
     if request.param not in cpu_native.prefill_attention_products():
@@ -37,11 +38,16 @@ def products(request) -> str:
     return request.param
 
 
+def _dtype_of(products: str) -> torch.dtype:
+    """The inputs' dtype a unit takes ('auto': bfloat16)."""
+    return torch.float32 if products == "avx512_fp32" else BF16
+
+
 def _prefill_inputs(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                    block_size: int, seed: int = 0):
+                    block_size: int, seed: int = 0, dtype: torch.dtype = BF16):
     """A step of prefills only: their K/V already written into the cache, and the kernel's int32 inputs."""
     query, key, value, kv_cache, metadata = _step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                                                  BF16, seed=seed)
+                                                  dtype, seed=seed)
     num_tokens = metadata.num_actual_tokens
     kv_cache.view(2, -1, num_kv_heads, head_dim)[0, metadata.slot_mapping[:num_tokens]] = key[:num_tokens]
     kv_cache.view(2, -1, num_kv_heads, head_dim)[1, metadata.slot_mapping[:num_tokens]] = value[:num_tokens]
@@ -70,19 +76,21 @@ def _float64_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_row: t
 
 def _check_against_float64(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
                            sliding_window=None, seed=0, products="auto") -> None:
+    dtype = _dtype_of(products)
     query, kv_cache, metadata = _prefill_inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
-                                                seed)
+                                                seed, dtype)
     scale = head_dim ** -0.5
     actual = paged_prefill_attention(query, kv_cache, metadata.block_table, metadata.seq_lens,
                                      metadata.query_start_loc, scale, sliding_window, products)
-    assert actual.shape == query.shape and actual.dtype == BF16
+    assert actual.shape == query.shape and actual.dtype == dtype
+    # bf16: output (2^-9 relative) and P rounded to bf16 before the second product; float32: fp32 sums only.
+    tolerance = 1e-2 if dtype == BF16 else 2e-5
     starts = metadata.query_start_loc_cpu
     for index, seq_len in enumerate(seq_lens):
         rows = slice(starts[index], starts[index + 1])
         expected = _float64_attention(query[rows], kv_cache, metadata.block_table[index], seq_len, scale,
                                       sliding_window)
-        # bf16 output (2^-9 relative) and P rounded to bf16 before the second product.
-        torch.testing.assert_close(actual[rows].double(), expected, atol=1e-2, rtol=1e-2,
+        torch.testing.assert_close(actual[rows].double(), expected, atol=tolerance, rtol=tolerance,
                                    msg=lambda m: f"request {index} (q_len {query_lens[index]}, seq_len {seq_len}): {m}")
 
 
@@ -119,7 +127,7 @@ def test_rows_are_the_same_in_any_batch_and_thread_count(products) -> None:
     rng = random.Random(3)
     query_lens = [rng.randint(1, 300) for _ in range(8)]
     seq_lens = [q + rng.choice([0, 0, 5, 140]) for q in query_lens]
-    query, kv_cache, metadata = _prefill_inputs(query_lens, seq_lens, 9, 3, 64, 16, seed=3)
+    query, kv_cache, metadata = _prefill_inputs(query_lens, seq_lens, 9, 3, 64, 16, seed=3, dtype=_dtype_of(products))
     starts = metadata.query_start_loc_cpu
 
     def run(members: list[int]) -> list[torch.Tensor]:
@@ -147,20 +155,22 @@ def test_rows_are_the_same_in_any_batch_and_thread_count(products) -> None:
 
 
 def test_strided_query_from_fused_qkv(products) -> None:
-    query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16)
-    fused = torch.cat([query.flatten(1), torch.zeros(query.shape[0], 256, dtype=BF16)], dim=1)
+    dtype = _dtype_of(products)
+    query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16, dtype=dtype)
+    fused = torch.cat([query.flatten(1), torch.zeros(query.shape[0], 256, dtype=dtype)], dim=1)
     query_view = fused[:, :6 * 64].view(-1, 6, 64)
     assert not query_view.is_contiguous()
     args = (kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None, products)
     assert torch.equal(paged_prefill_attention(query_view, *args), paged_prefill_attention(query, *args))
 
 
-def test_auto_takes_the_first_available_unit() -> None:
+def test_auto_takes_the_first_available_unit_of_the_dtype() -> None:
     available = cpu_native.prefill_attention_products()
-    assert available and set(available) <= {"amx", "avx512_bf16"}
-    query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16)
-    args = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None)
-    assert torch.equal(paged_prefill_attention(*args), paged_prefill_attention(*args, available[0]))
+    assert available and set(available) <= {"amx", "avx512_bf16", "avx512_fp32"} and available[-1] == "avx512_fp32"
+    for dtype, unit in ((BF16, available[0]), (torch.float32, "avx512_fp32")):
+        query, kv_cache, metadata = _prefill_inputs([40, 70], [40, 200], 6, 2, 64, 16, dtype=dtype)
+        args = (query, kv_cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0.125, None)
+        assert torch.equal(paged_prefill_attention(*args), paged_prefill_attention(*args, unit))
 
 
 def test_units_agree_where_both_run() -> None:
@@ -176,8 +186,8 @@ def test_units_agree_where_both_run() -> None:
 def test_bad_inputs_raise_clear_errors() -> None:
     query, kv_cache, metadata = _prefill_inputs([20, 33], [20, 40], 4, 2, 64, 16)
     table, lens, starts = metadata.block_table, metadata.seq_lens, metadata.query_start_loc
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        paged_prefill_attention(query.float(), kv_cache, table, lens, starts, 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 with contiguous heads expected"):
+        paged_prefill_attention(query.half(), kv_cache, table, lens, starts, 0.1)
     with pytest.raises(RuntimeError, match="head_dim=32 must be a multiple of 64"):
         paged_prefill_attention(query[..., :32].contiguous(), kv_cache[..., :32].contiguous(), table, lens, starts, 0.1)
     with pytest.raises(RuntimeError, match="q_len <= seq_len"):
@@ -186,8 +196,15 @@ def test_bad_inputs_raise_clear_errors() -> None:
         paged_prefill_attention(query, kv_cache, table.long(), lens, starts, 0.1)
     with pytest.raises(RuntimeError, match="sliding_window=0 must be >= 1"):
         paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, 0)
-    with pytest.raises(RuntimeError, match="products must be 'auto', 'amx' or 'avx512_bf16', got 'tiles'"):
+    with pytest.raises(RuntimeError,
+                       match="products must be 'auto', 'amx', 'avx512_bf16' or 'avx512_fp32', got 'tiles'"):
         paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, None, "tiles")
+    with pytest.raises(RuntimeError, match="products='avx512_fp32' takes float32 inputs, got BFloat16"):
+        paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, None, "avx512_fp32")
+    with pytest.raises(RuntimeError, match="products='avx512_bf16' takes bfloat16 inputs, got Float"):
+        paged_prefill_attention(query.float(), kv_cache.float(), table, lens, starts, 0.1, None, "avx512_bf16")
+    with pytest.raises(RuntimeError, match=r"kv_cache .* of the query's dtype \(Float\) expected"):
+        paged_prefill_attention(query.float(), kv_cache, table, lens, starts, 0.1)
     if "amx" not in cpu_native.prefill_attention_products():
         with pytest.raises(RuntimeError, match="products='amx' is not available"):
             paged_prefill_attention(query, kv_cache, table, lens, starts, 0.1, None, "amx")
@@ -210,21 +227,23 @@ def kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("sliding_window", [None, 37])
-def test_backend_prefills_match_torch_paged(kernel_calls, sliding_window) -> None:
+def test_backend_prefills_match_torch_paged(kernel_calls, dtype, sliding_window) -> None:
     """Decodes first, then fresh prompts and chunks behind cached prefixes, then padding rows."""
     query_lens = [1, 1, 9, 20, 150, 1, 64]
     seq_lens = [40, 300, 9, 70, 150, 33, 600]
-    query, key, value, kv_cache, metadata = _step(query_lens, seq_lens, 9, 3, 64, 16, BF16, num_padding_tokens=3)
+    query, key, value, kv_cache, metadata = _step(query_lens, seq_lens, 9, 3, 64, 16, dtype, num_padding_tokens=3)
     expected = TorchPagedAttentionBackend().forward(query, key, value, kv_cache.clone(), metadata, 0.125,
                                                     sliding_window)
     actual = CpuNativeAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.125, sliding_window)
     assert kernel_calls == [1]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    tolerance = 1e-2 if dtype == BF16 else 2e-5
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert torch.all(actual[-3:] == 0)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (BF16, 80)], ids=["float32", "head_dim80"])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 80), (BF16, 80)], ids=["float32", "bfloat16"])
 def test_other_prefills_take_the_torch_paged_path(kernel_calls, dtype, head_dim) -> None:
     query, key, value, kv_cache, metadata = _step([1, 30, 50], [20, 30, 90], 4, 2, head_dim, 16, dtype)
     expected = TorchPagedAttentionBackend().forward(query, key, value, kv_cache.clone(), metadata, 0.1)
@@ -279,3 +298,32 @@ def test_bfloat16_engine_logprobs_close_to_float32(tiny_model_dir, kind: str, ke
     native_deviation, num_steps = _max_logprob_deviation(reference, native)
     assert num_steps >= 100
     assert native_deviation <= max(0.1, 1.5 * sdpa_deviation), (native_deviation, sdpa_deviation)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_float32_engine_greedy_tokens_equal_torch_paged(tiny_model_dir, kind: str, kernel_calls) -> None:
+    """float32 engine, chunked prefill (64-token steps) and prefix caching: the kernel's prefills give the same
+    greedy tokens over 40 steps as the torch_paged backend (its own reference), and logprobs within fp32 noise."""
+    from pagedserve import LLM, SamplingParams
+
+    folder = tiny_model_dir(kind, dtype=torch.float32, hidden_size=256, head_dim=64)
+    rng = random.Random(7)
+    shared = [rng.randrange(8, 400) for _ in range(80)]
+    prompts = [shared + [rng.randrange(8, 400) for _ in range(rng.randint(3, 70))] for _ in range(3)]
+    prompts += [[rng.randrange(8, 400) for _ in range(n)] for n in (5, 17, 130)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3)
+
+    def run(backend: str):  # type: ignore[no-untyped-def]
+        llm = LLM(folder, dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64,
+                  enable_prefix_caching=True, attention_backend=backend)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    reference = run("torch_paged")
+    assert kernel_calls == []
+    native = run("cpu_native")
+    assert len(kernel_calls) >= 2 * 2, "chunked prefills of both layers must run on the kernel"
+    for expected, actual in zip(reference, native):
+        assert actual.outputs[0].token_ids == expected.outputs[0].token_ids
+        for expected_step, actual_step in zip(expected.outputs[0].logprobs, actual.outputs[0].logprobs):
+            for token, logprob in expected_step.items():
+                assert abs(actual_step[token].logprob - logprob.logprob) < 1e-3

@@ -1,13 +1,14 @@
-// Paged prefill attention for bfloat16: flash attention for the multi-token requests of a step, its two products
-// on AMX tiles or on AVX512-BF16 dot products (VDPBF16PS).
+// Paged prefill attention for bfloat16 and float32: flash attention for the multi-token requests of a step, its two
+// products on AMX tiles or on AVX512-BF16 dot products (VDPBF16PS) in bf16, on fp32 FMA in float32.
 //
-// Op: pagedserve::paged_prefill_attention(query [num_tokens, num_heads, head_dim] bf16,
-//       kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] bf16, block_table [num_requests, *] int32,
-//       seq_lens [num_requests] int32, query_start_loc [num_requests + 1] int32, scale, sliding_window?,
-//       products = "auto")
-//     -> out [num_tokens, num_heads, head_dim] bf16
-// `products` picks the unit: "amx", "avx512_bf16", or "auto" (AMX where the process may use it, else AVX512-BF16).
-// Op: pagedserve::prefill_attention_products() -> the units this build and process can use ([] when none).
+// Op: pagedserve::paged_prefill_attention(query [num_tokens, num_heads, head_dim] bf16 or fp32,
+//       kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] (the query's dtype),
+//       block_table [num_requests, *] int32, seq_lens [num_requests] int32, query_start_loc [num_requests + 1] int32,
+//       scale, sliding_window?, products = "auto")
+//     -> out [num_tokens, num_heads, head_dim] (the query's dtype)
+// `products` picks the unit: "amx" or "avx512_bf16" (bf16), "avx512_fp32" (fp32), or "auto" (fp32: avx512_fp32;
+// bf16: AMX where the process may use it, else AVX512-BF16). The float32 unit is built with the bf16 ones (an
+// AVX512-BF16 build). Op: pagedserve::prefill_attention_products() -> the units this build and process can use.
 //
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]): its last q_len tokens, at positions
 // seq_len - q_len .. seq_len - 1, whose K/V are already in the cache (the step writes K/V first). Query position p
@@ -35,8 +36,10 @@
 //      vector, so S lanes are keys: 4 query rows x 4 key blocks of accumulators, a broadcast query dim pair per
 //      row, no horizontal sums. A V tile row (a key pair of 16 dims) is one vector: 4 rows x 4 dim blocks, a
 //      broadcast P key pair per row, accumulating straight into the rescaled accumulator.
+//    - float32: the same register blocks on fp32 vectors: K packed as one vector of 16 keys per dim, V as plain
+//      rows, P kept in fp32 (FloatProducts).
 //
-// Numerics: fp32 accumulation everywhere, P in bf16 for the second product (as ATen's bf16 flash attention).
+// Numerics: fp32 accumulation everywhere, P in bf16 for the second product in bf16 (as ATen's bf16 flash attention).
 // A row's result depends only on its request and the unit (chunking is aligned on the request's context, sums run
 // in key order): batch invariant and independent of the thread count, but not bitwise SDPA's, and the two units
 // round their sums differently.
@@ -75,12 +78,15 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr const char* kAmxProducts = "amx";
 constexpr const char* kDotProducts = "avx512_bf16";
+constexpr const char* kFloatProducts = "avx512_fp32";  // float32 inputs (FMA on fp32 vectors)
 
+// bfloat16 units first (preferred first), then the float32 one.
 std::vector<std::string> prefill_attention_products() {
   std::vector<std::string> units;
   if (pagedserve_native::is_amx_usable()) units.emplace_back(kAmxProducts);
 #if defined(PAGEDSERVE_DPBF16)
   units.emplace_back(kDotProducts);
+  units.emplace_back(kFloatProducts);
 #endif
   return units;
 }
@@ -91,14 +97,17 @@ bool is_prefill_attention_supported() { return !prefill_attention_products().emp
 
 using bf16 = at::BFloat16;
 
-// One (request, KV head): where its visible keys start and where its packed tiles live.
+// One (request, KV head): where its visible keys start and where its packed keys and values live: per chunk,
+// kChunkKeys * head_dim elements of each (bf16: kChunkKeyBlocks * (head_dim / 32) K tiles and kChunkKeySteps *
+// (head_dim / 16) V tiles; float32: see FloatProducts).
+template <typename Element>
 struct Span {
   int64_t request;
   int64_t kv_head;
   int64_t first_key;   // absolute position of packed key 0
   int64_t num_chunks;  // of kChunkKeys keys
-  bf16* keys;          // num_chunks * kChunkKeyBlocks * (head_dim / 32) tiles
-  bf16* values;        // num_chunks * kChunkKeySteps * (head_dim / 16) tiles
+  Element* keys;
+  Element* values;
 };
 
 // One tile of query positions of a span, all the group's query heads.
@@ -111,7 +120,7 @@ struct Item {
 // Packs keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head) as B tiles (see the
 // header): K tile (chunk, key block, dim step) and V tile (chunk, key step, dim block), each chunk's tiles in that
 // order.
-void pack_span(const Span& span, const bf16* cache_keys, const bf16* cache_values, const int32_t* block_row,
+void pack_span(const Span<bf16>& span, const bf16* cache_keys, const bf16* cache_values, const int32_t* block_row,
                int64_t seq_len, int64_t block_size, int64_t token_stride, int64_t head_dim) {
   const int64_t dim_steps = head_dim / kStep, dim_blocks = head_dim / kKeyBlock;
   const int64_t num_keys = span.num_chunks * kChunkKeys;
@@ -199,6 +208,8 @@ inline void chunk_values(const bf16* probabilities, const bf16* value_chunk, int
 
 // The AMX unit: tiles 0 A (query or P rows), 2-5 C (S blocks, or 4 dim blocks of P V), 6-7 B.
 struct AmxProducts {
+  using Element = bf16;
+  static constexpr auto pack = pack_span;
   static void begin_thread() { pagedserve_native::configure_tile_rows({16, 16, 16, 16, 16, 16, 16, 16}); }
   static void end_thread() { _tile_release(); }
   static void scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, int64_t num_keys,
@@ -224,6 +235,8 @@ struct AmxProducts {
 // The AVX512-BF16 unit: the packed tiles read as vectors (see the header). Blocks of 4 rows x 4 vectors keep 16
 // accumulators in registers, 8 loads (4 of them broadcasts) per 16 VDPBF16PS.
 struct DotProducts {
+  using Element = bf16;
+  static constexpr auto pack = pack_span;
   static constexpr int kRows = 4;     // query or P rows per register block
   static constexpr int kVectors = 4;  // key blocks (scores) or dim blocks (values) per register block
   static void begin_thread() {}
@@ -296,6 +309,101 @@ struct DotProducts {
   }
 };
 
+// The float32 unit: keys packed per block of 16 keys as head_dim rows of 16 keys (one vector per dim), values as
+// plain rows of head_dim (16 dims per vector); FMA against broadcast query dims and P values, in register blocks
+// of 4 rows x 4 vectors as DotProducts. P stays in fp32.
+struct FloatProducts {
+  using Element = float;
+  static constexpr int kRows = 4;
+  static constexpr int kVectors = 4;
+  static void begin_thread() {}
+  static void end_thread() {}
+
+  // Keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head): K block (chunk, key block) =
+  // head_dim x 16 keys, V = the keys' rows in order. Keys past the context are zero (finite) and masked.
+  static void pack(const Span<float>& span, const float* cache_keys, const float* cache_values,
+                   const int32_t* block_row, int64_t seq_len, int64_t block_size, int64_t token_stride,
+                   int64_t head_dim) {
+    const int64_t num_keys = span.num_chunks * kChunkKeys;
+    for (int64_t key = 0; key < num_keys; ++key) {
+      const int64_t position = span.first_key + key;
+      float* key_base = span.keys + (key / kKeyBlock) * head_dim * kKeyBlock + key % kKeyBlock;
+      float* value_row = span.values + key * head_dim;
+      if (position >= seq_len) {
+        for (int64_t dim = 0; dim < head_dim; ++dim) key_base[dim * kKeyBlock] = 0.0f;
+        std::memset(value_row, 0, head_dim * sizeof(float));
+        continue;
+      }
+      const int64_t slot = static_cast<int64_t>(block_row[position / block_size]) * block_size + position % block_size;
+      const float* key_row = cache_keys + slot * token_stride;
+      for (int64_t dim = 0; dim < head_dim; ++dim) key_base[dim * kKeyBlock] = key_row[dim];
+      std::memcpy(value_row, cache_values + slot * token_stride, head_dim * sizeof(float));
+    }
+  }
+
+  // S (row stride kChunkKeys) for the chunk's first num_keys keys rounded up to 64, as DotProducts.
+  static void scores(const float* query_tile, const float* key_chunk, int64_t head_dim, int64_t num_keys,
+                     float* scores) {
+    const int64_t block_values = head_dim * kKeyBlock;
+    for (int64_t first_block = 0; first_block * kKeyBlock < num_keys; first_block += kVectors) {
+      const float* blocks = key_chunk + first_block * block_values;
+      for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
+        __m512 sums[kRows][kVectors];
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
+        const float* rows = query_tile + first_row * head_dim;
+        for (int64_t dim = 0; dim < head_dim; ++dim) {
+          __m512 keys[kVectors];
+          for (int v = 0; v < kVectors; ++v) keys[v] = _mm512_load_ps(blocks + v * block_values + dim * kKeyBlock);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512 query = _mm512_set1_ps(rows[r * head_dim + dim]);
+            for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(query, keys[v], sums[r][v]);
+          }
+        }
+        for (int r = 0; r < kRows; ++r)
+          for (int v = 0; v < kVectors; ++v)
+            _mm512_store_ps(scores + (first_row + r) * kChunkKeys + (first_block + v) * kKeyBlock, sums[r][v]);
+      }
+    }
+  }
+
+  // accumulator[r] = accumulator[r] * rescale[r] + P[r] . V over the chunk's first num_keys keys, as DotProducts.
+  static void values(const float* probabilities, const float* value_chunk, int64_t head_dim, int64_t num_keys,
+                     const float* rescale, float* accumulator) {
+    const int64_t dim_blocks = head_dim / kKeyBlock;
+    for (int64_t first_dim_block = 0; first_dim_block < dim_blocks; first_dim_block += kVectors) {
+      for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
+        __m512 sums[kRows][kVectors];
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 factor = _mm512_set1_ps(rescale[first_row + r]);
+          const float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + v * kKeyBlock), factor);
+        }
+        const float* rows = probabilities + first_row * kChunkKeys;
+        for (int64_t key = 0; key < num_keys; ++key) {
+          const float* value_row = value_chunk + key * head_dim + first_dim_block * kKeyBlock;
+          __m512 values[kVectors];
+          for (int v = 0; v < kVectors; ++v) values[v] = _mm512_load_ps(value_row + v * kKeyBlock);
+          for (int r = 0; r < kRows; ++r) {
+            const __m512 p = _mm512_set1_ps(rows[r * kChunkKeys + key]);
+            for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(p, values[v], sums[r][v]);
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
+          float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(acc + v * kKeyBlock, sums[r][v]);
+        }
+      }
+    }
+  }
+};
+
+// 16 probabilities or outputs stored as the unit's element type: fp32 as is, bf16 rounded to nearest even.
+inline void store_lanes(float* target, __m512 values) { _mm512_storeu_ps(target, values); }
+inline void store_lanes(bf16* target, __m512 values) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(target), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values)));
+}
+
 // exp(x) for x <= 0 as 2^(x log2 e): n = round, 2^f (|f| <= 1/2) by its degree-6 Taylor polynomial (relative error
 // ~1e-7, far below the bf16 rounding P gets). x < -87 (masked keys: -inf) gives exactly 0.
 inline __m512 softmax_exp(__m512 x) {
@@ -322,12 +430,14 @@ struct SoftmaxState {
   alignas(64) float row_sums[kTileRows * 16];
 };
 
-// Turns one chunk's raw scores (16 x kChunkKeys fp32, overwritten) into P in bf16, updating `state`: scale, mask
+// Turns one chunk's raw scores (16 x kChunkKeys fp32, overwritten) into P (bf16, or fp32 for the float32 unit),
+// updating `state`: scale, mask
 // (row r sees keys k <= positions[r], and k > positions[r] - window), online softmax. Only the chunk's first
 // num_keys keys (a multiple of 32) are read and written: the keys after them are hidden from every row, their P is
 // zero and the value product skips them.
+template <typename Element>
 void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const int64_t* positions, float scale,
-                   std::optional<int64_t> sliding_window, SoftmaxState& state, bf16* probabilities) {
+                   std::optional<int64_t> sliding_window, SoftmaxState& state, Element* probabilities) {
   const int kParts = static_cast<int>(num_keys / 16);
   static_assert(kTileRows == 16, "the per-row state is handled as one 16-lane vector");
   const float negative_infinity = -std::numeric_limits<float>::infinity();
@@ -375,14 +485,14 @@ void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const in
   // Pass 2, per row: P = exp(s - max) in bf16, and the running sums.
   for (int64_t row = 0; row < kTileRows; ++row) {
     const float* s = scores + row * kChunkKeys;
-    bf16* p = probabilities + row * kChunkKeys;
+    Element* p = probabilities + row * kChunkKeys;
     // An unseen row's scores are all -inf: any finite shift gives P = 0.
     const __m512 shift = _mm512_set1_ps(state.row_max[row] == negative_infinity ? 0.0f : state.row_max[row]);
     __m512 sum = _mm512_mul_ps(_mm512_load_ps(state.row_sums + row * 16), _mm512_set1_ps(state.rescale[row]));
     for (int part = 0; part < kParts; ++part) {
       const __m512 e = softmax_exp(_mm512_sub_ps(_mm512_load_ps(s + part * 16), shift));
       sum = _mm512_add_ps(sum, e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p + part * 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+      store_lanes(p + part * 16, e);
     }
     _mm512_store_ps(state.row_sums + row * 16, sum);
   }
@@ -396,18 +506,19 @@ void chunk_softmax(float* scores, int64_t chunk_base, int64_t num_keys, const in
 // of the kernel's samples sat on that first product); the next chunk's tile work now fills that wait. The
 // dot-product unit has no such wait and takes the same order.
 template <typename Products>
-void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positions, int64_t num_rows,
-                 int64_t first_chunk, int64_t last_chunk, int64_t head_dim, float scale,
-                 std::optional<int64_t> sliding_window, bf16* out, int64_t out_stride) {
+void attend_tile(const Span<typename Products::Element>& span, const typename Products::Element* query_tile,
+                 const int64_t* positions, int64_t num_rows, int64_t first_chunk, int64_t last_chunk, int64_t head_dim,
+                 float scale, std::optional<int64_t> sliding_window, typename Products::Element* out,
+                 int64_t out_stride) {
+  using Element = typename Products::Element;
   alignas(64) float scores[2][kTileRows * kChunkKeys];
-  alignas(64) bf16 probabilities[kTileRows * kChunkKeys];
+  alignas(64) Element probabilities[kTileRows * kChunkKeys];
   alignas(64) float accumulator[kTileRows * kMaxHeadDim];
   SoftmaxState state;
   std::fill(state.row_max, state.row_max + kTileRows, -std::numeric_limits<float>::infinity());
   std::fill(state.row_sums, state.row_sums + kTileRows * 16, 0.0f);
   std::fill(accumulator, accumulator + kTileRows * head_dim, 0.0f);
-  const int64_t key_chunk_values = kChunkKeyBlocks * (head_dim / kStep) * kTileValues;
-  const int64_t value_chunk_values = kChunkKeySteps * (head_dim / kKeyBlock) * kTileValues;
+  const int64_t key_chunk_values = kChunkKeys * head_dim, value_chunk_values = kChunkKeys * head_dim;
   const auto chunk_base = [&](int64_t chunk) { return span.first_key + chunk * kChunkKeys; };
   // The keys of a chunk that some row of the tile sees, from the chunk's start: all of them but in the last chunk,
   // which ends at the tile's last position (rounded up to 32 keys: a P V step). Causal tiles skip the products and
@@ -433,11 +544,9 @@ void attend_tile(const Span& span, const bf16* query_tile, const int64_t* positi
   for (int64_t row = 0; row < num_rows; ++row) {
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(state.row_sums + row * 16)));
     const float* acc = accumulator + row * head_dim;
-    bf16* target = out + row * out_stride;
+    Element* target = out + row * out_stride;
     for (int64_t dim = 0; dim < head_dim; dim += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + dim),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + dim),
-                                                                                      inverse))));
+      store_lanes(target + dim, _mm512_mul_ps(_mm512_load_ps(acc + dim), inverse));
   }
 }
 
@@ -446,6 +555,7 @@ template <typename Products>
 void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                      std::optional<int64_t> sliding_window, at::Tensor& out) {
+  using Element = typename Products::Element;
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t num_requests = seq_lens.size(0);
@@ -456,9 +566,8 @@ void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const 
               "must start at 0 and end at most at num_tokens=", num_tokens);
   // Spans and their packed tiles.
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t key_tile_values = kChunkKeyBlocks * (head_dim / kStep) * kTileValues;     // per chunk
-  const int64_t value_tile_values = kChunkKeySteps * (head_dim / kKeyBlock) * kTileValues;  // per chunk
-  std::vector<Span> spans;
+  const int64_t key_tile_values = kChunkKeys * head_dim, value_tile_values = kChunkKeys * head_dim;  // per chunk
+  std::vector<Span<Element>> spans;
   std::vector<Item> items;
   int64_t total_chunks = 0;
   for (int64_t request = 0; request < num_requests; ++request) {
@@ -485,39 +594,40 @@ void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const 
     }
   }
   at::Tensor packed = at::empty({total_chunks * (key_tile_values + value_tile_values)}, query.options());
-  bf16* cursor = packed.data_ptr<bf16>();
-  for (Span& span : spans) {
+  Element* cursor = packed.data_ptr<Element>();
+  for (Span<Element>& span : spans) {
     span.keys = cursor;
     cursor += span.num_chunks * key_tile_values;
     span.values = cursor;
     cursor += span.num_chunks * value_tile_values;
   }
-  const bf16* cache = kv_cache.data_ptr<bf16>();
+  const Element* cache = kv_cache.data_ptr<Element>();
   const int64_t token_stride = num_kv_heads * head_dim;
-  const bf16* cache_values = cache + num_blocks * block_size * token_stride;
+  const Element* cache_values = cache + num_blocks * block_size * token_stride;
   at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
-      const Span& span = spans[index];
+      const Span<Element>& span = spans[index];
       const int64_t offset = span.kv_head * head_dim;
-      pack_span(span, cache + offset, cache_values + offset, block_table.data_ptr<int32_t>() + span.request * max_blocks,
-                lens[span.request], block_size, token_stride, head_dim);
+      Products::pack(span, cache + offset, cache_values + offset,
+                     block_table.data_ptr<int32_t>() + span.request * max_blocks, lens[span.request], block_size,
+                     token_stride, head_dim);
     }
   });
   // Longest items first, taken from a shared counter: causal tiles differ in cost by up to the context length.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next_item{0};
-  const bf16* query_data = query.data_ptr<bf16>();
-  bf16* out_data = out.data_ptr<bf16>();
+  const Element* query_data = query.data_ptr<Element>();
+  Element* out_data = out.data_ptr<Element>();
   const int64_t query_stride = query.stride(0), out_stride = num_heads * head_dim;
   const float scale_float = static_cast<float>(scale);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Products::begin_thread();
-    alignas(64) bf16 query_tile[kTileRows * kMaxHeadDim];
+    alignas(64) Element query_tile[kTileRows * kMaxHeadDim];
     int64_t positions[kTileRows];
     for (int64_t index = next_item.fetch_add(1); index < static_cast<int64_t>(items.size());
          index = next_item.fetch_add(1)) {
       const Item& item = items[index];
-      const Span& span = spans[item.span];
+      const Span<Element>& span = spans[item.span];
       const int64_t seq_len = lens[span.request], row_begin = starts[span.request];
       const int64_t q_len = starts[span.request + 1] - row_begin;
       const int64_t first_row = item.tile * kTileRows;
@@ -532,7 +642,7 @@ void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const 
         for (int64_t row = 0; row < kTileRows; ++row)
           std::memcpy(query_tile + row * head_dim,
                       query_data + (row_begin + first_row + std::min(row, num_rows - 1)) * query_stride + head * head_dim,
-                      head_dim * sizeof(bf16));
+                      head_dim * sizeof(Element));
         attend_tile<Products>(span, query_tile, positions, num_rows, first_chunk, last_chunk, head_dim, scale_float,
                     sliding_window, out_data + (row_begin + first_row) * out_stride + head * head_dim, out_stride);
       }
@@ -548,17 +658,19 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                                    std::optional<int64_t> sliding_window, const std::string& products) {
   TORCH_CHECK(is_prefill_attention_supported(), "paged_prefill_attention: this build or process has neither AMX "
               "nor AVX512-BF16 (is_prefill_attention_supported() is False here)");
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
+  const bool is_float = query.scalar_type() == at::kFloat;
+  TORCH_CHECK(query.dim() == 3 && (query.scalar_type() == at::kBFloat16 || is_float) && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
-              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 with contiguous heads "
-              "expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
+              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 or float32 with contiguous "
+              "heads expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, "paged_prefill_attention: head_dim=", head_dim,
               " must be a multiple of 64 up to ", kMaxHeadDim);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim &&
-                  kv_cache.scalar_type() == at::kBFloat16 && kv_cache.is_contiguous(),
-              "paged_prefill_attention: a contiguous bfloat16 kv_cache [2, num_blocks, block_size, num_kv_heads, ",
-              head_dim, "] expected, got ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+                  kv_cache.scalar_type() == query.scalar_type() && kv_cache.is_contiguous(),
+              "paged_prefill_attention: a contiguous kv_cache [2, num_blocks, block_size, num_kv_heads, ", head_dim,
+              "] of the query's dtype (", query.scalar_type(), ") expected, got ", kv_cache.sizes(), " ",
+              kv_cache.scalar_type());
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_prefill_attention: num_heads=", num_heads,
               " must be a multiple of num_kv_heads=", num_kv_heads);
@@ -574,11 +686,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
               *sliding_window, " must be >= 1");
   at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
   const std::vector<std::string> units = prefill_attention_products();
-  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts,
-              "paged_prefill_attention: products must be 'auto', 'amx' or 'avx512_bf16', got '", products, "'");
-  const std::string unit = products == "auto" ? units.front() : products;
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts || products == kFloatProducts,
+              "paged_prefill_attention: products must be 'auto', 'amx', 'avx512_bf16' or 'avx512_fp32', got '",
+              products, "'");
+  const std::string unit = products != "auto" ? products : (is_float ? kFloatProducts : units.front());
   TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), "paged_prefill_attention: products='",
               products, "' is not available in this build or process (prefill_attention_products() lists what is)");
+  TORCH_CHECK(is_float == (unit == kFloatProducts), "paged_prefill_attention: products='", unit, "' takes ",
+              is_float ? "bfloat16" : "float32", " inputs, got ", query.scalar_type(), " (float32 runs on '",
+              kFloatProducts, "', bfloat16 on 'amx' or 'avx512_bf16')");
 #if defined(PAGEDSERVE_AMX)
   if (unit == kAmxProducts) {
     attend_prefills<AmxProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
@@ -586,7 +702,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   }
 #endif
 #if defined(PAGEDSERVE_DPBF16)
-  attend_prefills<DotProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
+  if (is_float)
+    attend_prefills<FloatProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window,
+                                   out);
+  else
+    attend_prefills<DotProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
 #endif
   return out;
 }
