@@ -50,8 +50,9 @@ FEATURES: tuple[Feature, ...] = (
                                                       "kernel reading K/V in place through the block table "
                                                       "(GQA-grouped, flash-decoding partitions, AVX-512 fp32, "
                                                       "AVX512-BF16 dot products for bf16), flash attention for "
-                                                      "bf16 prefills on AMX tiles or AVX512-BF16 dot products, "
-                                                      "native K/V write; batch invariant; "
+                                                      "bf16 prefills on AMX tiles or AVX512-BF16 dot products "
+                                                      "and fp32 prefills on FMA, native K/V write; batch "
+                                                      "invariant; "
                                                       "JIT-built, cached, torch_paged fallback",
         modules=("pagedserve.attention.cpu_native", "pagedserve.attention.cpu_native_extension"),
         knobs=("attention_backend",),

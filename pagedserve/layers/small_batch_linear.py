@@ -5,10 +5,12 @@ sustains. The native kernel (layers/native/small_batch_linear.cpp, built into th
 attention kernels) streams the plain [N, K] weight four rows at a time with software prefetch and reuses each
 weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
-M = 8; benchmarks/small_batch_linear.py). Batches above `MAX_ROWS` rows (prefill chunks, large decode
-batches) take F.linear, where MKL's blocking wins, on Intel CPUs; elsewhere they take oneDNN's GEMM on the same
-plain weight (it reorders the weight per call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower
-than that at 32-2048 rows and 1.65x slower for a 49152-column LM head at 64 rows (platforms/cpu_vendor.py).
+M = 8; benchmarks/small_batch_linear.py). On Intel CPUs batches above 16 rows (`INTEL_MAX_ROWS`: prefill
+chunks, large decode batches) take F.linear, where MKL's blocking wins. Elsewhere the kernel takes up to
+`MAX_ROWS` (128) rows, and larger batches take oneDNN's GEMM on the same plain weight (it reorders the weight per
+call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower than that at 32-2048 rows and 1.65x slower for a
+49152-column LM head at 64 rows (platforms/cpu_vendor.py), and the kernel, taking input rows five at a time, ran
+1.3x faster than oneDNN there at 24-64 rows and 1.12x at 128 (0.95x at 256) over SmolLM2-135M's 30 layers.
 
 The weights are not copied or moved: the layout is 'plain' with another compute method, so everything that
 reads `weight` keeps working. The LM head computes its logits the same way.
@@ -16,7 +18,7 @@ reads `weight` keeps working. The LM head computes its logits the same way.
 Numerics: a row's result depends only on K (fixed summation order, module docstring of the .cpp): batch and
 thread invariant by itself, but not bitwise equal to MKL's sgemm; float32 greedy decoding is tested equal to
 F.linear's. batch_invariant=True keeps F.linear everywhere (its mode reroutes F.linear to fixed row tiles,
-and a request must not change kernel as the batch grows past MAX_ROWS).
+and a request must not change kernel as the batch grows past native_max_rows()).
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ from pagedserve.layers.linear import LinearMethodBase
 from pagedserve.platforms.cpu_vendor import is_intel_cpu
 
 PLAIN_NATIVE_LAYOUT = "plain_native"
-# Largest batch (rows) the kernel takes; the op rejects more. Above it MKL's or oneDNN's GEMM is faster.
-MAX_ROWS = 16
+# Largest batch (rows) the kernel takes (the op rejects more); off Intel the batches up to it run there.
+MAX_ROWS = 128
+# On Intel CPUs batches above this many rows take MKL's sgemm (F.linear), faster there.
+INTEL_MAX_ROWS = 16
 
 # None: not checked yet; then whether the kernel is built, loaded and compiled with its AVX-512 path.
 _available: bool | None = None
@@ -57,16 +61,22 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _op(x, weight, bias)
 
 
+def native_max_rows() -> int:
+    """Rows up to which a batch takes the kernel: INTEL_MAX_ROWS on Intel CPUs, MAX_ROWS elsewhere."""
+    return INTEL_MAX_ROWS if is_intel_cpu() else MAX_ROWS
+
+
 def qualifies(x: torch.Tensor) -> bool:
-    """Whether x goes to the kernel: a 2-D float32 CPU batch of at most MAX_ROWS rows with unit column stride,
-    outside torch.compile tracing (inductor compiles F.linear itself)."""
-    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.stride(1) == 1 \
-        and x.is_cpu and not torch.compiler.is_compiling()
+    """Whether x goes to the kernel: a 2-D float32 CPU batch of at most native_max_rows() rows with unit column
+    stride, outside torch.compile tracing (inductor compiles F.linear itself)."""
+    # Tracing first: dynamo cannot trace native_max_rows' first call (it reads /proc/cpuinfo).
+    return not torch.compiler.is_compiling() and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 \
+        and x.is_cpu and x.shape[0] <= native_max_rows()
 
 
 def large_batches_on_onednn() -> bool:
-    """Whether batches above MAX_ROWS take oneDNN's GEMM (CPUs other than Intel's, with oneDNN) instead of
-    F.linear."""
+    """Whether batches above native_max_rows() take oneDNN's GEMM (CPUs other than Intel's, with oneDNN) instead
+    of F.linear."""
     return not is_intel_cpu() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
 
 
@@ -80,7 +90,7 @@ def large_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class SmallBatchLinearMethod(LinearMethodBase):
-    """Plain float32 weight; batches of <= MAX_ROWS rows on the native kernel, larger ones on
+    """Plain float32 weight; batches of <= native_max_rows() rows on the native kernel, larger ones on
     large_batch_linear."""
 
     layout = PLAIN_NATIVE_LAYOUT
@@ -97,6 +107,7 @@ class SmallBatchLinearMethod(LinearMethodBase):
 
 SMALL_BATCH_LINEAR_METHOD = SmallBatchLinearMethod()
 
-__all__ = ["MAX_ROWS", "PLAIN_NATIVE_LAYOUT", "SMALL_BATCH_LINEAR_METHOD", "SmallBatchLinearMethod",
-           "large_batch_linear", "large_batches_on_onednn", "qualifies", "small_batch_linear",
+__all__ = ["INTEL_MAX_ROWS", "MAX_ROWS", "PLAIN_NATIVE_LAYOUT", "SMALL_BATCH_LINEAR_METHOD",
+           "SmallBatchLinearMethod",
+           "large_batch_linear", "large_batches_on_onednn", "native_max_rows", "qualifies", "small_batch_linear",
            "small_batch_linear_available"]

@@ -16,9 +16,9 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   embedding (F.embedding needs the plain rows), so it gets a packed *copy*: the vocabulary table's bytes
   once more (56 MB for SmolLM2-135M) for a logits GEMM measured 1.3x faster at batch 1 and 1.6x at batch
   64 (docs/params-06-weight-loading.md).
-- 'plain_native' (CPU, float32): the plain weights, unchanged; batches of up to 16 rows (decode) run on a
-  native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on F.linear
-  (layers/small_batch_linear.py). The LM head too.
+- 'plain_native' (CPU, float32): the plain weights, unchanged; decode batches (up to 16 rows on Intel CPUs,
+  128 elsewhere) run on a native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on
+  F.linear (MKL) or oneDNN's GEMM off Intel (layers/small_batch_linear.py). The LM head too.
 - 'amx_packed' (CPU with AMX or AVX512-BF16, bfloat16): each weight is replaced by the native kernel's
   tile-blocked layout and every batch runs on that kernel (layers/amx_linear.py), its products on AMX tiles or,
   without AMX, on VDPBF16PS dot products: with AMX 1.4-1.5x oneDNN's packed GEMM at decode sizes, where a step
@@ -30,7 +30,7 @@ pure layout transform at load time, behind the linear-method seam of layers/line
   otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py); 'plain_native' on the
   CPU in float32 where the native kernel is built (in float32 the packed GEMM was slower at M = 1, the decode
   case: on AMD Zen 4 18.8 against the native kernel's 26.1 GB/s over 30 layers' weights, and batch-1 decode
-  reached 60% of the bandwidth roofline with it against 84%; batches above 16 rows there take oneDNN's GEMM on
+  reached 60% of the bandwidth roofline with it against 84%; batches above 128 rows there take oneDNN's GEMM on
   the plain weight, see layers/small_batch_linear.py); else 'plain': CUDA's cuBLAS reads [out, in] directly;
   batch_invariant=True needs the plain GEMMs its mode reroutes.
 

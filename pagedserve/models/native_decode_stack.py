@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 # linear_kind of the op, by the layers' linear method.
 LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
                                  OneDnnPrepackedLinearMethod: 3}
-# Kind 1 when batches above 16 rows take oneDNN's GEMM (small_batch_linear.large_batches_on_onednn).
+# Kind 1 off Intel: up to 128 rows on the kernel, oneDNN's GEMM above (small_batch_linear.large_batches_on_onednn).
 SMALL_BATCH_ONEDNN_KIND = 4
 # The kinds whose method computes with packed_weight_of(layer).
 _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])

@@ -30,7 +30,7 @@ def _tensor(*shape: int, seed: int) -> torch.Tensor:
 def test_matches_float64_reference_and_f_linear(k: int, n: int, with_bias: bool) -> None:
     weight = _tensor(n, k, seed=n * k) / k ** 0.5
     bias = _tensor(n, seed=7) if with_bias else None
-    for m in (1, 2, 3, 4, 5, 8, 13, 16):
+    for m in (1, 2, 3, 4, 5, 8, 13, 16, 17, 64, 128):
         x = _tensor(m, k, seed=m)
         actual = small_batch_linear(x, weight, bias)
         reference = x.double() @ weight.double().t() + (bias.double() if with_bias else 0)
@@ -67,8 +67,8 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() ->
 
 def test_errors_name_the_problem() -> None:
     weight = _tensor(8, 32, seed=6)
-    with pytest.raises(RuntimeError, match="M=17 exceeds 16"):
-        small_batch_linear(_tensor(17, 32, seed=1), weight, None)
+    with pytest.raises(RuntimeError, match="M=129 exceeds 128"):
+        small_batch_linear(_tensor(129, 32, seed=1), weight, None)
     with pytest.raises(RuntimeError, match="float32 x and weight expected"):
         small_batch_linear(_tensor(2, 32, seed=1).bfloat16(), weight.bfloat16(), None)
     with pytest.raises(RuntimeError, match="x has 31 columns, weight 32"):
@@ -77,7 +77,10 @@ def test_errors_name_the_problem() -> None:
         small_batch_linear(_tensor(2, 32, seed=1), weight, _tensor(7, seed=1))
 
 
-def test_method_uses_the_kernel_for_small_batches_and_f_linear_above(monkeypatch) -> None:
+@pytest.mark.parametrize("is_intel", [True, False], ids=["intel", "other"])
+def test_method_uses_the_kernel_for_small_batches_and_a_gemm_above(monkeypatch, is_intel: bool) -> None:
+    """Up to 16 rows on the kernel on Intel (MKL above), up to 128 elsewhere (oneDNN above)."""
+    monkeypatch.setattr(small_batch_module, "is_intel_cpu", lambda: is_intel)
     layer = ReplicatedLinear(48, 40, bias=True, params_dtype=torch.float32)
     with torch.no_grad():
         layer.weight.copy_(_tensor(40, 48, seed=8))
@@ -87,13 +90,15 @@ def test_method_uses_the_kernel_for_small_batches_and_f_linear_above(monkeypatch
     monkeypatch.setattr(small_batch_module, "_op", lambda *args: calls.append(args[0].shape[0]) or real_op(*args))
     assert apply_weight_layout(layer, "plain_native") == 1
     assert layer.linear_method is SMALL_BATCH_LINEAR_METHOD and weight_layout_of(layer) == {"plain_native": 1}
-    for m in (1, 16, 17, 64):
+    for m in (1, 16, 17, 64, 128, 129):
         x = _tensor(m, 48, seed=m)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     three_d = _tensor(2, 3, 48, seed=10)
     assert torch.equal(layer(three_d), F.linear(three_d, layer.weight, layer.bias))
-    assert torch.equal(layer(_tensor(17, 48, seed=17)), F.linear(_tensor(17, 48, seed=17), layer.weight, layer.bias))
-    assert calls == [1, 16]
+    if is_intel:
+        x = _tensor(17, 48, seed=17)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == ([1, 16] if is_intel else [1, 16, 17, 64, 128])
     assert restore_plain_layout(layer) == 1 and layer.linear_method is UNQUANTIZED_LINEAR_METHOD
 
 

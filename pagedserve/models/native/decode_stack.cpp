@@ -18,10 +18,9 @@
 //       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
 //       partition_size) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
-//   at::linear), 2 AMX-packed bfloat16 weights on amx_linear, 3 oneDNN-packed weights on
-//   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 with mkldnn::_linear_pointwise on the plain
-//   weight above 16 rows (small_batch_linear.py's large_batch_linear off Intel). Every M row is one decoding
-//   request.
+//   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
+//   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
+//   on the plain weight above (small_batch_linear.py off Intel). Every M row is one decoding request.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -34,7 +33,9 @@ namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;
-constexpr int64_t kSmallBatchMaxRows = 16;  // layers/small_batch_linear.py MAX_ROWS
+// layers/small_batch_linear.py native_max_rows(): kind 1 (Intel, MKL above) and kind 4 (elsewhere, oneDNN above).
+constexpr int64_t kSmallBatchMaxRows = 16;        // INTEL_MAX_ROWS
+constexpr int64_t kSmallBatchOneDnnMaxRows = 128;  // MAX_ROWS
 
 enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2, kOneDnnPacked = 3, kSmallBatchOneDnn = 4 };
 
@@ -102,7 +103,8 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
                   const OptionalTensor& bias, int64_t output_size) {
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size, "auto");
-  const bool is_small_batch = (kind == kSmallBatch || kind == kSmallBatchOneDnn) && x.size(0) <= kSmallBatchMaxRows;
+  const bool is_small_batch = (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) ||
+                              (kind == kSmallBatchOneDnn && x.size(0) <= kSmallBatchOneDnnMaxRows);
   if (is_small_batch) return kernels.small_batch_linear.call(x, weight, bias);
   if (kind == kOneDnnPacked || kind == kSmallBatchOneDnn)
     return onednn_linear().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
