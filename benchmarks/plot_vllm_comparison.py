@@ -26,7 +26,8 @@ def load(name: str) -> dict | list | None:
         return json.load(f)
 
 
-def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, ylabel: str) -> None:
+def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, ylabel: str,
+         is_log: bool = False) -> None:
     width = 0.8 / max(1, len(series))
     for index, (label, values) in enumerate(series.items()):
         positions = [g + index * width for g in range(len(groups))]
@@ -37,7 +38,11 @@ def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, yl
     axis.set_ylabel(ylabel, fontsize=8)
     # Headroom above the tallest bar keeps the legend off the bars.
     tallest = max((v for values in series.values() for v in values), default=0.0)
-    axis.set_ylim(0, tallest * 1.35 if tallest > 0 else 1.0)
+    if is_log:  # values spanning decades (serving latencies: tens of ms to seconds)
+        axis.set_yscale("log")
+        axis.set_ylim(top=tallest * 8 if tallest > 0 else 10.0)
+    else:
+        axis.set_ylim(0, tallest * 1.35 if tallest > 0 else 1.0)
     axis.legend(fontsize=7, ncols=2)
 
 
@@ -86,7 +91,7 @@ def main() -> None:
             series["vLLM TPOT p50"].append(theirs[rate]["tpot"]["p50"])
             series["pagedserve TTFT p50"].append(ours[rate]["ttft"]["p50"])
             series["vLLM TTFT p50"].append(theirs[rate]["ttft"]["p50"])
-    bars(axes[2], groups, series, "C. serving latency (lower is better)", "ms")
+    bars(axes[2], groups, series, "C. serving latency (lower is better; log scale)", "ms", is_log=True)
     figure.suptitle("pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model, 2 cores (AMD Zen 4 VM, no AMX)",
                     fontsize=10)
     figure.tight_layout()

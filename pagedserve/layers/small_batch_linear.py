@@ -7,10 +7,11 @@ weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the 
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
 M = 8; benchmarks/small_batch_linear.py). On Intel CPUs batches above 16 rows (`INTEL_MAX_ROWS`: prefill
 chunks, large decode batches) take F.linear, where MKL's blocking wins. Elsewhere the kernel takes up to
-`MAX_ROWS` (128) rows, and larger batches take oneDNN's GEMM on the same plain weight (it reorders the weight per
-call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower than that at 32-2048 rows and 1.65x slower for a
-49152-column LM head at 64 rows (platforms/cpu_vendor.py), and the kernel, taking input rows five at a time, ran
-1.3x faster than oneDNN there at 24-64 rows and 1.12x at 128 (0.95x at 256) over SmolLM2-135M's 30 layers.
+`MAX_ROWS` (128) rows, and larger batches take oneDNN's GEMM on the same plain weight (it reorders the weight
+per call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower than that at 32-2048 rows and 1.65x
+slower for a 49152-column LM head at 64 rows (platforms/cpu_vendor.py), and the kernel, taking input rows five
+at a time, ran 1.3x faster than oneDNN there at 24-64 rows and 1.12x at 128 (0.95x at 256) over SmolLM2-135M's
+30 layers.
 
 The weights are not copied or moved: the layout is 'plain' with another compute method, so everything that
 reads `weight` keeps working. The LM head computes its logits the same way.

@@ -1,6 +1,7 @@
 """weight_layout='amx_packed': the native tile-packed bfloat16 linear, on each product unit this CPU has (AMX tiles,
-AVX512-BF16 dot products), against a float64 reference, batch and thread invariance, the pack/unpack round trip, the layout transform on linear layers and LM heads, torch.compile, and
-the engine's logprobs against the plain layout."""
+AVX512-BF16 dot products), against a float64 reference, batch and thread invariance, the units against each other,
+the pack/unpack round trip, the layout transform on linear layers and LM heads, torch.compile, and the engine's
+logprobs against the plain layout."""
 from __future__ import annotations
 
 import random

@@ -28,22 +28,23 @@
 //   columns are split evenly between torch's intra-op threads; each thread configures its own tiles.
 // - On AMX, rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C
 //   tiles), then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows.
-//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block). Beyond
-//   one row block the weights are read from L2 again for every row block, so each row block also prefetches a share of
-//   the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows), into L2: the next group
-//   (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1, the 30 layers' linears
-//   ran 1.02-1.10x slower at 24-64 rows, interleaved).
+//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block).
+//   Beyond one row block the weights are read from L2 again for every row block, so each row block also
+//   prefetches a share of the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows),
+//   into L2: the next group (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1,
+//   the 30 layers' linears ran 1.02-1.10x slower at 24-64 rows, interleaved).
 // - Above 256 rows (prefill chunks) the weight is cut into panels of whole groups, up to kPanelWeightBytes each
 //   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1; 36 rows, six register blocks,
-//   for the dot products); the units (panel, chunk,
-//   block) run panel-major, split evenly between the threads, and nothing is prefetched (the panel is in L2).
-//   A chunk's row pair then reads its A tiles from L1 and the panel's B tiles from L2 instead of both from L2.
+//   for the dot products); the units (panel, chunk, block) run panel-major, split evenly between the threads,
+//   and nothing is prefetched (the panel is in L2). A chunk's row pair then reads its A tiles from L1 and the
+//   panel's B tiles from L2 instead of both from L2.
 //   The 30 layers of SmolLM2-135M at 2048 rows, interleaved with the 256-row chunking: 1.01-1.13x (median of
 //   per-round ratios over seven runs, 1.04x); gate_up alone 1.27x in a fast phase. At 257-511 rows the 256-row
 //   chunking also left one thread a short chunk: 320 rows ran 1.33x faster.
 // - One output element: TDPBF16PS (or VDPBF16PS, per lane) over the K steps in order into fp32, + bias in fp32,
-//   rounded to bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other rows or
-//   the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order).
+//   rounded to bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other
+//   rows or the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation
+//   order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
