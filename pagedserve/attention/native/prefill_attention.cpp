@@ -232,13 +232,46 @@ struct AmxProducts {
 };
 #endif  // PAGEDSERVE_AMX
 
+// The vector units' register block: kBlockRows query or P rows x kBlockVectors key blocks (scores) or dim blocks
+// (values) of 16 fp32 lanes.
+constexpr int kBlockRows = 4;
+constexpr int kBlockVectors = 4;
+using RegisterBlock = __m512[kBlockRows][kBlockVectors];
+
+// S rows [first_row, +kBlockRows) x key blocks [first_block, +kBlockVectors) (row stride kChunkKeys) from `sums`.
+inline void store_scores(const RegisterBlock& sums, int64_t first_row, int64_t first_block, float* scores) {
+  for (int r = 0; r < kBlockRows; ++r)
+    for (int v = 0; v < kBlockVectors; ++v)
+      _mm512_store_ps(scores + (first_row + r) * kChunkKeys + (first_block + v) * kKeyBlock, sums[r][v]);
+}
+
+// sums = accumulator rows [first_row, +kBlockRows) x dim blocks [first_dim_block, +kBlockVectors), each row scaled by
+// its rescale factor (the online softmax's correction for everything before this chunk).
+inline void load_rescaled(const float* accumulator, const float* rescale, int64_t first_row, int64_t first_dim_block,
+                          int64_t head_dim, RegisterBlock& sums) {
+  for (int r = 0; r < kBlockRows; ++r) {
+    const __m512 factor = _mm512_set1_ps(rescale[first_row + r]);
+    const float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+    for (int v = 0; v < kBlockVectors; ++v) sums[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + v * kKeyBlock), factor);
+  }
+}
+
+// The accumulator block load_rescaled read, written back from `sums`.
+inline void store_accumulator(const RegisterBlock& sums, int64_t first_row, int64_t first_dim_block, int64_t head_dim,
+                              float* accumulator) {
+  for (int r = 0; r < kBlockRows; ++r) {
+    float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
+    for (int v = 0; v < kBlockVectors; ++v) _mm512_store_ps(acc + v * kKeyBlock, sums[r][v]);
+  }
+}
+
 // The AVX512-BF16 unit: the packed tiles read as vectors (see the header). Blocks of 4 rows x 4 vectors keep 16
 // accumulators in registers, 8 loads (4 of them broadcasts) per 16 VDPBF16PS.
 struct DotProducts {
   using Element = bf16;
   static constexpr auto pack = pack_span;
-  static constexpr int kRows = 4;     // query or P rows per register block
-  static constexpr int kVectors = 4;  // key blocks (scores) or dim blocks (values) per register block
+  static constexpr int kRows = kBlockRows;
+  static constexpr int kVectors = kBlockVectors;
   static void begin_thread() {}
   static void end_thread() {}
 
@@ -251,7 +284,7 @@ struct DotProducts {
     for (int64_t first_block = 0; first_block * kKeyBlock < num_keys; first_block += kVectors) {
       const bf16* blocks = key_chunk + first_block * block_values;
       for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
-        __m512 sums[kRows][kVectors];
+        RegisterBlock sums;
         for (int r = 0; r < kRows; ++r)
           for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
         const uint32_t* rows = query_pairs + first_row * num_pairs;
@@ -265,9 +298,7 @@ struct DotProducts {
             for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], query, keys[v]);
           }
         }
-        for (int r = 0; r < kRows; ++r)
-          for (int v = 0; v < kVectors; ++v)
-            _mm512_store_ps(scores + (first_row + r) * kChunkKeys + (first_block + v) * kKeyBlock, sums[r][v]);
+        store_scores(sums, first_row, first_block, scores);
       }
     }
   }
@@ -280,12 +311,8 @@ struct DotProducts {
     const uint32_t* probability_pairs = reinterpret_cast<const uint32_t*>(probabilities);  // row stride 64 pairs
     for (int64_t first_dim_block = 0; first_dim_block < dim_blocks; first_dim_block += kVectors) {
       for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
-        __m512 sums[kRows][kVectors];
-        for (int r = 0; r < kRows; ++r) {
-          const __m512 factor = _mm512_set1_ps(rescale[first_row + r]);
-          const float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
-          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + v * kKeyBlock), factor);
-        }
+        RegisterBlock sums;
+        load_rescaled(accumulator, rescale, first_row, first_dim_block, head_dim, sums);
         const uint32_t* rows = probability_pairs + first_row * (kChunkKeys / 2);
         for (int64_t pair = 0; pair < num_key_pairs; ++pair) {
           // V tile (key step pair / 16, dim block), row pair % 16: this key pair's 16 dims.
@@ -300,10 +327,7 @@ struct DotProducts {
             for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], values[v], p);
           }
         }
-        for (int r = 0; r < kRows; ++r) {
-          float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
-          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(acc + v * kKeyBlock, sums[r][v]);
-        }
+        store_accumulator(sums, first_row, first_dim_block, head_dim, accumulator);
       }
     }
   }
@@ -314,8 +338,8 @@ struct DotProducts {
 // of 4 rows x 4 vectors as DotProducts. P stays in fp32.
 struct FloatProducts {
   using Element = float;
-  static constexpr int kRows = 4;
-  static constexpr int kVectors = 4;
+  static constexpr int kRows = kBlockRows;
+  static constexpr int kVectors = kBlockVectors;
   static void begin_thread() {}
   static void end_thread() {}
 
@@ -348,7 +372,7 @@ struct FloatProducts {
     for (int64_t first_block = 0; first_block * kKeyBlock < num_keys; first_block += kVectors) {
       const float* blocks = key_chunk + first_block * block_values;
       for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
-        __m512 sums[kRows][kVectors];
+        RegisterBlock sums;
         for (int r = 0; r < kRows; ++r)
           for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_setzero_ps();
         const float* rows = query_tile + first_row * head_dim;
@@ -360,9 +384,7 @@ struct FloatProducts {
             for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(query, keys[v], sums[r][v]);
           }
         }
-        for (int r = 0; r < kRows; ++r)
-          for (int v = 0; v < kVectors; ++v)
-            _mm512_store_ps(scores + (first_row + r) * kChunkKeys + (first_block + v) * kKeyBlock, sums[r][v]);
+        store_scores(sums, first_row, first_block, scores);
       }
     }
   }
@@ -373,12 +395,8 @@ struct FloatProducts {
     const int64_t dim_blocks = head_dim / kKeyBlock;
     for (int64_t first_dim_block = 0; first_dim_block < dim_blocks; first_dim_block += kVectors) {
       for (int64_t first_row = 0; first_row < kTileRows; first_row += kRows) {
-        __m512 sums[kRows][kVectors];
-        for (int r = 0; r < kRows; ++r) {
-          const __m512 factor = _mm512_set1_ps(rescale[first_row + r]);
-          const float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
-          for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_mul_ps(_mm512_load_ps(acc + v * kKeyBlock), factor);
-        }
+        RegisterBlock sums;
+        load_rescaled(accumulator, rescale, first_row, first_dim_block, head_dim, sums);
         const float* rows = probabilities + first_row * kChunkKeys;
         for (int64_t key = 0; key < num_keys; ++key) {
           const float* value_row = value_chunk + key * head_dim + first_dim_block * kKeyBlock;
@@ -389,10 +407,7 @@ struct FloatProducts {
             for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_fmadd_ps(p, values[v], sums[r][v]);
           }
         }
-        for (int r = 0; r < kRows; ++r) {
-          float* acc = accumulator + (first_row + r) * head_dim + first_dim_block * kKeyBlock;
-          for (int v = 0; v < kVectors; ++v) _mm512_store_ps(acc + v * kKeyBlock, sums[r][v]);
-        }
+        store_accumulator(sums, first_row, first_dim_block, head_dim, accumulator);
       }
     }
   }
