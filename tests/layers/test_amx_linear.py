@@ -82,6 +82,28 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n", [64, 128, 192, 576, 1000, 3088])
+def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) -> None:
+    """One row streams a thread's whole groups in up to three stretches at once, the partial groups at the share's
+    ends one by one: from one group (64) to 48 and a partial one (3088), on 1-3 threads, its bits are those of the
+    same row in a 7-row batch (register blocks, no streams)."""
+    k = 576
+    weight, bias = _random(n, k, seed=31), _random(n, seed=32)
+    packed = amx_pack(weight)
+    x = _random(7, k, seed=33)
+    batch = amx_linear(x, packed, bias, n, linear_products)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for row in (0, 6):
+                one = amx_linear(x[row:row + 1], packed, bias, n, linear_products)
+                assert torch.equal(one.view(torch.int16), batch[row:row + 1].view(torch.int16)), (num_threads, row)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_matches_reference(batch, _reference(x, weight, bias))
+
+
 @pytest.mark.parametrize("n, k", [(3088, 576), (1000, 1536)])
 def test_paneled_prefill_sizes_match_reference_and_small_batches(linear_products: str, n: int, k: int) -> None:
     """Above 256 rows the kernel cuts the weight into L2-sized panels and x into chunks of 32 rows (AMX) or 36 (dot

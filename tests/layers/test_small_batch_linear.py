@@ -49,18 +49,20 @@ def test_strided_rows() -> None:
 
 
 def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
-    weight = _tensor(300, 576, seed=4)
+    """One row streams six stretches of weight rows at a time (301 rows: uneven stretches on 1-3 threads); a batch
+    goes four weight rows at a time: a row's bits are the same either way."""
+    weight, bias = _tensor(301, 576, seed=4), _tensor(301, seed=6)
     batch = _tensor(MAX_ROWS, 576, seed=5)
     threads = torch.get_num_threads()
     try:
         results = []
-        for num_threads in (1, threads):
+        for num_threads in sorted({1, 2, 3, threads}):
             torch.set_num_threads(num_threads)
-            results.append(small_batch_linear(batch, weight, None))
+            results.append(small_batch_linear(batch, weight, bias))
             for row in (0, 7, MAX_ROWS - 1):
-                alone = small_batch_linear(batch[row:row + 1], weight, None)
-                assert torch.equal(alone[0], results[-1][row])
-        assert torch.equal(results[0], results[1])
+                alone = small_batch_linear(batch[row:row + 1], weight, bias)
+                assert torch.equal(alone[0], results[-1][row]), (num_threads, row)
+        assert all(torch.equal(results[0], result) for result in results[1:])
     finally:
         torch.set_num_threads(threads)
 

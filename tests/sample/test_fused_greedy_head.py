@@ -146,3 +146,28 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_fused_head(tiny_
     assert results == []
     monkeypatch.setattr(FusedGreedySampler, "__call__", lambda self, hidden, metadata: None)
     assert generate(greedy) == fused == with_logprobs
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_one_row_ties_go_to_the_first_column_whatever_order_the_groups_come_in(num_threads: int) -> None:
+    """A one-row product streams groups of 64 columns out of order (stretches interleaved): equal maxima (and NaNs)
+    in the same lane, in groups visited in either order, still resolve to the first column."""
+    n, k = 1000, 64
+    zero = amx_pack(torch.zeros(n, k, dtype=BF16))
+    x = _random(1, k, seed=3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for first in (5, 70, 130, 300, 517):
+            for groups_apart in (1, 2, 5, 7):
+                second = first + 64 * groups_apart
+                if second >= n:
+                    continue
+                logits = torch.full((n,), -1.0, dtype=BF16)
+                logits[[first, second]] = 3.0
+                assert amx_linear_first_argmax(x, zero, logits, n, n).tolist() == [first], (first, second)
+                weight = torch.zeros(n, k, dtype=BF16)
+                weight[[first, second]] = float("nan")
+                assert amx_linear_first_argmax(x, amx_pack(weight), None, n, n).tolist() == [first], (first, second)
+    finally:
+        torch.set_num_threads(previous)

@@ -235,8 +235,11 @@ struct AmxProducts {
   // The passes over a unit's weights that `rows` rows of x take (row pairs count as two, as before they existed:
   // the prefetch share of each pass is what keeps the memory busy).
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, kTileRows); }
-  // Bytes of a streaming share run_units prefetches before the first unit (none: measured on Intel without it).
+  // Bytes of a streaming share run_units prefetches before the first unit (none: the AMX loops were tuned on Intel
+  // without it; the AMX path has not run since).
   static constexpr int64_t kStartPrefetchBytes = 0;
+  static constexpr int kOneRowStreams = 0;  // one-row products take the tiles too (run_units)
+  void one_row_groups(const at::BFloat16*, const at::BFloat16* const*, int, int64_t, float*) {}
 
   // out[r * kGroupColumns + c] = x[r] . W column c for rows [0, rows) and the num_blocks blocks of one group from
   // b_first (a step's tiles step_stride elements apart). Rows are taken 32 at a time while 32 are left (two A tiles,
@@ -368,10 +371,66 @@ inline void dot_group(const at::BFloat16* x, int64_t x_stride, int64_t rows, con
                                out + row * kGroupColumns, prefetch, prefetch_lines, is_streaming);
 }
 
+// One row of x against kGroups whole groups at once, block by block. Each group is a separate weight stream
+// (run_units gives them from separate stretches of a thread's share), so kGroups streams are in flight for the
+// hardware prefetcher, and within a step each block's 1 KiB is read front to back. Per lane the K pairs still go
+// in order (one accumulator per block of a group), so the results equal dot_rows<4, 1>'s bitwise.
+template <int kGroups>
+inline void dot_groups_one_row(const at::BFloat16* x, const at::BFloat16* const* groups, int64_t num_steps,
+                               float* out) {
+  constexpr int kPairs = kStepDepth / 2;
+  __m512 acc[kGroups][kGroupBlocks];
+#pragma GCC unroll 4
+  for (int group = 0; group < kGroups; ++group)
+#pragma GCC unroll 4
+    for (int block = 0; block < kGroupBlocks; ++block) acc[group][block] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < num_steps; ++step) {
+    __m512bh broadcast[kPairs];  // the step's 16 x pairs, each in every lane
+#pragma GCC unroll 16
+    for (int pair = 0; pair < kPairs; ++pair) {
+      int32_t x_pair;  // x may start at any element: copied, not dereferenced as int32
+      std::memcpy(&x_pair, x + step * kStepDepth + 2 * pair, sizeof(x_pair));
+      broadcast[pair] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair));
+    }
+#pragma GCC unroll 4
+    for (int group = 0; group < kGroups; ++group) {
+#pragma GCC unroll 4
+      for (int block = 0; block < kGroupBlocks; ++block) {
+        const at::BFloat16* b = groups[group] + (step * kGroupBlocks + block) * kTileElements;
+#pragma GCC unroll 16
+        for (int pair = 0; pair < kPairs; ++pair)
+          acc[group][block] = _mm512_dpbf16_ps(acc[group][block], broadcast[pair],
+                                               reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns)));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int group = 0; group < kGroups; ++group)
+#pragma GCC unroll 4
+    for (int block = 0; block < kGroupBlocks; ++block)
+      _mm512_storeu_ps(out + group * kGroupColumns + block * kBlockColumns, acc[group][block]);
+}
+
 struct DotProducts {
   // The passes over a unit's weights (see AmxProducts); blocks of 6 rows at a full group.
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
   static constexpr int64_t kStartPrefetchBytes = kDotFarPrefetchBytes;  // see kDotFarPrefetchBytes
+  // Weight streams of a one-row product (run_units' whole groups, dot_groups_one_row), no software prefetch. On the
+  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step, interleaved against torch's sum: one stream with the far
+  // prefetch 0.56-0.78 of the sum's rate, 3 streams 0.65-0.86 (over both of the VM's memory phases); one 80 MB
+  // product 0.65 -> 0.97 in the fast phase. A thread streaming one row pair-major (dot_rows<4, 1>: 4 lines 1 KiB
+  // apart at a time) reached 0.59 of its sum's rate alone, block by block 0.78, block by block over 2 groups 0.87.
+  static constexpr int kOneRowStreams = 3;
+
+  void one_row_groups(const at::BFloat16* x, const at::BFloat16* const* groups, int count, int64_t num_steps,
+                      float* out) {
+    static_assert(kOneRowStreams == 3, "one_row_groups dispatches up to 3 groups");
+    switch (count) {
+      case 3: dot_groups_one_row<3>(x, groups, num_steps, out); break;
+      case 2: dot_groups_one_row<2>(x, groups, num_steps, out); break;
+      default: dot_groups_one_row<1>(x, groups, num_steps, out); break;
+    }
+  }
 
   // As AmxProducts::product.
   void product(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
@@ -530,13 +589,9 @@ int64_t num_units(const PackedProduct& p) {
 
 #if defined(PAGEDSERVE_DPBF16)
 
-// Computes units [begin, end) of `p` (one thread's share of parallel_for over num_units(p)) and hands each unit's
-// fp32 products, before bias and rounding, to `epilogue(values, first_row, num_rows, first_column, num_columns)`:
-// values[r * kGroupColumns + c] is row first_row + r, column first_column + c. A thread's units visit each row's
-// columns in increasing order.
+// Units [begin, end) of `p` one at a time (run_units).
 template <typename Products, typename Epilogue>
-void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_t end,
-               Epilogue&& epilogue) {
+void run_unit_range(Products& products, const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& epilogue) {
   const int64_t m = p.m, n = p.n, num_steps = p.num_steps;
   const int64_t num_blocks = ceil_div(n, kBlockColumns);
   const bool is_paneled = m > kChunkRows;
@@ -593,6 +648,54 @@ void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_
   }
 }
 
+// One row's whole groups in [begin, end) (units are blocks at one row), kOneRowStreams at a time: the groups are cut
+// into that many stretches and each call takes the next group of every stretch.
+template <typename Products, typename Epilogue>
+void run_one_row_streams(Products& products, const PackedProduct& p, int64_t first_group, int64_t end_group,
+                         Epilogue&& epilogue) {
+  constexpr int kStreams = Products::kOneRowStreams;
+  const int64_t num_groups = end_group - first_group;
+  const int64_t stretch = ceil_div(num_groups, std::min<int64_t>(kStreams, num_groups));
+  const int64_t group_elements = kGroupBlocks * p.num_steps * kTileElements;
+  alignas(64) float out[kStreams * kGroupColumns];
+  for (int64_t i = 0; i < stretch; ++i) {
+    const at::BFloat16* groups[kStreams];
+    int64_t first_columns[kStreams];
+    int count = 0;
+    for (int64_t group = first_group + i; group < end_group; group += stretch) {
+      groups[count] = p.weight + group * group_elements;
+      first_columns[count++] = group * kGroupColumns;
+    }
+    products.one_row_groups(p.x, groups, count, p.num_steps, out);
+    for (int k = 0; k < count; ++k)
+      epilogue(static_cast<const float*>(out + k * kGroupColumns), 0, 1, first_columns[k],
+               std::min(kGroupColumns, p.n - first_columns[k]));
+  }
+}
+
+// Computes units [begin, end) of `p` (one thread's share of parallel_for over num_units(p)) and hands each unit's
+// fp32 products, before bias and rounding, to `epilogue(values, first_row, num_rows, first_column, num_columns)`:
+// values[r * kGroupColumns + c] is row first_row + r, column first_column + c. The order of the units is not
+// defined (one-row products interleave stretches of groups): epilogues must not depend on it.
+template <typename Products, typename Epilogue>
+void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& epilogue) {
+  if constexpr (Products::kOneRowStreams > 0) {
+    if (p.m == 1) {
+      // Whole groups of four blocks stream; the partial groups at the share's ends (and a short last group) do not.
+      const int64_t num_blocks = ceil_div(p.n, kBlockColumns);
+      const int64_t first_group = ceil_div(begin, kGroupBlocks);
+      const int64_t end_group = std::min(end, num_blocks) / kGroupBlocks;
+      if (end_group > first_group) {
+        run_unit_range(products, p, begin, first_group * kGroupBlocks, epilogue);
+        run_one_row_streams(products, p, first_group, end_group, epilogue);
+        run_unit_range(products, p, end_group * kGroupBlocks, end, epilogue);
+        return;
+      }
+    }
+  }
+  run_unit_range(products, p, begin, end, epilogue);
+}
+
 #endif  // PAGEDSERVE_DPBF16
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -629,9 +732,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 // write and the argmax pass took ~1.7 of ~7.2 ms).
 //
 // Each unit's products are rounded to bf16 as store_row rounds them; every row keeps 16 lanes of (max, index) and
-// its first NaN. A lane takes a value only when it is strictly greater, so with a thread's columns visited in
-// increasing order it holds its first maximum; lanes, then threads, are merged by (max, then lowest index), in any
-// order.
+// its first NaN (the lowest column). A lane takes a value when it is greater, or equal at a lower column, so it holds
+// its first maximum whatever order the units come in (run_units does not fix one); lanes, then threads, are merged
+// the same way.
 at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                                    int64_t n, int64_t num_columns, c10::string_view products) {
   constexpr const char* op = "amx_linear_first_argmax";
@@ -682,11 +785,16 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
                       const __m512i column_index = _mm512_add_epi32(
                           _mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
                       const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
-                      if (is_nan != 0 && first_nan[r] == kNone)
-                        first_nan[r] = static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan));
-                      const __mmask16 is_greater = _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ);
-                      best = _mm512_mask_mov_ps(best, is_greater, value);
-                      best_index = _mm512_mask_mov_epi32(best_index, is_greater, column_index);
+                      if (is_nan != 0)
+                        first_nan[r] = std::min(first_nan[r],
+                                                static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan)));
+                      // is_better per lane (units come in any order): greater, or equal at a lower column.
+                      const __mmask16 is_taken =
+                          _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ) |
+                          (_mm512_mask_cmp_ps_mask(mask, value, best, _CMP_EQ_OQ) &
+                           _mm512_cmplt_epi32_mask(column_index, best_index));
+                      best = _mm512_mask_mov_ps(best, is_taken, value);
+                      best_index = _mm512_mask_mov_epi32(best_index, is_taken, column_index);
                     }
                     _mm512_storeu_ps(lane_max.data() + r * 16, best);
                     _mm512_storeu_si512(lane_index.data() + r * 16, best_index);

@@ -7,7 +7,9 @@
 // time and software-prefetches each row a few KiB ahead (the hardware prefetcher does not run far enough ahead
 // on its own), sustained 26.0 / 26.2 / 24.5 / 19.5 / 14.7 GB/s (benchmarks/small_batch_linear.py). A second,
 // 8x farther prefetch into L2/L3 added 15-17% on a decode step's sequence of weights (in a slow phase of this
-// VM: 13.8-14.6 -> 16.2-17.2 GB/s, torch's sum 18.8 GB/s at the time).
+// VM: 13.8-14.6 -> 16.2-17.2 GB/s, torch's sum 18.8 GB/s at the time). One input row (batch-1 decode) streams
+// differently since: six weight rows from six stretches of a thread's share at a time, each read front to back,
+// no software prefetch (one_row; 0.86 -> 0.99 of torch's sum on a decode step's weights on a Zen 4 VM).
 //
 // Larger batches (decode steps of many requests) are compute-bound: input rows go five at a time against the four
 // weight rows (20 accumulators, 9 loads per 20 FMA), the weight rows staying in L1 while x streams from L2. On an
@@ -125,6 +127,62 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
   }
 }
 
+
+// One input row streams: kOneRowStreams weight rows at a time, each from its own stretch of the thread's rows and
+// each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per stretch. On
+// the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) against torch's sum,
+// interleaved over five rounds (medians): four rows together with the two prefetch distances 0.86 of the sum's rate,
+// one row at a time 0.88, 2 / 4 / 6 / 8 streams 0.94 / 0.95 / 0.99 / 0.96. The results are gemm_tile<1, ...>'s
+// bitwise: one accumulator per output over K in order.
+constexpr int kOneRowStreams = 6;
+
+template <int kStreams>
+inline void one_row_streams(const float* x, const float* const* weight_rows, int64_t k, float* out) {
+  __m512 acc[kStreams];
+#pragma GCC unroll 8
+  for (int stream = 0; stream < kStreams; ++stream) acc[stream] = _mm512_setzero_ps();
+  for (int64_t offset = 0; offset < k; offset += kLanes) {
+    const __m512 input = load_lanes(x + offset, k - offset);
+#pragma GCC unroll 8
+    for (int stream = 0; stream < kStreams; ++stream)
+      acc[stream] = _mm512_fmadd_ps(load_lanes(weight_rows[stream] + offset, k - offset), input, acc[stream]);
+  }
+#pragma GCC unroll 8
+  for (int stream = 0; stream < kStreams; ++stream) out[stream] = _mm512_reduce_add_ps(acc[stream]);
+}
+
+// Columns [begin, end) of y for one input row, kOneRowStreams stretches at a time.
+void one_row(const float* x, const float* weight, int64_t k, const float* bias, float* y, int64_t begin,
+             int64_t end) {
+  const int64_t num_rows = end - begin;
+  if (num_rows <= 0) return;
+  const int64_t stretch = (num_rows + kOneRowStreams - 1) / kOneRowStreams;
+  for (int64_t i = 0; i < stretch; ++i) {
+    const float* weight_rows[kOneRowStreams];
+    int64_t columns[kOneRowStreams];
+    int count = 0;
+    for (int64_t column = begin + i; column < end; column += stretch) {
+      weight_rows[count] = weight + column * k;
+      columns[count++] = column;
+    }
+    float out[kOneRowStreams];
+    switch (count) {
+      case 6: one_row_streams<6>(x, weight_rows, k, out); break;
+      case 5: one_row_streams<5>(x, weight_rows, k, out); break;
+      case 4: one_row_streams<4>(x, weight_rows, k, out); break;
+      case 3: one_row_streams<3>(x, weight_rows, k, out); break;
+      case 2: one_row_streams<2>(x, weight_rows, k, out); break;
+      default: one_row_streams<1>(x, weight_rows, k, out); break;
+    }
+    for (int j = 0; j < count; ++j) {
+      float value = out[j];
+      if (bias != nullptr) value += bias[columns[j]];
+      y[columns[j]] = value;
+    }
+  }
+}
+static_assert(kOneRowStreams == 6, "one_row dispatches up to 6 streams");
+
 #endif  // PAGEDSERVE_SMALL_BATCH_LINEAR
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -153,11 +211,17 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   const float* w_data = weight.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  // Measured best: 4 KiB ahead for one row, 8 KiB from two rows on (the loop then runs slower per byte).
-  const int64_t prefetch_bytes = m == 1 ? 4096 : 8192;
+  // Measured best from two rows on (one row streams without software prefetch, above).
+  const int64_t prefetch_bytes = 8192;
   const int64_t num_full_blocks = n / kRows;
   // At least ~64 KiB of weight per task, so a thread streams long contiguous ranges.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, kRows * k * 4));
+  if (m == 1) {
+    at::parallel_for(0, n, grain * kRows, [&](int64_t begin, int64_t end) {
+      one_row(x_data, w_data, k, bias_data, y_data, begin, end);
+    });
+    return y;
+  }
   at::parallel_for(0, num_full_blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block)
       gemm_rows<kRows>(x_data, x_stride, m, w_data, k, bias_data, y_data, n, block * kRows, prefetch_bytes);
