@@ -81,14 +81,16 @@ def largest_tensor(model: torch.nn.Module) -> torch.Tensor:
     return max(tensors, key=lambda tensor: tensor.numel() * tensor.element_size())
 
 
-def read_bandwidth_in_place(tensor: torch.Tensor, repeats: int = 5) -> float:
+def read_bandwidth_in_place(tensor: torch.Tensor, repeats: int = 5, flush_bytes: int = 256 << 20) -> float:
     """Read bandwidth of the memory a tensor occupies: torch's sum over its bytes viewed as float32 (the values do
-    not matter), best of `repeats`."""
+    not matter), best of `repeats`, each after reading `flush_bytes` elsewhere (the bf16 LM head, 57 MB, is not
+    much larger than the 32 MiB L3 of the AMD VM: read twice in a row, part of it comes from cache)."""
     data = tensor.detach().contiguous().view(-1).view(torch.uint8)
     data = data[:data.numel() // 4 * 4].view(torch.float32)
-    data.sum()
+    flush = torch.ones(flush_bytes // 4)
     best = float("inf")
     for _ in range(repeats):
+        flush.sum()
         start = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - start)

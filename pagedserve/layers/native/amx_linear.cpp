@@ -76,9 +76,8 @@ constexpr int64_t kPanelWeightBytes = 576 * 1024;                // weight bytes
 constexpr int64_t kFarPrefetchBytes = 32 * 1024;                // see group_product (AMX)
 // The dot-product unit's distance (dot_rows). Each of its threads also prefetches the first this many bytes of its
 // share when it starts a streaming product (run_units), where the far prefetch of the steps has not reached yet.
-// Measured on the Zen 4 VM against torch's sum (the roofline's bandwidth), 121 decode-step products (SmolLM2-135M's
-// layers and LM head) interleaved over six rounds: 32 KiB alone 0.84 of the sum's rate (median), 16 KiB with the
-// start prefetch 0.885.
+// Measured on the Zen 4 VM, 121 decode-step products (SmolLM2-135M's layers and LM head) interleaved over six rounds
+// (one row, before the one-row streams took that case): 16 KiB with the start prefetch 1.05x 32 KiB alone.
 constexpr int64_t kDotFarPrefetchBytes = 16 * 1024;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -399,8 +398,9 @@ inline void dot_groups_one_row(const at::BFloat16* x, const at::BFloat16* const*
         const at::BFloat16* b = groups[group] + (step * kGroupBlocks + block) * kTileElements;
 #pragma GCC unroll 16
         for (int pair = 0; pair < kPairs; ++pair)
-          acc[group][block] = _mm512_dpbf16_ps(acc[group][block], broadcast[pair],
-                                               reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns)));
+          acc[group][block] = _mm512_dpbf16_ps(
+              acc[group][block], broadcast[pair],
+              reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns)));
       }
     }
   }
@@ -416,10 +416,11 @@ struct DotProducts {
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
   static constexpr int64_t kStartPrefetchBytes = kDotFarPrefetchBytes;  // see kDotFarPrefetchBytes
   // Weight streams of a one-row product (run_units' whole groups, dot_groups_one_row), no software prefetch. On the
-  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step, interleaved against torch's sum: one stream with the far
-  // prefetch 0.56-0.78 of the sum's rate, 3 streams 0.65-0.86 (over both of the VM's memory phases); one 80 MB
-  // product 0.65 -> 0.97 in the fast phase. A thread streaming one row pair-major (dot_rows<4, 1>: 4 lines 1 KiB
-  // apart at a time) reached 0.59 of its sum's rate alone, block by block 0.78, block by block over 2 groups 0.87.
+  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved: 1.11-1.16x the one
+  // pair-major stream with the far prefetch (2, 3 and 4 streams within noise of each other); one 80 MB product
+  // 1.1-1.5x.
+  // One thread alone, one row: pair-major (dot_rows<4, 1>: 4 lines 1 KiB apart at a time) 1.32x slower than block by
+  // block, 1.47x slower than block by block over 2 groups.
   static constexpr int kOneRowStreams = 3;
 
   void one_row_groups(const at::BFloat16* x, const at::BFloat16* const* groups, int count, int64_t num_steps,

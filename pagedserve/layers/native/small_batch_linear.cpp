@@ -9,7 +9,7 @@
 // 8x farther prefetch into L2/L3 added 15-17% on a decode step's sequence of weights (in a slow phase of this
 // VM: 13.8-14.6 -> 16.2-17.2 GB/s, torch's sum 18.8 GB/s at the time). One input row (batch-1 decode) streams
 // differently since: six weight rows from six stretches of a thread's share at a time, each read front to back,
-// no software prefetch (one_row; 0.86 -> 0.99 of torch's sum on a decode step's weights on a Zen 4 VM).
+// no software prefetch (one_row; 1.15x on a decode step's weights on a Zen 4 VM).
 //
 // Larger batches (decode steps of many requests) are compute-bound: input rows go five at a time against the four
 // weight rows (20 accumulators, 9 loads per 20 FMA), the weight rows staying in L1 while x streams from L2. On an
@@ -130,10 +130,10 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
 
 // One input row streams: kOneRowStreams weight rows at a time, each from its own stretch of the thread's rows and
 // each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per stretch. On
-// the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) against torch's sum,
-// interleaved over five rounds (medians): four rows together with the two prefetch distances 0.86 of the sum's rate,
-// one row at a time 0.88, 2 / 4 / 6 / 8 streams 0.94 / 0.95 / 0.99 / 0.96. The results are gemm_tile<1, ...>'s
-// bitwise: one accumulator per output over K in order.
+// the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) on the same buffers,
+// interleaved over five rounds (medians, relative to four rows together with the two prefetch distances): one row
+// at a time 1.02x, 2 / 4 / 6 / 8 streams 1.08 / 1.10 / 1.15 / 1.11x. The results are gemm_tile<1, ...>'s bitwise:
+// one accumulator per output over K in order.
 constexpr int kOneRowStreams = 6;
 
 template <int kStreams>
