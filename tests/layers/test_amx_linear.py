@@ -82,11 +82,11 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("n", [64, 128, 192, 576, 1000, 3088])
+@pytest.mark.parametrize("n", [50, 64, 120, 192, 576, 1000, 3088])
 def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) -> None:
     """One row streams a thread's whole groups in up to three stretches at once, the partial groups at the share's
-    ends one by one: from one group (64) to 48 and a partial one (3088), on 1-3 threads, its bits are those of the
-    same row in a 7-row batch (register blocks, no streams)."""
+    ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to 48 and a partial one
+    (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register blocks, no streams)."""
     k = 576
     weight, bias = _random(n, k, seed=31), _random(n, seed=32)
     packed = amx_pack(weight)

@@ -127,7 +127,6 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
   }
 }
 
-
 // One input row streams: kOneRowStreams weight rows at a time, each from its own stretch of the thread's rows and
 // each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per stretch. On
 // the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) on the same buffers,
