@@ -296,43 +296,54 @@ struct AmxProducts {
 template <int kBlocks>
 constexpr int dot_block_rows() { return kBlocks == 4 ? 6 : (kBlocks == 3 ? 8 : 12); }
 
-// A streaming pass of up to kBlockMajorMaxRows rows (dot_rows): block by block, each block's 1 KiB of a step read
-// front to back, the x pairs broadcast from memory, no software prefetch. On the Zen 4 VM, a decode step's 121
-// products interleaved against the pair-major loop with the far prefetch: 1.10x at 2 rows, 1.11x at 4, 0.99x at 6.
+// A streaming pass of up to kBlockMajorMaxRows rows (dot_rows) goes block by block (dot_block_major). On the Zen 4
+// VM, a decode step's 121 products interleaved against the pair-major loop with the far prefetch: 1.10x at 2 rows,
+// 1.11x at 4, 0.99x at 6.
 constexpr int kBlockMajorMaxRows = 4;
 
-template <int kBlocks, int kRows>
-inline void dot_rows_block_major(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* b_first,
-                                 int64_t step_stride, int64_t num_steps, float* out) {
-  __m512 acc[kRows][kBlocks];
+// kRows rows of x against kGroups groups of kBlocks blocks, block by block: each block's 1 KiB of a step is read
+// front to back, the x pairs broadcast as they are used, no software prefetch. Several groups are several weight
+// streams in flight for the hardware prefetcher (run_units gives a one-row product's groups from separate stretches
+// of a thread's share). Per lane the K pairs go in order (one accumulator per row and block of a group), so the
+// results equal the pair-major loop's bitwise. Group g's row i goes to out + (g * kRows + i) * kGroupColumns.
+template <int kBlocks, int kRows, int kGroups>
+inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* const* groups,
+                            int64_t step_stride, int64_t num_steps, float* out) {
+  __m512 acc[kGroups][kRows][kBlocks];
 #pragma GCC unroll 4
-  for (int i = 0; i < kRows; ++i)
+  for (int group = 0; group < kGroups; ++group)
 #pragma GCC unroll 4
-    for (int block = 0; block < kBlocks; ++block) acc[i][block] = _mm512_setzero_ps();
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+      for (int block = 0; block < kBlocks; ++block) acc[group][i][block] = _mm512_setzero_ps();
   for (int64_t step = 0; step < num_steps; ++step) {
-    const at::BFloat16* b = b_first + step * step_stride;
     const at::BFloat16* x_step = x + step * kStepDepth;
 #pragma GCC unroll 4
-    for (int block = 0; block < kBlocks; ++block) {
-#pragma GCC unroll 16
-      for (int pair = 0; pair < kStepDepth / 2; ++pair) {
-        const __m512bh column =
-            reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + block * kTileElements + pair * 2 * kBlockColumns));
+    for (int group = 0; group < kGroups; ++group) {
 #pragma GCC unroll 4
-        for (int i = 0; i < kRows; ++i) {
-          int32_t x_pair;  // rows may start at any even or odd element: copied, not dereferenced as int32
-          std::memcpy(&x_pair, x_step + i * x_stride + 2 * pair, sizeof(x_pair));
-          acc[i][block] =
-              _mm512_dpbf16_ps(acc[i][block], reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair)), column);
+      for (int block = 0; block < kBlocks; ++block) {
+        const at::BFloat16* b = groups[group] + step * step_stride + block * kTileElements;
+#pragma GCC unroll 16
+        for (int pair = 0; pair < kStepDepth / 2; ++pair) {
+          const __m512bh column = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns));
+#pragma GCC unroll 4
+          for (int i = 0; i < kRows; ++i) {
+            int32_t x_pair;  // rows may start at any even or odd element: copied, not dereferenced as int32
+            std::memcpy(&x_pair, x_step + i * x_stride + 2 * pair, sizeof(x_pair));
+            acc[group][i][block] = _mm512_dpbf16_ps(acc[group][i][block],
+                                                    reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair)), column);
+          }
         }
       }
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < kRows; ++i)
+  for (int group = 0; group < kGroups; ++group)
 #pragma GCC unroll 4
-    for (int block = 0; block < kBlocks; ++block)
-      _mm512_storeu_ps(out + i * kGroupColumns + block * kBlockColumns, acc[i][block]);
+    for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+      for (int block = 0; block < kBlocks; ++block)
+        _mm512_storeu_ps(out + (group * kRows + i) * kGroupColumns + block * kBlockColumns, acc[group][i][block]);
 }
 
 // Rows [0, kRows) of x against kBlocks blocks, over all K steps in order (one accumulator per 16 columns of a row:
@@ -344,7 +355,7 @@ inline void dot_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16
                      int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines, bool is_streaming) {
   if constexpr (kRows <= kBlockMajorMaxRows) {
     if (is_streaming) {
-      dot_rows_block_major<kBlocks, kRows>(x, x_stride, b_first, step_stride, num_steps, out);
+      dot_block_major<kBlocks, kRows, 1>(x, x_stride, &b_first, step_stride, num_steps, out);
       return;
     }
   }
@@ -416,52 +427,11 @@ inline void dot_group(const at::BFloat16* x, int64_t x_stride, int64_t rows, con
                                out + row * kGroupColumns, prefetch, prefetch_lines, is_streaming);
 }
 
-// One row of x against kGroups whole groups at once, block by block. Each group is a separate weight stream
-// (run_units gives them from separate stretches of a thread's share), so kGroups streams are in flight for the
-// hardware prefetcher, and within a step each block's 1 KiB is read front to back. Per lane the K pairs still go
-// in order (one accumulator per block of a group), so the results equal dot_rows<4, 1>'s bitwise.
-template <int kGroups>
-inline void dot_groups_one_row(const at::BFloat16* x, const at::BFloat16* const* groups, int64_t num_steps,
-                               float* out) {
-  constexpr int kPairs = kStepDepth / 2;
-  __m512 acc[kGroups][kGroupBlocks];
-#pragma GCC unroll 4
-  for (int group = 0; group < kGroups; ++group)
-#pragma GCC unroll 4
-    for (int block = 0; block < kGroupBlocks; ++block) acc[group][block] = _mm512_setzero_ps();
-  for (int64_t step = 0; step < num_steps; ++step) {
-    __m512bh broadcast[kPairs];  // the step's 16 x pairs, each in every lane
-#pragma GCC unroll 16
-    for (int pair = 0; pair < kPairs; ++pair) {
-      int32_t x_pair;  // x may start at any element: copied, not dereferenced as int32
-      std::memcpy(&x_pair, x + step * kStepDepth + 2 * pair, sizeof(x_pair));
-      broadcast[pair] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair));
-    }
-#pragma GCC unroll 4
-    for (int group = 0; group < kGroups; ++group) {
-#pragma GCC unroll 4
-      for (int block = 0; block < kGroupBlocks; ++block) {
-        const at::BFloat16* b = groups[group] + (step * kGroupBlocks + block) * kTileElements;
-#pragma GCC unroll 16
-        for (int pair = 0; pair < kPairs; ++pair)
-          acc[group][block] = _mm512_dpbf16_ps(
-              acc[group][block], broadcast[pair],
-              reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns)));
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int group = 0; group < kGroups; ++group)
-#pragma GCC unroll 4
-    for (int block = 0; block < kGroupBlocks; ++block)
-      _mm512_storeu_ps(out + group * kGroupColumns + block * kBlockColumns, acc[group][block]);
-}
-
 struct DotProducts {
   // The passes over a unit's weights (see AmxProducts); blocks of 6 rows at a full group.
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
   static constexpr int64_t kStartPrefetchBytes = kDotFarPrefetchBytes;  // see kDotFarPrefetchBytes
-  // Weight streams of a one-row product (run_units' whole groups, dot_groups_one_row), no software prefetch. On the
+  // Weight streams of a one-row product (run_units' whole groups, dot_block_major), no software prefetch. On the
   // Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved: 1.11-1.16x the one
   // pair-major stream with the far prefetch (2, 3 and 4 streams within noise of each other); one 80 MB product
   // 1.1-1.5x.
@@ -473,9 +443,9 @@ struct DotProducts {
                       float* out) {
     static_assert(kOneRowStreams == 3, "one_row_groups dispatches up to 3 groups");
     switch (count) {
-      case 3: dot_groups_one_row<3>(x, groups, num_steps, out); break;
-      case 2: dot_groups_one_row<2>(x, groups, num_steps, out); break;
-      default: dot_groups_one_row<1>(x, groups, num_steps, out); break;
+      case 3: dot_block_major<kGroupBlocks, 1, 3>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
+      case 2: dot_block_major<kGroupBlocks, 1, 2>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
+      default: dot_block_major<kGroupBlocks, 1, 1>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
     }
   }
 
