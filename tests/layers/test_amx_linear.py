@@ -4,7 +4,9 @@ the pack/unpack round trip, the layout transform on linear layers and LM heads, 
 logprobs against the plain layout."""
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -43,6 +45,17 @@ def _assert_matches_reference(actual: torch.Tensor, reference: torch.Tensor) -> 
     assert bool((error <= reference.abs() * 2.0 ** -7 + 1e-3).all()), f"max error {error.max().item()}"
 
 
+@contextlib.contextmanager
+def _num_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside the block, restored after (failures included)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 # ---- the kernel ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n, k", [(576, 576), (192, 576), (100, 70), (16, 32), (1000, 1536), (17, 33)])
 def test_pack_unpack_round_trip_is_bitwise(n: int, k: int) -> None:
@@ -71,15 +84,11 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -
     packed = amx_pack(weight)
     x = _random(300, k, seed=5)
     full = amx_linear(x, packed, bias, n, linear_products)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in {1, threads}:
-            torch.set_num_threads(num_threads)
+    for num_threads in {1, torch.get_num_threads()}:
+        with _num_threads(num_threads):
             for start, size in ((0, 1), (7, 9), (31, 2), (40, 33), (250, 50), (299, 1)):
                 part = amx_linear(x[start:start + size].contiguous(), packed, bias, n, linear_products)
                 assert torch.equal(part.view(torch.int16), full[start:start + size].view(torch.int16))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("n", [50, 64, 120, 192, 576, 1000, 3088])
@@ -93,18 +102,14 @@ def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) 
     packed = amx_pack(weight)
     x = _random(7, k, seed=33)
     batch = amx_linear(x, packed, bias, n, linear_products)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2, 3):
-            torch.set_num_threads(num_threads)
+    for num_threads in (1, 2, 3):
+        with _num_threads(num_threads):
             for row in (0, 6):
                 one = amx_linear(x[row:row + 1], packed, bias, n, linear_products)
                 assert torch.equal(one.view(torch.int16), batch[row:row + 1].view(torch.int16)), (num_threads, row)
             for size in (2, 3, 4):  # streamed block by block (dot products), one pass over the weights
                 few = amx_linear(x[1:1 + size], packed, bias, n, linear_products)
                 assert torch.equal(few.view(torch.int16), batch[1:1 + size].view(torch.int16)), (num_threads, size)
-    finally:
-        torch.set_num_threads(threads)
     _assert_matches_reference(batch, _reference(x, weight, bias))
 
 
@@ -120,17 +125,13 @@ def test_paneled_prefill_sizes_match_reference_and_small_batches(linear_products
     x = _random(600, k, seed=13)
     full = amx_linear(x, packed, bias, n, linear_products)
     _assert_matches_reference(full, _reference(x, weight, bias))
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in {1, threads}:
-            torch.set_num_threads(num_threads)
+    for num_threads in {1, torch.get_num_threads()}:
+        with _num_threads(num_threads):
             assert torch.equal(amx_linear(x[:297], packed, bias, n, linear_products).view(torch.int16),
                                full[:297].view(torch.int16))
             for start in (0, 256, 512, 576):
                 part = amx_linear(x[start:start + 24].contiguous(), packed, bias, n, linear_products)
                 assert torch.equal(part.view(torch.int16), full[start:start + 24].view(torch.int16))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_leading_dims_and_strided_rows(linear_products: str) -> None:
