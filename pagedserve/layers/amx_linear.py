@@ -10,8 +10,9 @@ Without AMX the same layout runs on AVX512-BF16 dot products (VDPBF16PS; `amx_li
 here). Over SmolLM2-135M's 30 layers of linears on an AMD Zen 4 VM, against oneDNN's packed GEMM interleaved:
 1.36-1.42x at one row (23-24 against 17 GB/s), 1.1-1.15x at 4-64 rows, 1.05x at 256 and 0.98x at 2048; recipe A
 in bf16 ran 1.05x faster end to end than with 'prepacked', and batch-1 decode 1.33-1.4x. A one-row product then
-streams three stretches of a thread's share at once, block by block (1.11-1.16x on a decode step's weights; batch-1
-decode 78.7 -> 100-125 tok/s on that VM).
+streams six stretches of a thread's share at once, block by block and interleaved line by line (three stretches
+each read 4 KiB at a time: 1.11-1.16x on a decode step's weights, batch-1 decode 78.7 -> 100-125 tok/s on that VM;
+six interleaved: 1.14x more).
 
 The packed weight *replaces* the plain one (one copy in memory), as a 1-D tensor of whole 16-column x 32-deep
 tiles (zero padded); `restore_plain_layout` unpacks it bit for bit. A tied LM head, whose plain table the

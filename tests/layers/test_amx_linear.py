@@ -93,8 +93,8 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -
 
 @pytest.mark.parametrize("n", [50, 64, 120, 192, 576, 1000, 3088])
 def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) -> None:
-    """One row streams a thread's whole groups in up to three stretches at once, the partial groups at the share's
-    ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to 48 and a partial one
+    """One row streams a thread's whole groups in up to six stretches at once (interleaved line by line), the partial
+    groups at the share's ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to 48 and a partial one
     (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register blocks, no streams); so are
     those of 2-4 rows, which read the weights block by block."""
     k = 576

@@ -302,15 +302,20 @@ constexpr int dot_block_rows() { return kBlocks == 4 ? 6 : (kBlocks == 3 ? 8 : 1
 constexpr int kBlockMajorMaxRows = 4;
 
 // kRows rows of x against kGroups groups of kBlocks blocks, block by block: each block's 1 KiB of a step is read
-// front to back, the x pairs broadcast as they are used, no software prefetch. Several groups are several weight
-// streams in flight for the hardware prefetcher (run_units gives a one-row product's groups from separate stretches
-// of a thread's share). Per lane the K pairs go in order (one accumulator per row and block of a group), so the
-// results equal the pair-major loop's bitwise. Group g's row i goes to out + (g * kRows + i) * kGroupColumns.
+// front to back, no software prefetch. Several groups are several weight streams in flight for the hardware
+// prefetcher (run_units gives a one-row product's groups from separate stretches of a thread's share); they are
+// interleaved line by line (each 64-byte K pair row of a block, then the same row of the next group's block), as
+// the float32 one-row kernel interleaves its weight rows (small_batch_linear.cpp). On the Zen 4 VM, one row over the
+// 121 products of a SmolLM2-135M decode step on the same buffers, interleaved over eight rounds: 1.12x reading each
+// group's 4 KiB of a step before the next group's (three groups each way), and 1.14x with six groups; the LM head
+// alone 31.4 GB/s against 28.3 (torch's sum over its bytes: ~30). Per lane the K pairs go in order (one accumulator
+// per row and block of a group), so the results equal the pair-major loop's bitwise. Group g's row i goes to
+// out + (g * kRows + i) * kGroupColumns.
 template <int kBlocks, int kRows, int kGroups>
 inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* const* groups,
                             int64_t step_stride, int64_t num_steps, float* out) {
   __m512 acc[kGroups][kRows][kBlocks];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int group = 0; group < kGroups; ++group)
 #pragma GCC unroll 4
     for (int i = 0; i < kRows; ++i)
@@ -319,25 +324,28 @@ inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::B
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* x_step = x + step * kStepDepth;
 #pragma GCC unroll 4
-    for (int group = 0; group < kGroups; ++group) {
-#pragma GCC unroll 4
-      for (int block = 0; block < kBlocks; ++block) {
-        const at::BFloat16* b = groups[group] + step * step_stride + block * kTileElements;
+    for (int block = 0; block < kBlocks; ++block) {
 #pragma GCC unroll 16
-        for (int pair = 0; pair < kStepDepth / 2; ++pair) {
+      for (int pair = 0; pair < kStepDepth / 2; ++pair) {
+        __m512bh broadcasts[kRows];
+#pragma GCC unroll 4
+        for (int i = 0; i < kRows; ++i) {
+          int32_t x_pair;  // rows may start at any even or odd element: copied, not dereferenced as int32
+          std::memcpy(&x_pair, x_step + i * x_stride + 2 * pair, sizeof(x_pair));
+          broadcasts[i] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair));
+        }
+#pragma GCC unroll 8
+        for (int group = 0; group < kGroups; ++group) {
+          const at::BFloat16* b = groups[group] + step * step_stride + block * kTileElements;
           const __m512bh column = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns));
 #pragma GCC unroll 4
-          for (int i = 0; i < kRows; ++i) {
-            int32_t x_pair;  // rows may start at any even or odd element: copied, not dereferenced as int32
-            std::memcpy(&x_pair, x_step + i * x_stride + 2 * pair, sizeof(x_pair));
-            acc[group][i][block] = _mm512_dpbf16_ps(acc[group][i][block],
-                                                    reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair)), column);
-          }
+          for (int i = 0; i < kRows; ++i)
+            acc[group][i][block] = _mm512_dpbf16_ps(acc[group][i][block], broadcasts[i], column);
         }
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int group = 0; group < kGroups; ++group)
 #pragma GCC unroll 4
     for (int i = 0; i < kRows; ++i)
@@ -432,20 +440,24 @@ struct DotProducts {
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
   static constexpr int64_t kStartPrefetchBytes = kDotFarPrefetchBytes;  // see kDotFarPrefetchBytes
   // Weight streams of a one-row product (run_units' whole groups, dot_block_major), no software prefetch. On the
-  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved: 1.11-1.16x the one
-  // pair-major stream with the far prefetch (2, 3 and 4 streams within noise of each other); one 80 MB product
-  // 1.1-1.5x.
-  // One thread alone, one row: pair-major (dot_rows<4, 1>: 4 lines 1 KiB apart at a time) 1.32x slower than block by
-  // block, 1.47x slower than block by block over 2 groups.
-  static constexpr int kOneRowStreams = 3;
+  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved: three streams, each
+  // group's 4 KiB of a step read before the next group's, 1.11-1.16x the one pair-major stream with the far prefetch;
+  // the groups interleaved line by line, 3 / 4 / 5 / 6 streams 1.12 / 1.12 / 1.12 / 1.14x that (medians of eight
+  // rounds). One thread alone, one row: pair-major (dot_rows<4, 1>: 4 lines 1 KiB apart at a time) 1.32x slower than
+  // block by block, 1.47x slower than block by block over 2 groups.
+  static constexpr int kOneRowStreams = 6;
 
   void one_row_groups(const at::BFloat16* x, const at::BFloat16* const* groups, int count, int64_t num_steps,
                       float* out) {
-    static_assert(kOneRowStreams == 3, "one_row_groups dispatches up to 3 groups");
+    static_assert(kOneRowStreams == 6, "one_row_groups dispatches up to 6 groups");
+    constexpr int64_t kStride = kGroupBlocks * kTileElements;
     switch (count) {
-      case 3: dot_block_major<kGroupBlocks, 1, 3>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
-      case 2: dot_block_major<kGroupBlocks, 1, 2>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
-      default: dot_block_major<kGroupBlocks, 1, 1>(x, 0, groups, kGroupBlocks * kTileElements, num_steps, out); break;
+      case 6: dot_block_major<kGroupBlocks, 1, 6>(x, 0, groups, kStride, num_steps, out); break;
+      case 5: dot_block_major<kGroupBlocks, 1, 5>(x, 0, groups, kStride, num_steps, out); break;
+      case 4: dot_block_major<kGroupBlocks, 1, 4>(x, 0, groups, kStride, num_steps, out); break;
+      case 3: dot_block_major<kGroupBlocks, 1, 3>(x, 0, groups, kStride, num_steps, out); break;
+      case 2: dot_block_major<kGroupBlocks, 1, 2>(x, 0, groups, kStride, num_steps, out); break;
+      default: dot_block_major<kGroupBlocks, 1, 1>(x, 0, groups, kStride, num_steps, out); break;
     }
   }
 
