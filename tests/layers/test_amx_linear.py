@@ -96,7 +96,8 @@ def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) 
     """One row streams a thread's whole groups in up to six stretches at once (interleaved line by line), the partial
     groups at the share's ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to 48 and a partial one
     (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register blocks, no streams); so are
-    those of 2-4 rows, which read the weights block by block."""
+    those of 2 and 3 rows (two streams of whole groups) and of 4 rows (one group at a time), which read the weights
+    block by block."""
     k = 576
     weight, bias = _random(n, k, seed=31), _random(n, seed=32)
     packed = amx_pack(weight)

@@ -46,7 +46,7 @@ def test_kernel_is_first_argmax_of_the_linear(linear_products: str, num_threads:
     try:
         packed = amx_pack(_random(n, k, seed=n) / 8)
         bias = _random(n, seed=k) if has_bias else None
-        for m in (1, 5, 16, 33, 64, 257, 300):  # decode-sized chunks, and the paneled path above 256 rows
+        for m in (1, 2, 3, 5, 16, 33, 64, 257, 300):  # decode-sized chunks, and the paneled path above 256 rows
             x = _random(m, k, seed=m)
             assert torch.equal(amx_linear_first_argmax(x, packed, bias, n, num_columns, linear_products),
                                _unfused(x, packed, bias, n, num_columns, linear_products)), m
@@ -149,12 +149,14 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_fused_head(tiny_
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_one_row_ties_go_to_the_first_column_whatever_order_the_groups_come_in(num_threads: int) -> None:
-    """A one-row product streams groups of 64 columns out of order (stretches interleaved): equal maxima (and NaNs)
+@pytest.mark.parametrize("num_rows", [1, 2])
+def test_few_row_ties_go_to_the_first_column_whatever_order_the_groups_come_in(num_threads: int,
+                                                                              num_rows: int) -> None:
+    """Products of 1-3 rows stream groups of 64 columns out of order (stretches interleaved): equal maxima (and NaNs)
     in the same lane, in groups visited in either order, still resolve to the first column."""
     n, k = 1000, 64
     zero = amx_pack(torch.zeros(n, k, dtype=BF16))
-    x = _random(1, k, seed=3)
+    x = _random(num_rows, k, seed=3)
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -165,9 +167,10 @@ def test_one_row_ties_go_to_the_first_column_whatever_order_the_groups_come_in(n
                     continue
                 logits = torch.full((n,), -1.0, dtype=BF16)
                 logits[[first, second]] = 3.0
-                assert amx_linear_first_argmax(x, zero, logits, n, n).tolist() == [first], (first, second)
+                assert amx_linear_first_argmax(x, zero, logits, n, n).tolist() == [first] * num_rows, (first, second)
                 weight = torch.zeros(n, k, dtype=BF16)
                 weight[[first, second]] = float("nan")
-                assert amx_linear_first_argmax(x, amx_pack(weight), None, n, n).tolist() == [first], (first, second)
+                assert amx_linear_first_argmax(x, amx_pack(weight), None, n, n).tolist() == [first] * num_rows, \
+                    (first, second)
     finally:
         torch.set_num_threads(previous)

@@ -237,8 +237,10 @@ struct AmxProducts {
   // Bytes of a streaming share run_units prefetches before the first unit (none: the AMX loops were tuned on Intel
   // without it; the AMX path has not run since).
   static constexpr int64_t kStartPrefetchBytes = 0;
-  static constexpr int kOneRowStreams = 0;  // one-row products take the tiles too (run_units)
-  void one_row_groups(const at::BFloat16*, const at::BFloat16* const*, int, int64_t, float*) {}
+  // Products of few rows take the tiles too (run_units): no weight streams.
+  static constexpr int kMaxStreams = 0;
+  static constexpr int num_streams(int64_t) { return 0; }
+  void stream_groups(const at::BFloat16*, int64_t, int64_t, const at::BFloat16* const*, int, int64_t, float*) {}
 
   // out[r * kGroupColumns + c] = x[r] . W column c for rows [0, rows) and the num_blocks blocks of one group from
   // b_first (a step's tiles step_stride elements apart). Rows are taken 32 at a time while 32 are left (two A tiles,
@@ -439,25 +441,39 @@ struct DotProducts {
   // The passes over a unit's weights (see AmxProducts); blocks of 6 rows at a full group.
   static int64_t num_passes(int64_t rows) { return ceil_div(rows, dot_block_rows<kGroupBlocks>()); }
   static constexpr int64_t kStartPrefetchBytes = kDotFarPrefetchBytes;  // see kDotFarPrefetchBytes
-  // Weight streams of a one-row product (run_units' whole groups, dot_block_major), no software prefetch. On the
-  // Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved: three streams, each
-  // group's 4 KiB of a step read before the next group's, 1.11-1.16x the one pair-major stream with the far prefetch;
-  // the groups interleaved line by line, 3 / 4 / 5 / 6 streams 1.12 / 1.12 / 1.12 / 1.14x that (medians of eight
-  // rounds). One thread alone, one row: pair-major (dot_rows<4, 1>: 4 lines 1 KiB apart at a time) 1.32x slower than
-  // block by block, 1.47x slower than block by block over 2 groups.
-  static constexpr int kOneRowStreams = 6;
+  // Weight streams of a product of up to 3 rows (run_units' whole groups, dot_block_major), no software prefetch. On
+  // the Zen 4 VM, the 121 products of a SmolLM2-135M decode step on the same buffers, interleaved, at one row: three
+  // streams, each group's 4 KiB of a step read before the next group's, 1.11-1.16x the one pair-major stream with the
+  // far prefetch; the groups interleaved line by line, 3 / 4 / 5 / 6 streams 1.12 / 1.12 / 1.12 / 1.14x that (medians
+  // of eight rounds). At 2 / 3 / 4 rows, two streams 1.06 / 1.03 / 1.02x one group at a time (1 / 2 / 3 streams at 2
+  // rows: 1.05 / 1.06 / 1.05x); four rows keep one (two would hold 32 accumulators). One thread alone, one row:
+  // pair-major (dot_rows<4, 1>: 4 lines 1 KiB apart at a time) 1.32x slower than block by block, 1.47x slower than
+  // block by block over 2 groups.
+  static constexpr int kMaxStreams = 6;
+  static constexpr int kMaxStreamRows = 3;
+  static constexpr int num_streams(int64_t rows) { return rows == 1 ? kMaxStreams : (rows <= kMaxStreamRows ? 2 : 0); }
 
-  void one_row_groups(const at::BFloat16* x, const at::BFloat16* const* groups, int count, int64_t num_steps,
-                      float* out) {
-    static_assert(kOneRowStreams == 6, "one_row_groups dispatches up to 6 groups");
+  // Rows [0, rows) of x against `count` (<= num_streams(rows)) whole groups, group k's row i to
+  // out + (k * rows + i) * kGroupColumns.
+  void stream_groups(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* const* groups,
+                     int count, int64_t num_steps, float* out) {
+    static_assert(kMaxStreams == 6 && kMaxStreamRows == 3, "stream_groups dispatches up to 6 groups of 1 row, 2 of 3");
     constexpr int64_t kStride = kGroupBlocks * kTileElements;
-    switch (count) {
-      case 6: dot_block_major<kGroupBlocks, 1, 6>(x, 0, groups, kStride, num_steps, out); break;
-      case 5: dot_block_major<kGroupBlocks, 1, 5>(x, 0, groups, kStride, num_steps, out); break;
-      case 4: dot_block_major<kGroupBlocks, 1, 4>(x, 0, groups, kStride, num_steps, out); break;
-      case 3: dot_block_major<kGroupBlocks, 1, 3>(x, 0, groups, kStride, num_steps, out); break;
-      case 2: dot_block_major<kGroupBlocks, 1, 2>(x, 0, groups, kStride, num_steps, out); break;
-      default: dot_block_major<kGroupBlocks, 1, 1>(x, 0, groups, kStride, num_steps, out); break;
+    if (rows == 1) {
+      switch (count) {
+        case 6: dot_block_major<kGroupBlocks, 1, 6>(x, x_stride, groups, kStride, num_steps, out); break;
+        case 5: dot_block_major<kGroupBlocks, 1, 5>(x, x_stride, groups, kStride, num_steps, out); break;
+        case 4: dot_block_major<kGroupBlocks, 1, 4>(x, x_stride, groups, kStride, num_steps, out); break;
+        case 3: dot_block_major<kGroupBlocks, 1, 3>(x, x_stride, groups, kStride, num_steps, out); break;
+        case 2: dot_block_major<kGroupBlocks, 1, 2>(x, x_stride, groups, kStride, num_steps, out); break;
+        default: dot_block_major<kGroupBlocks, 1, 1>(x, x_stride, groups, kStride, num_steps, out); break;
+      }
+    } else if (rows == 2) {
+      if (count == 2) dot_block_major<kGroupBlocks, 2, 2>(x, x_stride, groups, kStride, num_steps, out);
+      else dot_block_major<kGroupBlocks, 2, 1>(x, x_stride, groups, kStride, num_steps, out);
+    } else {
+      if (count == 2) dot_block_major<kGroupBlocks, 3, 2>(x, x_stride, groups, kStride, num_steps, out);
+      else dot_block_major<kGroupBlocks, 3, 1>(x, x_stride, groups, kStride, num_steps, out);
     }
   }
 
@@ -677,27 +693,28 @@ void run_unit_range(Products& products, const PackedProduct& p, int64_t begin, i
   }
 }
 
-// One row's whole groups in [begin, end) (units are blocks at one row), kOneRowStreams at a time: the groups are cut
-// into that many stretches and each call takes the next group of every stretch.
+// The whole groups [first_group, end_group) of a product of few rows, Products::num_streams(p.m) at a time: the
+// groups are cut into that many stretches and each call takes the next group of every stretch.
 template <typename Products, typename Epilogue>
-void run_one_row_streams(Products& products, const PackedProduct& p, int64_t first_group, int64_t end_group,
-                         Epilogue&& epilogue) {
-  constexpr int kStreams = Products::kOneRowStreams;
+void run_group_streams(Products& products, const PackedProduct& p, int64_t first_group, int64_t end_group,
+                       Epilogue&& epilogue) {
+  constexpr int kMaxStreams = Products::kMaxStreams;
   const int64_t num_groups = end_group - first_group;
-  const int64_t stretch = ceil_div(num_groups, std::min<int64_t>(kStreams, num_groups));
+  const int64_t stretch = ceil_div(num_groups, std::min<int64_t>(Products::num_streams(p.m), num_groups));
   const int64_t group_elements = kGroupBlocks * p.num_steps * kTileElements;
-  alignas(64) float out[kStreams * kGroupColumns];
+  alignas(64) float out[kMaxStreams * kGroupColumns];  // at most 6 groups of one row or 2 of 3
+  static_assert(2 * Products::kMaxStreamRows <= kMaxStreams, "out holds num_streams(rows) * rows groups");
   for (int64_t i = 0; i < stretch; ++i) {
-    const at::BFloat16* groups[kStreams];
-    int64_t first_columns[kStreams];
+    const at::BFloat16* groups[kMaxStreams];
+    int64_t first_columns[kMaxStreams];
     int count = 0;
     for (int64_t group = first_group + i; group < end_group; group += stretch) {
       groups[count] = p.weight + group * group_elements;
       first_columns[count++] = group * kGroupColumns;
     }
-    products.one_row_groups(p.x, groups, count, p.num_steps, out);
+    products.stream_groups(p.x, p.x_stride, p.m, groups, count, p.num_steps, out);
     for (int k = 0; k < count; ++k)
-      epilogue(static_cast<const float*>(out + k * kGroupColumns), 0, 1, first_columns[k],
+      epilogue(static_cast<const float*>(out + k * p.m * kGroupColumns), 0, p.m, first_columns[k],
                std::min(kGroupColumns, p.n - first_columns[k]));
   }
 }
@@ -705,18 +722,18 @@ void run_one_row_streams(Products& products, const PackedProduct& p, int64_t fir
 // Computes units [begin, end) of `p` (one thread's share of parallel_for over num_units(p)) and hands each unit's
 // fp32 products, before bias and rounding, to `epilogue(values, first_row, num_rows, first_column, num_columns)`:
 // values[r * kGroupColumns + c] is row first_row + r, column first_column + c. The order of the units is not
-// defined (one-row products interleave stretches of groups): epilogues must not depend on it.
+// defined (products of up to 3 rows interleave stretches of groups): epilogues must not depend on it.
 template <typename Products, typename Epilogue>
 void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& epilogue) {
-  if constexpr (Products::kOneRowStreams > 0) {
-    if (p.m == 1) {
+  if constexpr (Products::kMaxStreams > 0) {
+    if (Products::num_streams(p.m) > 0) {
       // Whole groups of four blocks stream; the partial groups at the share's ends (and a short last group) do not.
       const int64_t num_blocks = ceil_div(p.n, kBlockColumns);
       const int64_t first_group = ceil_div(begin, kGroupBlocks);
       const int64_t end_group = std::min(end, num_blocks) / kGroupBlocks;
       if (end_group > first_group) {
         run_unit_range(products, p, begin, first_group * kGroupBlocks, epilogue);
-        run_one_row_streams(products, p, first_group, end_group, epilogue);
+        run_group_streams(products, p, first_group, end_group, epilogue);
         run_unit_range(products, p, end_group * kGroupBlocks, end, epilogue);
         return;
       }
