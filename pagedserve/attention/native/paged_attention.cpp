@@ -54,6 +54,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "../../layers/native/exp_polynomial.h"
 #endif
 
 namespace {
@@ -75,29 +77,8 @@ inline __m512 load16(const c10::BFloat16* pointer) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// exp(x) to about 1 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial in r).
-// Inputs here are s - max(s) <= 0; below ln(FLT_MIN) the result is flushed to 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 ln_min = _mm512_set1_ps(-87.33654475f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, ln_min, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, ln_min);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  // 2^n: scalef handles the exponent without integer tricks.
-  __m512 result = _mm512_scalef_ps(p, n);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), result);
-}
+// e^x of s - max(s) <= 0 (exp_polynomial.h); below ln(FLT_MIN) flushed to 0.
+inline __m512 exp16(__m512 x) { return pagedserve_native::cephes_exp16(x, -87.33654475f, 88.3762626647949f); }
 #endif
 
 // One (request, kv_head, partition) item's geometry.

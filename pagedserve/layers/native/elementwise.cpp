@@ -53,6 +53,7 @@
 
 #include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
+#include "exp_polynomial.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -129,23 +130,10 @@ inline void store_vector(c10::BFloat16* pointer, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(pointer, mask, _mm512_cvtepi32_epi16(bfloat16_bits(v)));
 }
 
-// exp(x) for silu: Sleef's (ATen's own) when libtorch exports it, else a Cephes-style polynomial to ~1 ulp.
+// exp(x) for silu: Sleef's (ATen's own) when libtorch exports it, else Cephes' polynomial (exp_polynomial.h).
 inline __m512 exp16(__m512 x) {
   if (Sleef_expf16_u10 != nullptr) return Sleef_expf16_u10(x);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.97f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.97f)), _mm512_set1_ps(88.8f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));  // overflow -> inf
+  return pagedserve_native::cephes_exp16(x, -103.97f, 88.8f);
 }
 #endif
 
