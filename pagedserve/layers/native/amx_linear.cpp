@@ -457,7 +457,8 @@ struct DotProducts {
   // out + (k * rows + i) * kGroupColumns.
   void stream_groups(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* const* groups,
                      int count, int64_t num_steps, float* out) {
-    static_assert(kMaxStreams == 6 && kMaxStreamRows == 3, "stream_groups dispatches up to 6 groups of 1 row, 2 of 3");
+    static_assert(kMaxStreams == 6 && kMaxStreamRows == 3,
+                  "stream_groups dispatches up to 6 groups at one row, 2 at 2-3 rows");
     constexpr int64_t kStride = kGroupBlocks * kTileElements;
     if (rows == 1) {
       switch (count) {
@@ -702,7 +703,7 @@ void run_group_streams(Products& products, const PackedProduct& p, int64_t first
   const int64_t num_groups = end_group - first_group;
   const int64_t stretch = ceil_div(num_groups, std::min<int64_t>(Products::num_streams(p.m), num_groups));
   const int64_t group_elements = kGroupBlocks * p.num_steps * kTileElements;
-  alignas(64) float out[kMaxStreams * kGroupColumns];  // at most 6 groups of one row or 2 of 3
+  alignas(64) float out[kMaxStreams * kGroupColumns];  // 6 groups at one row, or 2 groups of 2-3 rows
   static_assert(2 * Products::kMaxStreamRows <= kMaxStreams, "out holds num_streams(rows) * rows groups");
   for (int64_t i = 0; i < stretch; ++i) {
     const at::BFloat16* groups[kMaxStreams];
