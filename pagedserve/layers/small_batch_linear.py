@@ -5,9 +5,10 @@ sustains. The native kernel (layers/native/small_batch_linear.cpp, built into th
 attention kernels) streams the plain [N, K] weight four rows at a time with software prefetch and reuses each
 weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
-M = 8; benchmarks/small_batch_linear.py). One row (batch-1 decode) streams six weight rows from six stretches of a
-thread's share at once instead, each front to back, without software prefetch (1.15x on a decode step's weights on
-an AMD Zen 4 VM; bitwise the same results). On Intel CPUs batches above 16 rows (`INTEL_MAX_ROWS`: prefill
+M = 8; benchmarks/small_batch_linear.py). One to three rows (batch-1 decode, decode steps of a
+few requests) stream six weight rows (three rows: four) from as many stretches of a thread's share at once instead,
+each front to back, without software prefetch (on a decode step's weights on an AMD Zen 4 VM: 1.15x at one row,
+1.25x at two, 1.10x at three; bitwise the same results). On Intel CPUs batches above 16 rows (`INTEL_MAX_ROWS`: prefill
 chunks, large decode batches) take F.linear, where MKL's blocking wins. Elsewhere the kernel takes up to
 `MAX_ROWS` (128) rows, and larger batches take oneDNN's GEMM on the same plain weight (it reorders the weight
 per call; no second copy): on AMD Zen 4 MKL's sgemm ran 1.05-1.25x slower than that at 32-2048 rows and 1.65x

@@ -45,12 +45,15 @@ def test_strided_rows() -> None:
     x = wide[:, 50:146]  # rows 200 floats apart, unit column stride
     assert qualifies(x) and not x.is_contiguous()
     torch.testing.assert_close(small_batch_linear(x, weight, None), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    for size in (1, 2, 3):  # streamed rows read x at its stride too
+        torch.testing.assert_close(small_batch_linear(x[:size], weight, None), x[:size] @ weight.t(), rtol=1e-5,
+                                   atol=1e-5)
     assert not qualifies(_tensor(96, 6, seed=3).t())  # column stride 6: F.linear takes it
 
 
 def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
-    """One row streams six stretches of weight rows at a time (301 rows: uneven stretches on 1-3 threads); a batch
-    goes four weight rows at a time: a row's bits are the same either way."""
+    """One or two rows stream six stretches of weight rows at a time, three rows four (301 rows: uneven stretches on
+    1-3 threads); a batch goes four weight rows at a time: a row's bits are the same either way."""
     weight, bias = _tensor(301, 576, seed=4), _tensor(301, seed=6)
     batch = _tensor(MAX_ROWS, 576, seed=5)
     threads = torch.get_num_threads()
@@ -62,6 +65,9 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() ->
             for row in (0, 7, MAX_ROWS - 1):
                 alone = small_batch_linear(batch[row:row + 1], weight, bias)
                 assert torch.equal(alone[0], results[-1][row]), (num_threads, row)
+            for size in (2, 3):
+                few = small_batch_linear(batch[1:1 + size], weight, bias)
+                assert torch.equal(few, results[-1][1:1 + size]), (num_threads, size)
         assert all(torch.equal(results[0], result) for result in results[1:])
     finally:
         torch.set_num_threads(threads)

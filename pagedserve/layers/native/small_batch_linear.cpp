@@ -7,9 +7,10 @@
 // time and software-prefetches each row a few KiB ahead (the hardware prefetcher does not run far enough ahead
 // on its own), sustained 26.0 / 26.2 / 24.5 / 19.5 / 14.7 GB/s (benchmarks/small_batch_linear.py). A second,
 // 8x farther prefetch into L2/L3 added 15-17% on a decode step's sequence of weights (in a slow phase of this
-// VM: 13.8-14.6 -> 16.2-17.2 GB/s, torch's sum 18.8 GB/s at the time). One input row (batch-1 decode) streams
-// differently since: six weight rows from six stretches of a thread's share at a time, each read front to back,
-// no software prefetch (one_row; 1.15x on a decode step's weights on a Zen 4 VM).
+// VM: 13.8-14.6 -> 16.2-17.2 GB/s, torch's sum 18.8 GB/s at the time). One to three input rows (decode steps of
+// a few requests) stream differently since: six (three rows: four) weight rows from as many stretches of a thread's
+// share at a time, each read front to back, no software prefetch (stream_rows; one row 1.15x, two 1.25x on a decode
+// step's weights on a Zen 4 VM).
 //
 // Larger batches (decode steps of many requests) are compute-bound: input rows go five at a time against the four
 // weight rows (20 accumulators, 9 loads per 20 FMA), the weight rows staying in L1 while x streams from L2. On an
@@ -127,60 +128,75 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
   }
 }
 
-// One input row streams: kOneRowStreams weight rows at a time, each from its own stretch of the thread's rows and
-// each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per stretch. On
-// the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) on the same buffers,
-// interleaved over five rounds (medians, relative to four rows together with the two prefetch distances): one row
-// at a time 1.02x, 2 / 4 / 6 / 8 streams 1.08 / 1.10 / 1.15 / 1.11x. The results are gemm_tile<1, ...>'s bitwise:
-// one accumulator per output over K in order.
-constexpr int kOneRowStreams = 6;
+// One to three input rows stream: up to kMaxStreams weight rows at a time, each from its own stretch of the thread's
+// rows and each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per
+// stretch. On the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) on the same
+// buffers, interleaved over five rounds (medians, relative to four rows together with the two prefetch distances):
+// one row at a time 1.02x, 2 / 4 / 6 / 8 streams 1.08 / 1.10 / 1.15 / 1.11x. The 120 layer products at 2 / 3 / 4
+// input rows, six rounds: 6 streams 1.25 / 1.05 / 0.96x, 4 streams 1.26 / 1.10 / 0.88x, 3 streams 1.25 / 1.07 /
+// 0.90x; four rows and more keep gemm_rows. The results are gemm_tile's bitwise: one accumulator per output over K
+// in order.
+constexpr int kMaxStreams = 6;
+constexpr int kMaxStreamInputs = 3;
+constexpr int num_streams(int64_t num_inputs) { return num_inputs == 3 ? 4 : kMaxStreams; }
 
-template <int kStreams>
-inline void one_row_streams(const float* x, const float* const* weight_rows, int64_t k, float* out) {
-  __m512 acc[kStreams];
+template <int kInputs, int kStreams>
+inline void row_streams(const float* x, int64_t x_stride, const float* const* weight_rows, int64_t k, float* out) {
+  __m512 acc[kStreams][kInputs];
 #pragma GCC unroll 8
-  for (int stream = 0; stream < kStreams; ++stream) acc[stream] = _mm512_setzero_ps();
+  for (int stream = 0; stream < kStreams; ++stream)
+#pragma GCC unroll 4
+    for (int i = 0; i < kInputs; ++i) acc[stream][i] = _mm512_setzero_ps();
   for (int64_t offset = 0; offset < k; offset += kLanes) {
-    const __m512 input = load_lanes(x + offset, k - offset);
+    __m512 inputs[kInputs];
+#pragma GCC unroll 4
+    for (int i = 0; i < kInputs; ++i) inputs[i] = load_lanes(x + i * x_stride + offset, k - offset);
 #pragma GCC unroll 8
-    for (int stream = 0; stream < kStreams; ++stream)
-      acc[stream] = _mm512_fmadd_ps(load_lanes(weight_rows[stream] + offset, k - offset), input, acc[stream]);
+    for (int stream = 0; stream < kStreams; ++stream) {
+      const __m512 w = load_lanes(weight_rows[stream] + offset, k - offset);
+#pragma GCC unroll 4
+      for (int i = 0; i < kInputs; ++i) acc[stream][i] = _mm512_fmadd_ps(w, inputs[i], acc[stream][i]);
+    }
   }
 #pragma GCC unroll 8
-  for (int stream = 0; stream < kStreams; ++stream) out[stream] = _mm512_reduce_add_ps(acc[stream]);
+  for (int stream = 0; stream < kStreams; ++stream)
+#pragma GCC unroll 4
+    for (int i = 0; i < kInputs; ++i) out[stream * kInputs + i] = _mm512_reduce_add_ps(acc[stream][i]);
 }
 
-// Columns [begin, end) of y for one input row, kOneRowStreams stretches at a time.
-void one_row(const float* x, const float* weight, int64_t k, const float* bias, float* y, int64_t begin,
-             int64_t end) {
+// Columns [begin, end) of y for kInputs input rows, num_streams(kInputs) stretches at a time.
+template <int kInputs>
+void stream_rows(const float* x, int64_t x_stride, const float* weight, int64_t k, const float* bias, float* y,
+                 int64_t y_stride, int64_t begin, int64_t end) {
   const int64_t num_rows = end - begin;
   if (num_rows <= 0) return;
-  const int64_t stretch = (num_rows + kOneRowStreams - 1) / kOneRowStreams;
+  const int64_t stretch = (num_rows + num_streams(kInputs) - 1) / num_streams(kInputs);
   for (int64_t i = 0; i < stretch; ++i) {
-    const float* weight_rows[kOneRowStreams];
-    int64_t columns[kOneRowStreams];
+    const float* weight_rows[kMaxStreams];
+    int64_t columns[kMaxStreams];
     int count = 0;
     for (int64_t column = begin + i; column < end; column += stretch) {
       weight_rows[count] = weight + column * k;
       columns[count++] = column;
     }
-    float out[kOneRowStreams];
+    float out[kMaxStreams * kInputs];
     switch (count) {
-      case 6: one_row_streams<6>(x, weight_rows, k, out); break;
-      case 5: one_row_streams<5>(x, weight_rows, k, out); break;
-      case 4: one_row_streams<4>(x, weight_rows, k, out); break;
-      case 3: one_row_streams<3>(x, weight_rows, k, out); break;
-      case 2: one_row_streams<2>(x, weight_rows, k, out); break;
-      default: one_row_streams<1>(x, weight_rows, k, out); break;
+      case 6: row_streams<kInputs, 6>(x, x_stride, weight_rows, k, out); break;
+      case 5: row_streams<kInputs, 5>(x, x_stride, weight_rows, k, out); break;
+      case 4: row_streams<kInputs, 4>(x, x_stride, weight_rows, k, out); break;
+      case 3: row_streams<kInputs, 3>(x, x_stride, weight_rows, k, out); break;
+      case 2: row_streams<kInputs, 2>(x, x_stride, weight_rows, k, out); break;
+      default: row_streams<kInputs, 1>(x, x_stride, weight_rows, k, out); break;
     }
-    for (int j = 0; j < count; ++j) {
-      float value = out[j];
-      if (bias != nullptr) value += bias[columns[j]];
-      y[columns[j]] = value;
-    }
+    for (int j = 0; j < count; ++j)
+      for (int input = 0; input < kInputs; ++input) {
+        float value = out[j * kInputs + input];
+        if (bias != nullptr) value += bias[columns[j]];
+        y[input * y_stride + columns[j]] = value;
+      }
   }
 }
-static_assert(kOneRowStreams == 6, "one_row dispatches up to 6 streams");
+static_assert(kMaxStreams == 6, "stream_rows dispatches up to 6 streams");
 
 #endif  // PAGEDSERVE_SMALL_BATCH_LINEAR
 
@@ -210,14 +226,16 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   const float* w_data = weight.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  // Measured best from two rows on (one row streams without software prefetch, above).
+  // Measured best from four rows on (up to three stream without software prefetch, above).
   const int64_t prefetch_bytes = 8192;
   const int64_t num_full_blocks = n / kRows;
   // At least ~64 KiB of weight per task, so a thread streams long contiguous ranges.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, kRows * k * 4));
-  if (m == 1) {
+  if (m <= kMaxStreamInputs) {
     at::parallel_for(0, n, grain * kRows, [&](int64_t begin, int64_t end) {
-      one_row(x_data, w_data, k, bias_data, y_data, begin, end);
+      if (m == 1) stream_rows<1>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
+      else if (m == 2) stream_rows<2>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
+      else stream_rows<3>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
     });
     return y;
   }
