@@ -114,6 +114,23 @@ def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) 
     _assert_matches_reference(batch, _reference(x, weight, bias))
 
 
+def test_few_rows_equal_their_rows_in_a_batch_on_random_shapes(linear_products: str) -> None:
+    """Random widths and depths (any number of whole and partial groups, K tails), biases or not, 1-3 threads: 1-4
+    rows (streamed or block by block) equal the same rows of a 9-row batch, bit for bit."""
+    generator = random.Random(7)
+    for trial in range(24):
+        n, k = generator.randint(1, 3200), generator.randint(1, 700)
+        packed = amx_pack(_random(n, k, seed=trial))
+        bias = _random(n, seed=100 + trial) if trial % 2 else None
+        x = _random(9, k, seed=200 + trial)
+        with _num_threads(generator.choice([1, 2, 3])):
+            batch = amx_linear(x, packed, bias, n, linear_products)
+            for size in (1, 2, 3, 4):
+                start = generator.randint(0, 9 - size)
+                few = amx_linear(x[start:start + size], packed, bias, n, linear_products)
+                assert torch.equal(few.view(torch.int16), batch[start:start + size].view(torch.int16)), (n, k, size)
+
+
 @pytest.mark.parametrize("n, k", [(3088, 576), (1000, 1536)])
 def test_paneled_prefill_sizes_match_reference_and_small_batches(linear_products: str, n: int, k: int) -> None:
     """Above 256 rows the kernel cuts the weight into L2-sized panels and x into chunks of 32 rows (AMX) or 36 (dot

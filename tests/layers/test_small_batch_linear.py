@@ -73,6 +73,26 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() ->
         torch.set_num_threads(threads)
 
 
+def test_streamed_rows_equal_their_rows_in_a_batch_on_random_shapes() -> None:
+    """Random widths and depths (uneven stretches, K tails), biases or not, 1-3 threads: 1-3 streamed rows equal
+    the same rows of a 9-row batch (four weight rows at a time), bit for bit."""
+    generator = random.Random(7)
+    threads = torch.get_num_threads()
+    try:
+        for trial in range(24):
+            n, k = generator.randint(1, 3200), generator.randint(1, 700)
+            weight, x = _tensor(n, k, seed=trial), _tensor(9, k, seed=100 + trial)
+            bias = _tensor(n, seed=200 + trial) if trial % 2 else None
+            torch.set_num_threads(generator.choice([1, 2, 3]))
+            batch = small_batch_linear(x, weight, bias)
+            for size in (1, 2, 3):
+                start = generator.randint(0, 9 - size)
+                assert torch.equal(small_batch_linear(x[start:start + size], weight, bias),
+                                   batch[start:start + size]), (n, k, size)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_errors_name_the_problem() -> None:
     weight = _tensor(8, 32, seed=6)
     with pytest.raises(RuntimeError, match="M=129 exceeds 128"):
