@@ -94,10 +94,10 @@ def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -
 @pytest.mark.parametrize("n", [50, 64, 120, 192, 576, 1000, 3088])
 def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) -> None:
     """One row streams a thread's whole groups in up to six stretches at once (interleaved line by line), the partial
-    groups at the share's ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to 48 and a partial one
-    (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register blocks, no streams); so are
-    those of 2 and 3 rows (two streams of whole groups) and of 4 rows (one group at a time), which read the weights
-    block by block."""
+    groups at the share's ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to
+    48 and a partial one (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register
+    blocks, no streams); so are those of 2 and 3 rows (two streams of whole groups) and of 4 rows (one group at a
+    time), which read the weights block by block."""
     k = 576
     weight, bias = _random(n, k, seed=31), _random(n, seed=32)
     packed = amx_pack(weight)
@@ -108,7 +108,7 @@ def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) 
             for row in (0, 6):
                 one = amx_linear(x[row:row + 1], packed, bias, n, linear_products)
                 assert torch.equal(one.view(torch.int16), batch[row:row + 1].view(torch.int16)), (num_threads, row)
-            for size in (2, 3, 4):  # streamed block by block (dot products), one pass over the weights
+            for size in (2, 3, 4):  # one pass over the weights, block by block (dot products)
                 few = amx_linear(x[1:1 + size], packed, bias, n, linear_products)
                 assert torch.equal(few.view(torch.int16), batch[1:1 + size].view(torch.int16)), (num_threads, size)
     _assert_matches_reference(batch, _reference(x, weight, bias))
