@@ -230,12 +230,14 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="framework", family="weight loading", feature="safetensors load strategies (lazy mmap, eager "
                                                           "whole-file, prefetch read-ahead) and multithreaded "
-                                                          "loading; bit-identical, TP slices read per rank",
+                                                          "loading; bit-identical, TP slices read per rank; "
+                                                          "loaded weights moved into one arena on transparent "
+                                                          "huge pages on the CPU",
         modules=("pagedserve.model_loader.checkpoint_reader", "pagedserve.model_loader.load_strategies",
-                 "pagedserve.config.load"),
-        knobs=("enable_multithread_load", "num_threads", "safetensors_load_strategy"),
+                 "pagedserve.config.load", "pagedserve.platforms.huge_page_weights"),
+        knobs=("enable_multithread_load", "num_threads", "safetensors_load_strategy", "huge_page_weights"),
         docs="docs/params-06-weight-loading.md",
-        tests=("tests/model_loader/test_load_strategies.py",),
+        tests=("tests/model_loader/test_load_strategies.py", "tests/platforms/test_huge_page_weights.py"),
     ),
     Feature(
         line="model", family="weight layout", feature="per-platform linear weight layout at load: bf16 weights "

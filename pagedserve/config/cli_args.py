@@ -88,10 +88,14 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
                            "plain_native: plain float32 weights, decode batches on a native CPU kernel; "
                            "amx_packed: bfloat16 weights tile-packed for the native AMX / AVX512-BF16 kernel; "
                            "auto: whichever was measured faster for the platform and dtype)")
+    load.add_argument("--huge-page-weights", action=argparse.BooleanOptionalAction, default=True,
+                      help="move the loaded weights into one arena on transparent huge pages (CPU; faster "
+                           "weight streaming in decode); --no-huge-page-weights keeps them where loading put them")
 
 
 def load_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("enable_multithread_load", "num_threads", "safetensors_load_strategy", "weight_layout")
+    names = ("enable_multithread_load", "num_threads", "safetensors_load_strategy", "weight_layout",
+             "huge_page_weights")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -87,6 +87,7 @@ class EngineConfig:
         num_threads: int = 8,
         safetensors_load_strategy: str = "lazy",
         weight_layout: str = "auto",
+        huge_page_weights: bool = True,
         native_decode_stack: bool = True,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
@@ -187,7 +188,8 @@ class EngineConfig:
         if batch_invariant:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form
         load_config = LoadConfig(enable_multithread_load=enable_multithread_load, num_threads=num_threads,
-                                 safetensors_load_strategy=safetensors_load_strategy, weight_layout=weight_layout)
+                                 safetensors_load_strategy=safetensors_load_strategy, weight_layout=weight_layout,
+                                 huge_page_weights=huge_page_weights)
         from pagedserve.layers.weight_layout import resolve_weight_layout
 
         # Fails here, not in the worker, when the layout cannot be honoured (platform, dtype, modes).

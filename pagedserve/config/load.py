@@ -32,6 +32,9 @@ class LoadConfig:
     # 'auto' picks 'amx_packed' or else 'prepacked' (CPU, bfloat16) or 'plain_native' (CPU, float32) where
     # they were measured faster and 'plain' elsewhere.
     weight_layout: str = "auto"
+    # After the layout transform, move the weights into one arena on transparent huge pages where the
+    # platform has them (the CPU: platforms/huge_page_weights.py); False keeps them where loading put them.
+    huge_page_weights: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_multithread_load, bool):
@@ -42,6 +45,8 @@ class LoadConfig:
         if self.safetensors_load_strategy not in SAFETENSORS_LOAD_STRATEGIES:
             raise ValueError(f"safetensors_load_strategy={self.safetensors_load_strategy!r} must be one of "
                              f"{list(SAFETENSORS_LOAD_STRATEGIES)}")
+        if not isinstance(self.huge_page_weights, bool):
+            raise ValueError(f"huge_page_weights={self.huge_page_weights!r} must be true or false")
         if self.weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r} must be one of {list(WEIGHT_LAYOUTS)}")
 

@@ -7,6 +7,7 @@ import torch
 
 from pagedserve.platforms.heap_retention import retain_freed_heap_memory
 from pagedserve.platforms.huge_page_memory import allocate_huge_page_zeros
+from pagedserve.platforms.huge_page_weights import move_weights_to_huge_pages
 from pagedserve.platforms.interface import Platform
 
 
@@ -23,6 +24,11 @@ class CpuPlatform(Platform):
         KV cache costs nothing at start, memory is committed as blocks are first written (torch.zeros
         would memset it all), and the scattered block writes and reads fault and miss the TLB 512x less."""
         return allocate_huge_page_zeros(shape, dtype)
+
+    def place_weights(self, model: torch.nn.Module) -> None:
+        """One arena on transparent huge pages (platforms/huge_page_weights.py): batch-1 decode streams every
+        weight once a step, and 2 MiB pages read faster than loading's scattered 4 KiB ones."""
+        move_weights_to_huge_pages(model)
 
     def default_attention_backend(self) -> str:
         """'cpu_native' (in-place paged decode kernels) when its C++ extension builds and loads, else the

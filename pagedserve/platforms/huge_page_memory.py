@@ -39,24 +39,32 @@ def transparent_huge_page_mode(path: str = THP_ENABLED_PATH) -> str | None:
     return None
 
 
+def allocate_huge_page_bytes(num_bytes: int) -> tuple[torch.Tensor, bool]:
+    """A zero-filled uint8 CPU tensor of `num_bytes` (> 0) starting on a 2 MiB boundary of an anonymous mapping,
+    and whether the kernel took the MADV_HUGEPAGE advice for it (see the module docstring)."""
+    # Over-map by one huge page so the tensor can start on a 2 MiB boundary whatever address mmap returns.
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    is_advised = False
+    madvise = getattr(mapping, "madvise", None)
+    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            madvise(mmap.MADV_HUGEPAGE)
+            is_advised = True
+        except OSError as error:  # kernels without THP refuse the advice; small pages still work
+            logger.debug("MADV_HUGEPAGE refused (%s): the mapping stays on small pages", error)
+    # torch.frombuffer keeps `mapping` alive as long as any view of the tensor lives.
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    return raw[offset:offset + num_bytes], is_advised
+
+
 def allocate_huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled, contiguous CPU tensor of `shape` whose storage starts on a 2 MiB boundary of an
     anonymous mapping advised MADV_HUGEPAGE (see the module docstring)."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # Over-map by one huge page so the tensor can start on a 2 MiB boundary whatever address mmap returns.
-    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    madvise = getattr(mapping, "madvise", None)
-    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            madvise(mmap.MADV_HUGEPAGE)
-        except OSError as error:  # kernels without THP refuse the advice; small pages still work
-            logger.debug("MADV_HUGEPAGE refused (%s): the KV cache stays on small pages", error)
-    # torch.frombuffer keeps `mapping` alive as long as any view of the tensor lives.
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % HUGE_PAGE_BYTES
-    return raw[offset:offset + num_bytes].view(dtype).view(shape)
+    return allocate_huge_page_bytes(num_bytes)[0].view(dtype).view(shape)
 
 
-__all__ = ["HUGE_PAGE_BYTES", "allocate_huge_page_zeros", "transparent_huge_page_mode"]
+__all__ = ["HUGE_PAGE_BYTES", "allocate_huge_page_bytes", "allocate_huge_page_zeros", "transparent_huge_page_mode"]

@@ -39,6 +39,11 @@ class Platform(ABC):
     def default_attention_backend(self) -> str:
         return "torch_paged"
 
+    def place_weights(self, model: "torch.nn.Module") -> None:
+        """Called by each worker once its model is loaded and its weights have their layout: move them where
+        this platform reads them fastest (load_config.huge_page_weights; nothing by default)."""
+        return None
+
     def prepare_for_serving(self) -> None:
         """Called by each worker once its model and KV cache are in place, before the first step."""
         return None

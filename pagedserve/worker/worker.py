@@ -67,6 +67,8 @@ class Worker:
             # With several ranks each reads only the checkpoint slices its weight loaders keep.
             model = load_model(model_config, self.device, weights=weights, load_config=config.load_config,
                                read_slices=self.world_size > 1, weight_layout=weight_layout)
+        if config.load_config.huge_page_weights:
+            self.platform.place_weights(model)
         # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.
         self.eplb_hook = EplbStepHook(model, config.eplb_config) if config.eplb_config.enable else None
         self.model_runner = ModelRunner(config, model, self.device)
