@@ -126,6 +126,15 @@ int64_t panel_chunk_rows(const std::string& kind) {
   return kind == kAmxProducts ? kPanelChunkRows : kDotPanelChunkRows;
 }
 
+// A partial group streamed beside whole ones (DotProducts::stream_groups at one row): its first `num_blocks` blocks
+// from `first` (the first block's tile of step 0), a step's tiles `step_stride` elements apart, results to `out`.
+struct PartialStream {
+  const at::BFloat16* first = nullptr;
+  int64_t step_stride = 0;
+  int64_t num_blocks = 0;  // 0: no partial stream
+  float* out = nullptr;
+};
+
 #if defined(PAGEDSERVE_AMX)
 
 // Tiles 0-3: C, rows x 16 fp32; tiles 4-5: A, rows x 32 bf16; tiles 6-7: B, 16 K pairs x 16 columns.
@@ -240,7 +249,8 @@ struct AmxProducts {
   // Products of few rows take the tiles too (run_units): no weight streams.
   static constexpr int kMaxStreams = 0;
   static constexpr int num_streams(int64_t) { return 0; }
-  void stream_groups(const at::BFloat16*, int64_t, int64_t, const at::BFloat16* const*, int, int64_t, float*) {}
+  void stream_groups(const at::BFloat16*, int64_t, int64_t, const at::BFloat16* const*, int, int64_t, float*,
+                     const PartialStream&) {}
 
   // out[r * kGroupColumns + c] = x[r] . W column c for rows [0, rows) and the num_blocks blocks of one group from
   // b_first (a step's tiles step_stride elements apart). Rows are taken 32 at a time while 32 are left (two A tiles,
@@ -313,16 +323,29 @@ constexpr int kBlockMajorMaxRows = 4;
 // alone 31.4 GB/s against 28.3 (torch's sum over its bytes: ~30). Per lane the K pairs go in order (one accumulator
 // per row and block of a group), so the results equal the pair-major loop's bitwise. Group g's row i goes to
 // out + (g * kRows + i) * kGroupColumns.
-template <int kBlocks, int kRows, int kGroups>
+//
+// kPartialBlocks > 0 adds one more stream: the first kPartialBlocks blocks from `partial` (a group's tile of step 0,
+// its steps `partial_step_stride` elements apart), row i to partial_out + i * kGroupColumns. It takes the partial
+// group at a thread's share's end (or start) and a short last group, which would otherwise stream alone after the
+// others (see run_group_streams).
+template <int kBlocks, int kRows, int kGroups, int kPartialBlocks = 0>
 inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* const* groups,
-                            int64_t step_stride, int64_t num_steps, float* out) {
+                            int64_t step_stride, int64_t num_steps, float* out, const at::BFloat16* partial = nullptr,
+                            int64_t partial_step_stride = 0, float* partial_out = nullptr) {
+  static_assert(kPartialBlocks < kBlocks, "a partial group holds fewer blocks than a whole one");
+  constexpr int kPartialSlots = kPartialBlocks > 0 ? kPartialBlocks : 1;
   __m512 acc[kGroups][kRows][kBlocks];
+  __m512 partial_acc[kRows][kPartialSlots];
 #pragma GCC unroll 8
   for (int group = 0; group < kGroups; ++group)
 #pragma GCC unroll 4
     for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 4
       for (int block = 0; block < kBlocks; ++block) acc[group][i][block] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int block = 0; block < kPartialSlots; ++block) partial_acc[i][block] = _mm512_setzero_ps();
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* x_step = x + step * kStepDepth;
 #pragma GCC unroll 4
@@ -344,6 +367,14 @@ inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::B
           for (int i = 0; i < kRows; ++i)
             acc[group][i][block] = _mm512_dpbf16_ps(acc[group][i][block], broadcasts[i], column);
         }
+        if (block < kPartialBlocks) {  // constant once the block loop is unrolled
+          const int slot = block < kPartialSlots ? block : 0;
+          const at::BFloat16* b = partial + step * partial_step_stride + slot * kTileElements;
+          const __m512bh column = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + pair * 2 * kBlockColumns));
+#pragma GCC unroll 4
+          for (int i = 0; i < kRows; ++i)
+            partial_acc[i][slot] = _mm512_dpbf16_ps(partial_acc[i][slot], broadcasts[i], column);
+        }
       }
     }
   }
@@ -354,6 +385,11 @@ inline void dot_block_major(const at::BFloat16* x, int64_t x_stride, const at::B
 #pragma GCC unroll 4
       for (int block = 0; block < kBlocks; ++block)
         _mm512_storeu_ps(out + (group * kRows + i) * kGroupColumns + block * kBlockColumns, acc[group][i][block]);
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 4
+    for (int block = 0; block < kPartialBlocks; ++block)
+      _mm512_storeu_ps(partial_out + i * kGroupColumns + block * kBlockColumns, partial_acc[i][block]);
 }
 
 // Rows [0, kRows) of x against kBlocks blocks, over all K steps in order (one accumulator per 16 columns of a row:
@@ -454,20 +490,21 @@ struct DotProducts {
   static constexpr int num_streams(int64_t rows) { return rows == 1 ? kMaxStreams : (rows <= kMaxStreamRows ? 2 : 0); }
 
   // Rows [0, rows) of x against `count` (<= num_streams(rows)) whole groups, group k's row i to
-  // out + (k * rows + i) * kGroupColumns.
+  // out + (k * rows + i) * kGroupColumns; at one row also against a partial group's first `partial.num_blocks`
+  // (< kGroupBlocks, 0: none) blocks, to partial.out.
   void stream_groups(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* const* groups,
-                     int count, int64_t num_steps, float* out) {
+                     int count, int64_t num_steps, float* out, const PartialStream& partial) {
     static_assert(kMaxStreams == 6 && kMaxStreamRows == 3,
                   "stream_groups dispatches up to 6 groups at one row, 2 at 2-3 rows");
     constexpr int64_t kStride = kGroupBlocks * kTileElements;
     if (rows == 1) {
       switch (count) {
-        case 6: dot_block_major<kGroupBlocks, 1, 6>(x, x_stride, groups, kStride, num_steps, out); break;
-        case 5: dot_block_major<kGroupBlocks, 1, 5>(x, x_stride, groups, kStride, num_steps, out); break;
-        case 4: dot_block_major<kGroupBlocks, 1, 4>(x, x_stride, groups, kStride, num_steps, out); break;
-        case 3: dot_block_major<kGroupBlocks, 1, 3>(x, x_stride, groups, kStride, num_steps, out); break;
-        case 2: dot_block_major<kGroupBlocks, 1, 2>(x, x_stride, groups, kStride, num_steps, out); break;
-        default: dot_block_major<kGroupBlocks, 1, 1>(x, x_stride, groups, kStride, num_steps, out); break;
+        case 6: one_row_streams<6>(x, x_stride, groups, num_steps, out, partial); break;
+        case 5: one_row_streams<5>(x, x_stride, groups, num_steps, out, partial); break;
+        case 4: one_row_streams<4>(x, x_stride, groups, num_steps, out, partial); break;
+        case 3: one_row_streams<3>(x, x_stride, groups, num_steps, out, partial); break;
+        case 2: one_row_streams<2>(x, x_stride, groups, num_steps, out, partial); break;
+        default: one_row_streams<1>(x, x_stride, groups, num_steps, out, partial); break;
       }
     } else if (rows == 2) {
       if (count == 2) dot_block_major<kGroupBlocks, 2, 2>(x, x_stride, groups, kStride, num_steps, out);
@@ -475,6 +512,28 @@ struct DotProducts {
     } else {
       if (count == 2) dot_block_major<kGroupBlocks, 3, 2>(x, x_stride, groups, kStride, num_steps, out);
       else dot_block_major<kGroupBlocks, 3, 1>(x, x_stride, groups, kStride, num_steps, out);
+    }
+  }
+
+  template <int kGroups>
+  static void one_row_streams(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* const* groups,
+                              int64_t num_steps, float* out, const PartialStream& partial) {
+    constexpr int64_t kStride = kGroupBlocks * kTileElements;
+    static_assert(kGroupBlocks == 4, "one_row_streams dispatches partial groups of 1-3 blocks");
+    switch (partial.num_blocks) {
+      case 3:
+        dot_block_major<kGroupBlocks, 1, kGroups, 3>(x, x_stride, groups, kStride, num_steps, out, partial.first,
+                                                     partial.step_stride, partial.out);
+        break;
+      case 2:
+        dot_block_major<kGroupBlocks, 1, kGroups, 2>(x, x_stride, groups, kStride, num_steps, out, partial.first,
+                                                     partial.step_stride, partial.out);
+        break;
+      case 1:
+        dot_block_major<kGroupBlocks, 1, kGroups, 1>(x, x_stride, groups, kStride, num_steps, out, partial.first,
+                                                     partial.step_stride, partial.out);
+        break;
+      default: dot_block_major<kGroupBlocks, 1, kGroups>(x, x_stride, groups, kStride, num_steps, out); break;
     }
   }
 
@@ -695,16 +754,29 @@ void run_unit_range(Products& products, const PackedProduct& p, int64_t begin, i
 }
 
 // The whole groups [first_group, end_group) of a product of few rows, Products::num_streams(p.m) at a time: the
-// groups are cut into that many stretches and each call takes the next group of every stretch.
+// groups are cut into that many stretches and each call takes the next group of every stretch. At one row the first
+// call also streams the partial group of units [partial_begin, partial_end) (within one group; empty: none).
 template <typename Products, typename Epilogue>
 void run_group_streams(Products& products, const PackedProduct& p, int64_t first_group, int64_t end_group,
-                       Epilogue&& epilogue) {
+                       int64_t partial_begin, int64_t partial_end, Epilogue&& epilogue) {
   constexpr int kMaxStreams = Products::kMaxStreams;
   const int64_t num_groups = end_group - first_group;
   const int64_t stretch = ceil_div(num_groups, std::min<int64_t>(Products::num_streams(p.m), num_groups));
   const int64_t group_elements = kGroupBlocks * p.num_steps * kTileElements;
   alignas(64) float out[kMaxStreams * kGroupColumns];  // 6 groups at one row, or 2 groups of 2-3 rows
   static_assert(2 * Products::kMaxStreamRows <= kMaxStreams, "out holds num_streams(rows) * rows groups");
+  alignas(64) float partial_out[kGroupColumns];
+  PartialStream partial;
+  int64_t partial_first_column = 0;
+  if (partial_end > partial_begin) {
+    const int64_t num_blocks = ceil_div(p.n, kBlockColumns);
+    const int64_t group_first_block = partial_begin / kGroupBlocks * kGroupBlocks;
+    const int64_t group_blocks = std::min(kGroupBlocks, num_blocks - group_first_block);
+    const int64_t first = partial_begin - group_first_block;
+    partial = PartialStream{p.weight + group_first_block * p.num_steps * kTileElements + first * kTileElements,
+                            group_blocks * kTileElements, partial_end - partial_begin, partial_out};
+    partial_first_column = partial_begin * kBlockColumns;
+  }
   for (int64_t i = 0; i < stretch; ++i) {
     const at::BFloat16* groups[kMaxStreams];
     int64_t first_columns[kMaxStreams];
@@ -713,11 +785,14 @@ void run_group_streams(Products& products, const PackedProduct& p, int64_t first
       groups[count] = p.weight + group * group_elements;
       first_columns[count++] = group * kGroupColumns;
     }
-    products.stream_groups(p.x, p.x_stride, p.m, groups, count, p.num_steps, out);
+    products.stream_groups(p.x, p.x_stride, p.m, groups, count, p.num_steps, out, i == 0 ? partial : PartialStream{});
     for (int k = 0; k < count; ++k)
       epilogue(static_cast<const float*>(out + k * p.m * kGroupColumns), 0, p.m, first_columns[k],
                std::min(kGroupColumns, p.n - first_columns[k]));
   }
+  if (partial.num_blocks > 0)
+    epilogue(static_cast<const float*>(partial_out), 0, p.m, partial_first_column,
+             std::min(partial.num_blocks * kBlockColumns, p.n - partial_first_column));
 }
 
 // Computes units [begin, end) of `p` (one thread's share of parallel_for over num_units(p)) and hands each unit's
@@ -728,14 +803,30 @@ template <typename Products, typename Epilogue>
 void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_t end, Epilogue&& epilogue) {
   if constexpr (Products::kMaxStreams > 0) {
     if (Products::num_streams(p.m) > 0) {
-      // Whole groups of four blocks stream; the partial groups at the share's ends (and a short last group) do not.
+      // Whole groups of four blocks stream. At one row, the partial group at the share's end (a short last group
+      // included), or else the one at its start, streams beside them; at 2-3 rows, and the start's when both
+      // are partial, they run alone (run_unit_range). Two threads of SmolLM2-135M's decode step each end or
+      // start on half a group in three of a layer's four products (N = 960 and 576): streamed alone they took
+      // ~10% of the layers' product time (perf) for ~5% of the bytes. Beside the others, the step's 121 products
+      // on the same buffers ran 1.02x faster (median of eight interleaved rounds on the Zen 4 VM); same bits.
       const int64_t num_blocks = ceil_div(p.n, kBlockColumns);
       const int64_t first_group = ceil_div(begin, kGroupBlocks);
       const int64_t end_group = std::min(end, num_blocks) / kGroupBlocks;
       if (end_group > first_group) {
-        run_unit_range(products, p, begin, first_group * kGroupBlocks, epilogue);
-        run_group_streams(products, p, first_group, end_group, epilogue);
-        run_unit_range(products, p, end_group * kGroupBlocks, end, epilogue);
+        const int64_t start_partial_end = first_group * kGroupBlocks, end_partial_begin = end_group * kGroupBlocks;
+        int64_t partial_begin = 0, partial_end = 0;  // the partial group that streams
+        if (p.m == 1 && end > end_partial_begin) {
+          partial_begin = end_partial_begin;
+          partial_end = end;
+          end = end_partial_begin;
+        } else if (p.m == 1 && start_partial_end > begin) {
+          partial_begin = begin;
+          partial_end = start_partial_end;
+          begin = start_partial_end;
+        }
+        run_unit_range(products, p, begin, start_partial_end, epilogue);
+        run_group_streams(products, p, first_group, end_group, partial_begin, partial_end, epilogue);
+        run_unit_range(products, p, end_partial_begin, end, epilogue);
         return;
       }
     }
