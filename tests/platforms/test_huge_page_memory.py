@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedserve.platforms.cpu import CpuPlatform
+from process_mappings import smaps_field_of_mapping
 from pagedserve.platforms.huge_page_memory import (HUGE_PAGE_BYTES, allocate_huge_page_zeros,
                                                    transparent_huge_page_mode)
 
@@ -18,16 +19,7 @@ def _resident_bytes() -> int:
 
 def _anon_huge_bytes_of_mapping(address: int) -> int:
     """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds address {address:#x}")
+    return int(smaps_field_of_mapping(address, "AnonHugePages")[0]) * 1024
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])

@@ -18,20 +18,11 @@ from pagedserve.config.cli_args import add_engine_args, load_engine_kwargs_from_
 from pagedserve.config.load import LoadConfig
 from pagedserve.platforms.huge_page_memory import HUGE_PAGE_BYTES, transparent_huge_page_mode
 from pagedserve.platforms.huge_page_weights import MIN_STORAGE_BYTES, move_weights_to_huge_pages
+from process_mappings import smaps_field_of_mapping
 
 
 def _vm_flags_of_mapping(address: int) -> list[str]:
-    """The VmFlags of the mapping holding `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds address {address:#x}")
+    return smaps_field_of_mapping(address, "VmFlags")
 
 
 class _Holder(nn.Module):
