@@ -15,3 +15,4 @@ def smaps_field_of_mapping(address: int, field: str) -> list[str]:
             elif inside and head == f"{field}:":
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds address {address:#x}, or it has no {field}")
+

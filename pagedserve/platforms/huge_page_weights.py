@@ -23,6 +23,7 @@ native decode stack's plan holds the tensor objects, which keep their identity).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ def _is_movable(tensor: torch.Tensor) -> bool:
 
 def move_weights_to_huge_pages(model: nn.Module) -> HugePageWeights:
     """Move the model's large weight storages into one arena on huge pages (see the module docstring)."""
+    start_time = time.perf_counter()
     views: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors viewing that storage
     storages: dict[int, torch.UntypedStorage] = {}
     for tensor in _model_tensors(model):
@@ -100,7 +102,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> HugePageWeights:
                 num_tensors += 1
             del storage  # its last view moved: the old memory goes back now, not at the end
     logger.info("weights on huge pages: %d storages (%.1f MiB, %d tensors) moved into one 2 MiB-aligned "
-                "arena%s", len(offsets), total / 2**20, num_tensors,
+                "arena in %.2f s%s", len(offsets), total / 2**20, num_tensors, time.perf_counter() - start_time,
                 "" if is_advised else " (MADV_HUGEPAGE refused: small pages)")
     return HugePageWeights(len(offsets), total, num_tensors, arena, is_advised)
 
