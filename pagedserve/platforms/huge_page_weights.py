@@ -17,7 +17,9 @@ attributes such as packed weights) whose storage holds at least `MIN_STORAGE_BYT
 bit for bit, to its own 4 KiB-aligned place in the arena, and every tensor viewing it is set to the same view of the
 copy (same offset, sizes and strides), so tied weights stay tied and nothing a module computes changes. The old
 storages are freed as their last view moves. Opaque tensors (oneDNN's packed layout), tensors off the CPU and
-small storages (norm weights, biases) stay where they are.
+small storages (norm weights, biases) stay where they are. Sharing is kept per storage: two distinct storages that
+alias one buffer (say, two `torch.frombuffer` views of one mapping) become two copies, which matters only to code
+that writes through one and reads through the other.
 
 Call it after loading and the weight layout transform, before anything records the weights' addresses (the
 native decode stack's plan holds the tensor objects, which keep their identity).
