@@ -109,12 +109,13 @@ def bytes_per_decode_token(dtype: torch.dtype, context_len: int) -> int:
     return (num_params + kv_elements) * element_size
 
 
-def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int) -> tuple[float, float]:
+def run_pagedserve(folder: str, dtype: str, num_threads: int, repeats: int,
+                   huge_page_weights: bool = True) -> tuple[float, float]:
     """Decode tokens/s, and the read bandwidth of the memory the largest weight landed in (bytes/s)."""
     from pagedserve import LLM, SamplingParams
 
     torch.set_num_threads(num_threads)
-    llm = LLM(folder, dtype=dtype, max_model_len=1024, num_kv_blocks=256)
+    llm = LLM(folder, dtype=dtype, max_model_len=1024, num_kv_blocks=256, huge_page_weights=huge_page_weights)
     prompt = {"prompt_token_ids": [100 + (7 * i) % 30000 for i in range(PROMPT_LEN)]}
 
     def run(n: int) -> float:
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed 256-token runs per engine, best kept (this VM's speed moves between runs)")
+    parser.add_argument("--huge-page-weights", action=argparse.BooleanOptionalAction, default=True,
+                        help="pagedserve's huge_page_weights load option (--no-huge-page-weights: the weights stay "
+                             "where loading put them)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     folder = benchmark_model_folder()
@@ -159,11 +163,13 @@ def main() -> None:
     # This VM's memory speed moves between runs: the bandwidth is measured right before and right after each
     # engine's runs, and each engine's share is taken against the higher of its two (the conservative roofline).
     before = read_bandwidth_bytes_per_s(args.threads)
-    pagedserve_tokens_per_s, weight_bandwidth = run_pagedserve(folder, args.dtype, args.threads, args.repeats)
+    pagedserve_tokens_per_s, weight_bandwidth = run_pagedserve(folder, args.dtype, args.threads, args.repeats,
+                                                               args.huge_page_weights)
     after = read_bandwidth_bytes_per_s(args.threads)
     bandwidth = max(before, after)
     roofline = bandwidth / num_bytes
     results = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+               "huge_page_weights": args.huge_page_weights,
                "bandwidth_gb_s": bandwidth / 1e9, "bandwidth_samples_gb_s": [before / 1e9, after / 1e9],
                "bytes_per_token_mb": num_bytes / 1e6, "roofline_tokens_per_s": roofline,
                "pagedserve_tokens_per_s": pagedserve_tokens_per_s,
