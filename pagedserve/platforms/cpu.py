@@ -6,7 +6,7 @@ import os
 import torch
 
 from pagedserve.platforms.heap_retention import retain_freed_heap_memory
-from pagedserve.platforms.huge_page_memory import allocate_huge_page_zeros
+from pagedserve.platforms.huge_page_memory import allocate_huge_page_zeros, transparent_huge_page_mode
 from pagedserve.platforms.huge_page_weights import move_weights_to_huge_pages
 from pagedserve.platforms.interface import Platform
 
@@ -27,8 +27,10 @@ class CpuPlatform(Platform):
 
     def place_weights(self, model: torch.nn.Module) -> None:
         """One arena on transparent huge pages (platforms/huge_page_weights.py): batch-1 decode streams every
-        weight once a step, and 2 MiB pages read faster than loading's scattered 4 KiB ones."""
-        move_weights_to_huge_pages(model)
+        weight once a step, and 2 MiB pages read faster than loading's scattered 4 KiB ones. Where the kernel
+        offers no huge pages to advise ('never', or no THP at all) the copy would gain nothing: the weights stay."""
+        if transparent_huge_page_mode() in ("always", "madvise"):
+            move_weights_to_huge_pages(model)
 
     def default_attention_backend(self) -> str:
         """'cpu_native' (in-place paged decode kernels) when its C++ extension builds and loads, else the

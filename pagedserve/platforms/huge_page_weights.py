@@ -74,41 +74,40 @@ def _is_movable(tensor: torch.Tensor) -> bool:
 def move_weights_to_huge_pages(model: nn.Module) -> HugePageWeights:
     """Move the model's large weight storages into one arena on huge pages (see the module docstring)."""
     start_time = time.perf_counter()
-    views: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors viewing that storage
-    storages: dict[int, torch.UntypedStorage] = {}
+    # Storage address -> the storage and the tensors viewing it (a storage held by several tensors moves once).
+    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for tensor in _model_tensors(model):
         if _is_movable(tensor):
             storage = tensor.untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage)
-            views.setdefault(storage.data_ptr(), []).append(tensor)
-    if not storages:
+            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    if not groups:
         return HugePageWeights(0, 0, 0, None, False)
-    offsets: dict[int, int] = {}
-    total = 0
-    for address, storage in storages.items():
-        offsets[address] = total
-        total += -(-storage.nbytes() // STORAGE_ALIGNMENT_BYTES) * STORAGE_ALIGNMENT_BYTES
+    sizes = [-(-storage.nbytes() // STORAGE_ALIGNMENT_BYTES) * STORAGE_ALIGNMENT_BYTES
+             for storage, _ in groups.values()]
+    total = sum(sizes)
+    num_storages = len(groups)
     arena, is_advised = allocate_huge_page_bytes(total)
     arena_storage = arena.untyped_storage()
     # The arena tensor starts `base` bytes into its mapping's storage (the 2 MiB alignment).
     base = arena.data_ptr() - arena_storage.data_ptr()
-    num_tensors = 0
+    start = num_tensors = 0
     with torch.no_grad():
-        for address in list(storages):
-            storage = storages.pop(address)
-            start = offsets[address]
+        for size in sizes:
+            # Popped so that the old storage goes back once its last view has moved, not at the end.
+            storage, views = groups.pop(next(iter(groups)))
             arena[start:start + storage.nbytes()].copy_(_bytes_of(storage))
-            for tensor in views.pop(address):
+            for tensor in views:
                 element_size = tensor.element_size()
                 assert (base + start) % element_size == 0
                 tensor.set_(arena_storage, (base + start) // element_size + tensor.storage_offset(),
                             tensor.size(), tensor.stride())
                 num_tensors += 1
-            del storage  # its last view moved: the old memory goes back now, not at the end
+            del storage, views
+            start += size
     logger.info("weights on huge pages: %d storages (%.1f MiB, %d tensors) moved into one 2 MiB-aligned "
-                "arena in %.2f s%s", len(offsets), total / 2**20, num_tensors, time.perf_counter() - start_time,
+                "arena in %.2f s%s", num_storages, total / 2**20, num_tensors, time.perf_counter() - start_time,
                 "" if is_advised else " (MADV_HUGEPAGE refused: small pages)")
-    return HugePageWeights(len(offsets), total, num_tensors, arena, is_advised)
+    return HugePageWeights(num_storages, total, num_tensors, arena, is_advised)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -4,7 +4,8 @@
   its offset, sizes and strides; tied weights stay one tensor; small storages and opaque tensors stay put.
 - On/off equivalence through the engine: huge_page_weights=True and False give the same greedy tokens and bitwise
   logprobs over 40 steps (float32 and a tied bfloat16 model); with True the worker moved its weights once and the
-  embedding lives in the arena, with False nothing moved. The option's validation and CLI flag.
+  embedding lives in the arena, with False nothing moved; the CPU platform moves nothing where the kernel offers no
+  huge pages to advise. The option's validation and CLI flag.
 """
 from __future__ import annotations
 
@@ -126,14 +127,13 @@ def _generate(folder: str, monkeypatch: pytest.MonkeyPatch,
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
     prompts = [[5, 17, 3, 99, 42], list(range(20, 60)), [7] * 12]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    if options["huge_page_weights"]:
+    if options["huge_page_weights"] and transparent_huge_page_mode() in ("always", "madvise"):
         # The worker moved its weights once; the embedding (and with it the tied LM head) lives in the arena.
         assert len(moves) == 1 and moves[0].arena is not None
         embedding = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.embed_tokens.weight
         start, end = _arena_range(moves[0].arena)
         assert start <= embedding.data_ptr() < end
-        if transparent_huge_page_mode() is not None:
-            assert "hg" in _vm_flags_of_mapping(embedding.data_ptr())
+        assert "hg" in _vm_flags_of_mapping(embedding.data_ptr())
     else:
         assert not moves
     return [(o.outputs[0].token_ids,
@@ -147,6 +147,16 @@ def test_engine_outputs_equal_with_and_without(tiny_model_dir, monkeypatch: pyte
     folder = tiny_model_dir(kind)
     assert _generate(folder, monkeypatch, dtype=dtype, huge_page_weights=True) == \
         _generate(folder, monkeypatch, dtype=dtype, huge_page_weights=False)
+
+
+@pytest.mark.parametrize("mode,moves", [("madvise", True), ("always", True), ("never", False), (None, False)])
+def test_cpu_platform_moves_only_where_huge_pages_can_be_advised(monkeypatch: pytest.MonkeyPatch, mode: str | None,
+                                                                 moves: bool) -> None:
+    monkeypatch.setattr(cpu_platform, "transparent_huge_page_mode", lambda: mode)
+    module = nn.Linear(1024, 1024)
+    address = module.weight.data_ptr()
+    cpu_platform.CpuPlatform().place_weights(module)
+    assert (module.weight.data_ptr() != address) == moves
 
 
 def test_option_validation_and_cli_flag() -> None:
