@@ -9,10 +9,11 @@ from typing import Any, Callable
 
 from torch import nn
 
+from pagedserve.layers.watched_attributes import WatchedAttributes
 from pagedserve.platforms import current_platform
 
 
-class CustomOp(nn.Module):
+class CustomOp(WatchedAttributes, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._forward_method: Callable[..., Any] = self._dispatch_forward()

@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearMethodBase
+from pagedserve.layers.watched_attributes import WatchedAttributes
 
 # Per-rank vocabulary slices are rounded up to a multiple of this (friendlier matmul shapes).
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -21,7 +22,7 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(WatchedAttributes, nn.Module):
     """Embedding table split by vocabulary rows across tensor-parallel ranks."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype | None = None,

@@ -26,6 +26,7 @@ from pagedserve.distributed import (
     resolve_tensor_parallel,
     tensor_model_parallel_all_gather,
 )
+from pagedserve.layers.watched_attributes import WatchedAttributes
 from pagedserve.layers.weight_loading import check_shape, divide
 
 
@@ -60,7 +61,7 @@ def packed_weight_of(layer: nn.Module) -> torch.Tensor:
     return layer.weight if packed is None else packed
 
 
-class LinearBase(nn.Module):
+class LinearBase(WatchedAttributes, nn.Module):
     """Holds `weight` [output_size_per_partition, input_size_per_partition] and an optional bias."""
 
     def __init__(

@@ -19,10 +19,11 @@ mode the native loop would bypass). Anything else keeps the modules; `native_dec
 
 The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
 (on one of the model's modules, or globally): hooks fire as they would without the stack. The plan holds the
-parameters the layers had when it was made; each step checks that the layers still hold them (code may swap
-weights, e.g. `restore_plain_layout`) and makes the plan again when one changed, keeping the modules from then on
-if the model no longer qualifies. Both checks are identity tests, ~35 us a step for SmolLM2-135M. Positions are
-range-checked as the modules do (ValueError naming the position and the table's size).
+parameters the layers had when it was made. Code may swap them (e.g. `restore_plain_layout`): the layers count such
+assignments (layers/watched_attributes.py), and when the count moved the step checks that the layers still hold
+the plan's objects (identity tests) and makes the plan again when one changed, keeping the modules from then on if
+the model no longer qualifies. The op looks the tokens up in the embedding table and range-checks the positions
+as the modules do (ValueError naming the position and the table's size).
 """
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
+from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod, large_batches_on_onednn
+from pagedserve.layers.watched_attributes import watched_attributes_epoch
 from pagedserve.layers.weight_layout import OneDnnPrepackedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
@@ -68,10 +71,10 @@ class NativeDecodeStackPlan:
     weights: tuple[torch.Tensor, ...] = ()
     biases: tuple[torch.Tensor | None, ...] = ()
     attention_layers: tuple[nn.Module, ...] = ()
-    embed_tokens: nn.Module | None = None
+    embedding: torch.Tensor | None = None  # the token embedding table
     final_norm: torch.Tensor | None = None
     cos_sin_cache: torch.Tensor | None = None
-    rotary: RotaryEmbedding | None = None  # its position range check runs before each stack step
+    rotary: RotaryEmbedding | None = None  # the op checks positions against its max_positions
     output_sizes: tuple[int, ...] = ()
     sliding_windows: tuple[int, ...] = ()
     num_heads: int = 0
@@ -80,6 +83,8 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
+    # watched_attributes_epoch() when the sources below were last found current.
+    epoch: int = -1
     # What the fields above were read from, checked before each step: the dicts that hold the attributes
     # (a module's __dict__, _parameters or _buffers), the attributes' names and the objects they held.
     source_dicts: tuple[dict[str, Any], ...] = ()
@@ -87,9 +92,16 @@ class NativeDecodeStackPlan:
     source_values: tuple[Any, ...] = ()
 
     def is_current(self) -> bool:
-        """Whether every attribute the plan was made from still holds the same object (identity, in C loops:
-        most of the two checks' ~35 us a step for SmolLM2-135M)."""
-        return all(map(operator.is_, map(dict.get, self.source_dicts, self.source_names), self.source_values))
+        """Whether every attribute the plan was made from still holds the same object. Compared only when a
+        watched layer attribute was assigned since the last comparison (anywhere in the process: another model's
+        layers move the count too)."""
+        epoch = watched_attributes_epoch()
+        if epoch == self.epoch:
+            return True
+        if not all(map(operator.is_, map(dict.get, self.source_dicts, self.source_names), self.source_values)):
+            return False
+        self.epoch = epoch
+        return True
 
     @property
     def is_usable(self) -> bool:
@@ -156,7 +168,12 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     kinds: set[int] = set()
-    sources: list[nn.Module] = [decoder.norm, rotary]
+    epoch = watched_attributes_epoch()  # read before the sources: a change while planning makes the next check
+    embed_tokens = decoder.embed_tokens
+    if type(embed_tokens) is not VocabParallelEmbedding or type(embed_tokens).forward \
+            is not VocabParallelEmbedding.forward or embed_tokens.tp_size != 1 or embed_tokens.weight.dtype != dtype:
+        return NativeDecodeStackPlan(reason="the embedding is not a one-rank VocabParallelEmbedding")
+    sources: list[nn.Module] = [embed_tokens, decoder.norm, rotary]
     first_attention = layers[0].self_attn
     for index, layer in enumerate(layers):
         attention, mlp = layer.self_attn, getattr(layer, "mlp", None)
@@ -194,7 +211,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     mlp = layers[0].mlp
     return NativeDecodeStackPlan(
         weights=tuple(weights), biases=tuple(biases),
-        attention_layers=tuple(layer.self_attn.attn for layer in layers), embed_tokens=decoder.embed_tokens,
+        attention_layers=tuple(layer.self_attn.attn for layer in layers), embedding=embed_tokens.weight,
         final_norm=decoder.norm.weight, cos_sin_cache=rotary.cos_sin_cache, rotary=rotary,
         output_sizes=(first_attention.qkv_proj.output_size_per_partition,
                       first_attention.o_proj.output_size_per_partition,
@@ -202,7 +219,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
-        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(),
+        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(), epoch=epoch,
         **_sources(sources))
 
 
@@ -256,15 +273,15 @@ class NativeDecodeForward:
         kv_caches = [layer.kv_cache for layer in plan.attention_layers]
         if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
             return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
-        plan.rotary.check_positions(positions)  # the modules' ValueError (the kernel's own check raises RuntimeError)
         block_table, seq_lens = decode_inputs(metadata)
-        hidden_states = plan.embed_tokens(input_ids)
+        hidden_states = self.op(input_ids, plan.embedding, positions, plan.weights, plan.biases, kv_caches,
+                                plan.final_norm, plan.cos_sin_cache, block_table, seq_lens,
+                                metadata.slot_mapping[:num_tokens], plan.output_sizes, plan.sliding_windows,
+                                plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
+                                plan.linear_kind, native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS,
+                                plan.rotary.max_positions)
         self.num_stack_steps += 1
-        return self.op(hidden_states, positions, plan.weights, plan.biases, kv_caches, plan.final_norm,
-                       plan.cos_sin_cache, block_table, seq_lens, metadata.slot_mapping[:num_tokens],
-                       plan.output_sizes, plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim,
-                       plan.eps, plan.scale, plan.linear_kind, native_elementwise.REDUCTION_LANES,
-                       DECODE_PARTITION_TOKENS)
+        return hidden_states
 
 
 def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: Callable[..., Any],

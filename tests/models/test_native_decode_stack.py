@@ -207,6 +207,53 @@ def test_model_that_stops_qualifying_keeps_the_modules(tiny_model_dir) -> None:
     assert forward.plan is None and forward.num_stack_steps == steps_before
 
 
+def test_assigned_weight_makes_the_plan_again(tiny_model_dir) -> None:
+    """A parameter assigned through the module (a new tensor, not an in-place change) advances the watched-attribute
+    epoch: the next decode step compares the plan's sources, makes the plan again and computes with the new weight,
+    as the modules do."""
+    from torch import nn
+
+    folder = tiny_model_dir("llama")
+    llm, reference = (_llm(folder, dtype="float32", enable_prefix_caching=False, native_decode_stack=on)
+                      for on in (True, False))
+    forward = _forward(llm)
+    prompts = random_prompts(2, 5, 20, seed=7)
+    before = _generate(llm, prompts)
+    old_plan = forward.plan
+    for engine in (llm, reference):
+        down_proj = _model(engine).model.layers[1].mlp.down_proj
+        down_proj.weight = nn.Parameter(down_proj.weight * 0.5, requires_grad=False)
+    steps_before = forward.num_stack_steps
+    after = _generate(llm, prompts)
+    assert forward.plan is not old_plan and forward.num_stack_steps > steps_before
+    assert after == _generate(reference, prompts)
+    assert after != before
+
+
+def test_plan_is_compared_only_when_the_epoch_moves(tiny_model_dir) -> None:
+    """Steady decode steps compare one integer, not the plan's ~550 sources: a weight written straight into a
+    module's _parameters (past nn.Module's API, so not counted) goes unseen, until any watched assignment moves the
+    epoch; then the next step compares the sources, finds the change and makes the plan again."""
+    from torch import nn
+
+    from pagedserve.layers.norm import RMSNorm
+    from pagedserve.layers.watched_attributes import watched_attributes_epoch
+
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", enable_prefix_caching=False)
+    forward = _forward(llm)
+    prompts = random_prompts(1, 5, 10, seed=3)
+    _generate(llm, prompts)
+    plan = forward.plan
+    assert plan.epoch == watched_attributes_epoch()  # decode steps assign no watched attribute
+    down_proj = _model(llm).model.layers[0].mlp.down_proj
+    down_proj._parameters["weight"] = nn.Parameter(down_proj.weight.clone(), requires_grad=False)
+    _generate(llm, prompts)
+    assert forward.plan is plan
+    RMSNorm(4).weight = nn.Parameter(torch.ones(4))  # an unrelated layer: the epoch moves
+    _generate(llm, prompts)
+    assert forward.plan is not plan and forward.plan.weights[5] is down_proj.weight
+
+
 def test_positions_beyond_the_rotary_table_raise_value_error(tiny_model_dir, caplog) -> None:
     """The stack checks positions as the modules do: a decode step past the rotary table fails with the modules'
     ValueError (the engine fails that step's requests and logs it)."""
@@ -251,16 +298,17 @@ def test_option_is_validated_and_parsed(tiny_model_dir) -> None:
 def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
     llm = _llm(tiny_model_dir("llama"), dtype="float32")
     plan = _forward(llm).plan
-    hidden = torch.zeros(1, 64)
+    input_ids = torch.zeros(1, dtype=torch.long)
     positions = torch.zeros(1, dtype=torch.long)
     kv_caches = [layer.kv_cache for layer in plan.attention_layers]
     arguments = [plan.final_norm, plan.cos_sin_cache, torch.zeros(1, 4, dtype=torch.int32),
                  torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), plan.output_sizes,
                  plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
-                 plan.linear_kind, 8, 256]
+                 plan.linear_kind, 8, 256, plan.rotary.max_positions]
     with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
-        torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights[:-1], plan.biases, kv_caches,
+        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights[:-1], plan.biases, kv_caches,
                                                 *arguments)
     arguments[12] = 5
     with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2, 3 or 4"):
-        torch.ops.pagedserve.llama_decode_stack(hidden, positions, plan.weights, plan.biases, kv_caches, *arguments)
+        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights, plan.biases,
+                                                kv_caches, *arguments)

@@ -9,14 +9,18 @@
 //              -> o linear -> add + RMSNorm -> gate_up linear -> SiLU-and-mul -> down linear
 //   then the final add + RMSNorm.
 // The results are therefore bitwise those of the module path (tests/models/test_native_decode_stack.py).
+// It also looks the tokens up in the embedding table (at::embedding, as VocabParallelEmbedding on one rank) and
+// range-checks the positions against the rotary table first (ValueError, as RotaryEmbedding.check_positions): each
+// torch call from Python costs ~50-70 us of a decode step whose weight stream has evicted the code and objects it
+// touches from every cache (Zen 4 VM), as much as a whole layer's small kernels here.
 //
 // Op:
-//   llama_decode_stack(hidden [M, H] (the embeddings), positions [M] int64, weights (6 per layer: input norm,
+//   llama_decode_stack(input_ids [M] int64, embedding [V, H] (the table), positions [M] int64, weights (6 per layer: input norm,
 //       qkv, o, post-attention norm, gate_up, down), biases (4 per layer: qkv, o, gate_up, down; None when the
 //       layer has none), kv_caches (one per layer, written), final_norm, cos_sin_cache, block_table [M, B] int32,
 //       seq_lens [M] int32, slot_mapping [M] int64, output_sizes (qkv, o, gate_up, down), sliding_windows
 //       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
-//       partition_size) -> the final norm's output [M, H]
+//       partition_size, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
@@ -25,6 +29,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -111,14 +116,15 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
   return at::linear(x, weight, bias);
 }
 
-at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList weights,
+at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& embedding, const at::Tensor& positions,
+                              at::TensorList weights,
                               const c10::List<OptionalTensor>& biases, at::TensorList kv_caches,
                               const at::Tensor& final_norm, const at::Tensor& cos_sin_cache,
                               const at::Tensor& block_table, const at::Tensor& seq_lens,
                               const at::Tensor& slot_mapping, at::IntArrayRef output_sizes,
                               at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double eps, double scale, int64_t linear_kind,
-                              int64_t reduction_lanes, int64_t partition_size) {
+                              int64_t reduction_lanes, int64_t partition_size, int64_t max_positions) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(num_layers >= 1, "llama_decode_stack: at least one layer expected");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
@@ -131,17 +137,25 @@ at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positi
   TORCH_CHECK(output_sizes.size() == 4, "llama_decode_stack: 4 output sizes (qkv, o, gate_up, down) expected");
   TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "llama_decode_stack: linear_kind=",
               linear_kind, " must be 0, 1, 2, 3 or 4");
-  TORCH_CHECK(hidden.dim() == 2 && positions.dim() == 1 && positions.size(0) == hidden.size(0),
-              "llama_decode_stack: hidden [M, H] and positions [M] expected, got ", hidden.sizes(), " and ",
-              positions.sizes());
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 && positions.dim() == 1 &&
+                  positions.size(0) == input_ids.size(0) &&
+                  positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "llama_decode_stack: input_ids [M] and contiguous int64 positions [M], M >= 1, expected, got ",
+              input_ids.sizes(), " and ", positions.sizes(), " ", positions.scalar_type());
+  TORCH_CHECK(max_positions <= cos_sin_cache.size(0), "llama_decode_stack: max_positions=", max_positions,
+              " exceeds the rotary table's ", cos_sin_cache.size(0), " rows");
+  const int64_t* position_data = positions.data_ptr<int64_t>();
+  const int64_t max_position = *std::max_element(position_data, position_data + positions.size(0));
+  TORCH_CHECK_VALUE(max_position < max_positions, "position ", max_position,
+                    " is beyond the rotary table (max_positions=", max_positions, ")");
   const Kernels& kernels = Kernels::get();
   // The ops below need no autograd (inference): skip the autograd and view-tracking layers of each dispatch.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t num_tokens = hidden.size(0);
+  const int64_t num_tokens = input_ids.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
 
-  at::Tensor states = hidden, residual, normed;
+  at::Tensor states = at::embedding(embedding, input_ids), residual, normed;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     const int64_t b = layer * kBiasesPerLayer;
@@ -182,10 +196,11 @@ at::Tensor llama_decode_stack(const at::Tensor& hidden, const at::Tensor& positi
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
-      "llama_decode_stack(Tensor hidden, Tensor positions, Tensor[] weights, Tensor?[] biases, "
+      "llama_decode_stack(Tensor input_ids, Tensor embedding, Tensor positions, Tensor[] weights, Tensor?[] biases, "
       "Tensor(a!)[] kv_caches, Tensor final_norm, Tensor cos_sin_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor slot_mapping, int[] output_sizes, int[] sliding_windows, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, int linear_kind, int reduction_lanes, int partition_size) -> Tensor");
+      "int head_dim, float eps, float scale, int linear_kind, int reduction_lanes, int partition_size, "
+      "int max_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
