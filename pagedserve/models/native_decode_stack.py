@@ -18,7 +18,8 @@ mode the native loop would bypass). Anything else keeps the modules; `native_dec
 `reason`.
 
 The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
-(on one of the model's modules, or globally): hooks fire as they would without the stack. The plan holds the
+(on one of the model's modules, or globally): hooks fire as they would without the stack (ForwardHookCheck looks
+at the hook dicts only when a hook handle was made since it last found none). The plan holds the
 parameters the layers had when it was made. Code may swap them (e.g. `restore_plain_layout`): the layers count such
 assignments (layers/watched_attributes.py), and when the count moved the step checks that the layers still hold
 the plan's objects (identity tests) and makes the plan again when one changed, keeping the modules from then on if
@@ -42,7 +43,7 @@ from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
 from pagedserve.layers.embedding import VocabParallelEmbedding
-from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries
+from pagedserve.layers.forward_hooks import ForwardHookCheck, hook_registries
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -234,17 +235,13 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
-        self.hook_dicts = self._hook_dicts()
+        self.has_hooks = self._hook_check()
         self.num_stack_steps = 0
 
-    def _hook_dicts(self) -> tuple[dict[Any, Any], ...]:
-        """The hook registries of what the stack stands in for: the model's forward and every module its decoder
-        holds (the LM head is applied outside the forward, by the runner)."""
-        return hook_registries((self.model, *self.model.model.modules()))
-
-    def has_hooks(self) -> bool:
-        """Whether a forward hook or pre-hook would fire in the modules' forward (global or on a module)."""
-        return has_forward_hooks(self.hook_dicts)
+    def _hook_check(self) -> ForwardHookCheck:
+        """Whether a forward hook or pre-hook would fire in the modules' forward: globally, on the model or on any
+        module its decoder holds (the LM head is applied outside the forward, by the runner)."""
+        return ForwardHookCheck(hook_registries((self.model, *self.model.model.modules())))
 
     def current_plan(self) -> NativeDecodeStackPlan | None:
         """The plan, made again when a layer no longer holds what it was made from (None: the model no longer
@@ -254,7 +251,7 @@ class NativeDecodeForward:
             plan = native_decode_stack_plan(self.model, self.dtype)
             if plan.is_usable:
                 logger.info("native decode stack: the model's parameters changed; plan made again")
-                self.hook_dicts = self._hook_dicts()  # modules may have been replaced too
+                self.has_hooks = self._hook_check()  # modules may have been replaced too
             else:
                 logger.info("native decode stack: no longer used (%s)", plan.reason)
                 plan = None

@@ -306,8 +306,8 @@ def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
                  plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
                  plan.linear_kind, 8, 256, plan.rotary.max_positions]
     with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
-        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights[:-1], plan.biases, kv_caches,
-                                                *arguments)
+        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights[:-1], plan.biases,
+                                                kv_caches, *arguments)
     arguments[12] = 5
     with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2, 3 or 4"):
         torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights, plan.biases,
