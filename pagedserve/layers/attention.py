@@ -14,9 +14,10 @@ from torch import nn
 from pagedserve.attention import current_attention_backend_name, get_attention_backend
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
+from pagedserve.layers.watched_attributes import WatchedAttributes
 
 
-class Attention(nn.Module):
+class Attention(WatchedAttributes, nn.Module):
     """Multi-head / grouped-query attention over the paged KV cache.
 
     Inputs are flat per token: query [num_tokens, num_heads * head_dim], key and value

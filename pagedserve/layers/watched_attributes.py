@@ -4,8 +4,8 @@ A native fast path (models/native_decode_stack.py) holds the tensors and linear 
 plan was made. Code may replace them later (`restore_plain_layout`, a reloaded parameter, a swapped linear method),
 and the plan must then be made again. Comparing every attribute the plan read (~550 for SmolLM2-135M) cost ~170 us
 of each batch-1 decode step on the Zen 4 VM: the step's weight stream evicts those Python objects from every cache,
-so each comparison is a trip to memory. The layers that plans read (CustomOp, LinearBase, VocabParallelEmbedding)
-instead count assignments to the attribute names plans read; a plan compares one integer and compares its
+so each comparison is a trip to memory. The layers that plans read (CustomOp, LinearBase, VocabParallelEmbedding,
+Attention) instead count assignments to the attribute names plans read; a plan compares one integer and compares its
 attributes only when the count moved.
 
 Counted: assignment and deletion of a watched name through the module (`layer.weight = ...`, setattr, delattr),
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 # The attribute names native plans read from layers.
-WATCHED_ATTRIBUTES = frozenset(("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method"))
+WATCHED_ATTRIBUTES = frozenset(("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache"))
 
 _epoch = 0
 

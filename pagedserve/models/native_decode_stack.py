@@ -91,6 +91,25 @@ class NativeDecodeStackPlan:
     source_dicts: tuple[dict[str, Any], ...] = ()
     source_names: tuple[str, ...] = ()
     source_values: tuple[Any, ...] = ()
+    # The fields above and the layers' KV caches as one torch.classes.pagedserve.DecodeStackPlan, made at the first
+    # step that finds every layer's cache bound (`bind_caches`), with the caches' block size.
+    native: Any = None
+    block_size: int = 0
+
+    def bind_caches(self) -> Any:
+        """The native plan object, made now if it is not yet and every attention layer has its KV cache (else
+        None: the step takes the modules). The op's arguments are then only the step's own tensors."""
+        if self.native is None:
+            kv_caches = [layer.kv_cache for layer in self.attention_layers]
+            if any(cache is None for cache in kv_caches):
+                return None
+            self.native = torch.classes.pagedserve.DecodeStackPlan(
+                list(self.weights), list(self.biases), kv_caches, self.embedding, self.final_norm,
+                self.cos_sin_cache, list(self.output_sizes), list(self.sliding_windows), self.num_heads,
+                self.num_kv_heads, self.head_dim, self.eps, self.scale, self.linear_kind,
+                native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS)
+            self.block_size = kv_caches[0].shape[2]
+        return self.native
 
     def is_current(self) -> bool:
         """Whether every attribute the plan was made from still holds the same object. Compared only when a
@@ -125,8 +144,8 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
     return kind, weight, linear.bias
 
 
-# The attributes of the norms, rotary embedding and linears a plan reads its tensors from.
-_SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method")
+# The attributes of the embedding, norms, rotary embedding, linears and attention layers a plan reads.
+_SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache")
 
 
 def _sources(modules: list[nn.Module]) -> dict[str, tuple[Any, ...]]:
@@ -204,7 +223,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
                 return NativeDecodeStackPlan(reason=part)
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
-        sources += [layer.input_layernorm, layer.post_attention_layernorm, *linears]
+        sources += [layer.input_layernorm, layer.post_attention_layernorm, *linears, attention.attn]
         weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         biases += [qkv_bias, o_bias, gu_bias, d_bias]
     if len(kinds) != 1:
@@ -267,16 +286,12 @@ class NativeDecodeForward:
         plan = self.current_plan()
         if plan is None or self.has_hooks():
             return self.fallback(input_ids, positions)
-        kv_caches = [layer.kv_cache for layer in plan.attention_layers]
-        if kv_caches[0] is None or kv_caches[0].shape[2] != metadata.block_size:
+        native = plan.bind_caches()
+        if native is None or plan.block_size != metadata.block_size:
             return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
         block_table, seq_lens = decode_inputs(metadata)
-        hidden_states = self.op(input_ids, plan.embedding, positions, plan.weights, plan.biases, kv_caches,
-                                plan.final_norm, plan.cos_sin_cache, block_table, seq_lens,
-                                metadata.slot_mapping[:num_tokens], plan.output_sizes, plan.sliding_windows,
-                                plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
-                                plan.linear_kind, native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS,
-                                plan.rotary.max_positions)
+        hidden_states = self.op(native, input_ids, positions, block_table, seq_lens,
+                                metadata.slot_mapping[:num_tokens], plan.rotary.max_positions)
         self.num_stack_steps += 1
         return hidden_states
 

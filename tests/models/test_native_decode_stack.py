@@ -295,20 +295,32 @@ def test_option_is_validated_and_parsed(tiny_model_dir) -> None:
     assert engine_kwargs_from_args(args)["native_decode_stack"] is False
 
 
-def test_op_rejects_mismatched_lists(tiny_model_dir) -> None:
+def test_plan_object_rejects_mismatched_lists(tiny_model_dir) -> None:
     llm = _llm(tiny_model_dir("llama"), dtype="float32")
     plan = _forward(llm).plan
-    input_ids = torch.zeros(1, dtype=torch.long)
-    positions = torch.zeros(1, dtype=torch.long)
     kv_caches = [layer.kv_cache for layer in plan.attention_layers]
-    arguments = [plan.final_norm, plan.cos_sin_cache, torch.zeros(1, 4, dtype=torch.int32),
-                 torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long), plan.output_sizes,
-                 plan.sliding_windows, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
-                 plan.linear_kind, 8, 256, plan.rotary.max_positions]
+    make = torch.classes.pagedserve.DecodeStackPlan
+    arguments = [plan.embedding, plan.final_norm, plan.cos_sin_cache, list(plan.output_sizes),
+                 list(plan.sliding_windows), plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
+                 plan.linear_kind, 8, 256]
     with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
-        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights[:-1], plan.biases,
-                                                kv_caches, *arguments)
-    arguments[12] = 5
+        make(list(plan.weights[:-1]), list(plan.biases), kv_caches, *arguments)
+    arguments[10] = 5
     with pytest.raises(RuntimeError, match=r"linear_kind=5 must be 0, 1, 2, 3 or 4"):
-        torch.ops.pagedserve.llama_decode_stack(input_ids, plan.embedding, positions, plan.weights, plan.biases,
-                                                kv_caches, *arguments)
+        make(list(plan.weights), list(plan.biases), kv_caches, *arguments)
+
+
+def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
+    """The native plan object holds the layers' KV caches: binding new ones (an attribute the layers watch) makes
+    the plan again at the next step, which then reads and writes the new caches."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", enable_prefix_caching=False)
+    forward = _forward(llm)
+    prompts = random_prompts(2, 5, 20, seed=11)
+    reference = _generate(llm, prompts)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    old_plan = forward.plan
+    new_caches = [torch.zeros_like(layer.kv_cache) for layer in old_plan.attention_layers]
+    runner.bind_kv_caches(new_caches)
+    assert _generate(llm, prompts) == reference
+    assert forward.plan is not old_plan and forward.plan.native is not None
+    assert all(cache.abs().sum() > 0 for cache in new_caches)  # the stack and the modules wrote the new caches

@@ -14,25 +14,29 @@
 // torch call from Python costs ~50-70 us of a decode step whose weight stream has evicted the code and objects it
 // touches from every cache (Zen 4 VM), as much as a whole layer's small kernels here.
 //
-// Op:
-//   llama_decode_stack(input_ids [M] int64, embedding [V, H] (the table), positions [M] int64, weights (6 per layer: input norm,
-//       qkv, o, post-attention norm, gate_up, down), biases (4 per layer: qkv, o, gate_up, down; None when the
-//       layer has none), kv_caches (one per layer, written), final_norm, cos_sin_cache, block_table [M, B] int32,
-//       seq_lens [M] int32, slot_mapping [M] int64, output_sizes (qkv, o, gate_up, down), sliding_windows
+// Class and op:
+//   DecodeStackPlan(weights (6 per layer: input norm, qkv, o, post-attention norm, gate_up, down), biases (4 per
+//       layer: qkv, o, gate_up, down; None when the layer has none), kv_caches (one per layer, written), embedding
+//       [V, H] (the token table), final_norm, cos_sin_cache, output_sizes (qkv, o, gate_up, down), sliding_windows
 //       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
-//       partition_size, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
+//       partition_size): what does not change between steps, made once per plan
+//   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
+//       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
 //   on the plain weight above (small_batch_linear.py off Intel). Every M row is one decoding request.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -116,27 +120,67 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
   return at::linear(x, weight, bias);
 }
 
-at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& embedding, const at::Tensor& positions,
-                              at::TensorList weights,
-                              const c10::List<OptionalTensor>& biases, at::TensorList kv_caches,
-                              const at::Tensor& final_norm, const at::Tensor& cos_sin_cache,
-                              const at::Tensor& block_table, const at::Tensor& seq_lens,
-                              const at::Tensor& slot_mapping, at::IntArrayRef output_sizes,
-                              at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, double eps, double scale, int64_t linear_kind,
-                              int64_t reduction_lanes, int64_t partition_size, int64_t max_positions) {
-  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(num_layers >= 1, "llama_decode_stack: at least one layer expected");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
-              "llama_decode_stack: ", kWeightsPerLayer * num_layers, " weights expected for ", num_layers,
-              " layers, got ", weights.size());
-  TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * num_layers,
-              "llama_decode_stack: ", kBiasesPerLayer * num_layers, " biases expected, got ", biases.size());
-  TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
-              "llama_decode_stack: one sliding window per layer expected, got ", sliding_windows.size());
-  TORCH_CHECK(output_sizes.size() == 4, "llama_decode_stack: 4 output sizes (qkv, o, gate_up, down) expected");
-  TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "llama_decode_stack: linear_kind=",
-              linear_kind, " must be 0, 1, 2, 3 or 4");
+// What llama_decode_stack reads that does not change between steps, handed over once (Python: the plan's
+// `native` object). Passing the ~180 weights, ~120 biases and 30 KV caches as op arguments instead cost ~180 us of
+// every batch-1 decode step on the Zen 4 VM: boxing each tensor touches its TensorImpl, which the step's weight
+// stream has evicted from every cache.
+struct DecodeStackPlan : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;  // 6 per layer: input norm, qkv, o, post-attention norm, gate_up, down
+  std::vector<OptionalTensor> biases;  // 4 per layer: qkv, o, gate_up, down
+  std::vector<at::Tensor> kv_caches;  // one per layer, written
+  at::Tensor embedding, final_norm, cos_sin_cache;
+  std::vector<int64_t> output_sizes, sliding_windows;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  int64_t linear_kind, reduction_lanes, partition_size;
+
+  DecodeStackPlan(std::vector<at::Tensor> weights_, c10::List<OptionalTensor> biases_,
+                  std::vector<at::Tensor> kv_caches_, at::Tensor embedding_, at::Tensor final_norm_,
+                  at::Tensor cos_sin_cache_, std::vector<int64_t> output_sizes_, std::vector<int64_t> sliding_windows_,
+                  int64_t num_heads_, int64_t num_kv_heads_, int64_t head_dim_, double eps_, double scale_,
+                  int64_t linear_kind_, int64_t reduction_lanes_, int64_t partition_size_)
+      : weights(std::move(weights_)),
+        kv_caches(std::move(kv_caches_)),
+        embedding(std::move(embedding_)),
+        final_norm(std::move(final_norm_)),
+        cos_sin_cache(std::move(cos_sin_cache_)),
+        output_sizes(std::move(output_sizes_)),
+        sliding_windows(std::move(sliding_windows_)),
+        num_heads(num_heads_),
+        num_kv_heads(num_kv_heads_),
+        head_dim(head_dim_),
+        eps(eps_),
+        scale(scale_),
+        linear_kind(linear_kind_),
+        reduction_lanes(reduction_lanes_),
+        partition_size(partition_size_) {
+    for (const OptionalTensor& bias : biases_) biases.push_back(bias);
+    const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+    TORCH_CHECK(num_layers >= 1, "DecodeStackPlan: at least one layer expected");
+    TORCH_CHECK(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * num_layers,
+                "DecodeStackPlan: ", kWeightsPerLayer * num_layers, " weights expected for ", num_layers,
+                " layers, got ", weights.size());
+    TORCH_CHECK(static_cast<int64_t>(biases.size()) == kBiasesPerLayer * num_layers,
+                "DecodeStackPlan: ", kBiasesPerLayer * num_layers, " biases expected, got ", biases.size());
+    TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
+                "DecodeStackPlan: one sliding window per layer expected, got ", sliding_windows.size());
+    TORCH_CHECK(output_sizes.size() == 4, "DecodeStackPlan: 4 output sizes (qkv, o, gate_up, down) expected");
+    TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "DecodeStackPlan: linear_kind=",
+                linear_kind, " must be 0, 1, 2, 3 or 4");
+  }
+};
+
+at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
+                              const at::Tensor& positions, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                              const at::Tensor& slot_mapping, int64_t max_positions) {
+  const int64_t num_layers = static_cast<int64_t>(plan->kv_caches.size());
+  const std::vector<int64_t>& output_sizes = plan->output_sizes;
+  const std::vector<int64_t>& sliding_windows = plan->sliding_windows;
+  const int64_t num_heads = plan->num_heads, num_kv_heads = plan->num_kv_heads, head_dim = plan->head_dim;
+  const double eps = plan->eps, scale = plan->scale;
+  const int64_t linear_kind = plan->linear_kind, reduction_lanes = plan->reduction_lanes;
+  const at::Tensor& final_norm = plan->final_norm;
+  const at::Tensor& cos_sin_cache = plan->cos_sin_cache;
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 && positions.dim() == 1 &&
                   positions.size(0) == input_ids.size(0) &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
@@ -155,10 +199,10 @@ at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& emb
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
 
-  at::Tensor states = at::embedding(embedding, input_ids), residual, normed;
+  at::Tensor states = at::embedding(plan->embedding, input_ids), residual, normed;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
-    const int64_t b = layer * kBiasesPerLayer;
+    const at::Tensor* w = plan->weights.data() + layer * kWeightsPerLayer;
+    const OptionalTensor* layer_biases = plan->biases.data() + layer * kBiasesPerLayer;
     // LlamaDecoderLayer.forward: the first layer's residual is the embeddings; later ones fuse the add.
     if (layer == 0) {
       residual = states;
@@ -167,7 +211,7 @@ at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& emb
       std::tie(normed, residual) = kernels.add_rms_norm.call(states, residual, w[0], eps, reduction_lanes);
     }
     // LlamaAttention.forward.
-    const at::Tensor qkv = linear(kernels, linear_kind, normed, w[1], biases.get(b), output_sizes[0]);
+    const at::Tensor qkv = linear(kernels, linear_kind, normed, w[1], layer_biases[0], output_sizes[0]);
     const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
     at::Tensor query, key;
     std::tie(query, key) = kernels.rotary_embedding.call(positions, parts[0], parts[1], cos_sin_cache, head_dim);
@@ -175,18 +219,18 @@ at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& emb
     query = query.view({num_tokens, num_heads, head_dim});
     key = key.view({num_tokens, num_kv_heads, head_dim});
     const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
-    at::Tensor kv_cache = kv_caches[layer];
+    at::Tensor kv_cache = plan->kv_caches[layer];
     kernels.reshape_and_cache.call(key, value, kv_cache, slot_mapping);
     const std::optional<int64_t> window =
         sliding_windows[layer] > 0 ? std::optional<int64_t>(sliding_windows[layer]) : std::nullopt;
     const at::Tensor attended =
-        kernels.decode_attention.call(query, kv_cache, block_table, seq_lens, scale, window, partition_size)
+        kernels.decode_attention.call(query, kv_cache, block_table, seq_lens, scale, window, plan->partition_size)
             .reshape({num_tokens, q_size});
-    const at::Tensor projected = linear(kernels, linear_kind, attended, w[2], biases.get(b + 1), output_sizes[1]);
+    const at::Tensor projected = linear(kernels, linear_kind, attended, w[2], layer_biases[1], output_sizes[1]);
     // The post-attention norm and LlamaMLP.
     std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], eps, reduction_lanes);
-    const at::Tensor gate_up = linear(kernels, linear_kind, normed, w[4], biases.get(b + 2), output_sizes[2]);
-    states = linear(kernels, linear_kind, kernels.silu_and_mul.call(gate_up), w[5], biases.get(b + 3),
+    const at::Tensor gate_up = linear(kernels, linear_kind, normed, w[4], layer_biases[2], output_sizes[2]);
+    states = linear(kernels, linear_kind, kernels.silu_and_mul.call(gate_up), w[5], layer_biases[3],
                     output_sizes[3]);
   }
   return std::get<0>(kernels.add_rms_norm.call(states, residual, final_norm, eps, reduction_lanes));
@@ -195,15 +239,14 @@ at::Tensor llama_decode_stack(const at::Tensor& input_ids, const at::Tensor& emb
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.class_<DecodeStackPlan>("DecodeStackPlan")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<OptionalTensor>, std::vector<at::Tensor>, at::Tensor,
+                       at::Tensor, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t,
+                       double, double, int64_t, int64_t, int64_t>());
+  // The plan's KV caches are written (the schema cannot say so of a class's tensors: eager use only, as the stack).
   m.def(
-      "llama_decode_stack(Tensor input_ids, Tensor embedding, Tensor positions, Tensor[] weights, Tensor?[] biases, "
-      "Tensor(a!)[] kv_caches, Tensor final_norm, Tensor cos_sin_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor slot_mapping, int[] output_sizes, int[] sliding_windows, int num_heads, int num_kv_heads, "
-      "int head_dim, float eps, float scale, int linear_kind, int reduction_lanes, int partition_size, "
-      "int max_positions) -> Tensor");
+      "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
+      "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
-
-// With weight_layout='prepacked' the weights are oneDNN tensors (the MkldnnCPU key), everything else dense CPU.
-TORCH_LIBRARY_IMPL(pagedserve, MkldnnCPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
