@@ -267,9 +267,11 @@ class NativeDecodeForward:
         qualifies; the modules take every step from then on)."""
         plan = self.plan
         if plan is not None and not plan.is_current():
+            has_run = plan.native is not None  # else the KV caches were bound after planning, as at every start
             plan = native_decode_stack_plan(self.model, self.dtype)
             if plan.is_usable:
-                logger.info("native decode stack: the model's parameters changed; plan made again")
+                (logger.info if has_run else logger.debug)(
+                    "native decode stack: the layers' parameters or KV caches changed; plan made again")
                 self.has_hooks = self._hook_check()  # modules may have been replaced too
             else:
                 logger.info("native decode stack: no longer used (%s)", plan.reason)

@@ -207,10 +207,13 @@ def test_model_that_stops_qualifying_keeps_the_modules(tiny_model_dir) -> None:
     assert forward.plan is None and forward.num_stack_steps == steps_before
 
 
-def test_assigned_weight_makes_the_plan_again(tiny_model_dir) -> None:
+def test_assigned_weight_makes_the_plan_again(tiny_model_dir, caplog) -> None:
     """A parameter assigned through the module (a new tensor, not an in-place change) advances the watched-attribute
-    epoch: the next decode step compares the plan's sources, makes the plan again and computes with the new weight,
-    as the modules do."""
+    epoch: the next decode step compares the plan's sources, makes the plan again (logged) and computes with the
+    new weight, as the modules do. The plan made again at the first step, because the KV caches were bound after
+    planning, is not logged at INFO."""
+    import logging
+
     from torch import nn
 
     folder = tiny_model_dir("llama")
@@ -218,13 +221,17 @@ def test_assigned_weight_makes_the_plan_again(tiny_model_dir) -> None:
                       for on in (True, False))
     forward = _forward(llm)
     prompts = random_prompts(2, 5, 20, seed=7)
-    before = _generate(llm, prompts)
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
+        before = _generate(llm, prompts)
+    assert "plan made again" not in caplog.text
     old_plan = forward.plan
     for engine in (llm, reference):
         down_proj = _model(engine).model.layers[1].mlp.down_proj
         down_proj.weight = nn.Parameter(down_proj.weight * 0.5, requires_grad=False)
     steps_before = forward.num_stack_steps
-    after = _generate(llm, prompts)
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
+        after = _generate(llm, prompts)
+    assert "plan made again" in caplog.text
     assert forward.plan is not old_plan and forward.num_stack_steps > steps_before
     assert after == _generate(reference, prompts)
     assert after != before
