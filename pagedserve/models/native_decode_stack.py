@@ -65,8 +65,8 @@ _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepack
 
 @dataclass
 class NativeDecodeStackPlan:
-    """Everything the op takes that does not change between steps; `reason` says why a model does not qualify
-    (then the other fields are empty)."""
+    """What the stack reads that does not change between steps (handed to the op once, as `native`); `reason` says
+    why a model does not qualify (then the other fields are empty)."""
 
     reason: str = ""
     weights: tuple[torch.Tensor, ...] = ()
@@ -86,8 +86,8 @@ class NativeDecodeStackPlan:
     linear_kind: int = 0
     # watched_attributes_epoch() when the sources below were last found current.
     epoch: int = -1
-    # What the fields above were read from, checked before each step: the dicts that hold the attributes
-    # (a module's __dict__, _parameters or _buffers), the attributes' names and the objects they held.
+    # What the fields above were read from, compared when the epoch moved (is_current): the dicts that hold the
+    # attributes (a module's __dict__, _parameters or _buffers), the attributes' names and the objects they held.
     source_dicts: tuple[dict[str, Any], ...] = ()
     source_names: tuple[str, ...] = ()
     source_values: tuple[Any, ...] = ()
