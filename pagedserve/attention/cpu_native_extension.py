@@ -40,8 +40,9 @@ SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_att
            "layers/native/elementwise.cpp", "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp",
            "models/native/decode_stack.cpp", "sample/native/first_argmax.cpp")
 # Headers the sources include: part of the build's key like the sources.
-HEADERS = ("layers/native/amx_tiles.h", "layers/native/bfloat16_rounding.h",
-           "layers/native/bfloat16_silu_table.h", "layers/native/exp_polynomial.h")
+HEADERS = ("attention/native/paged_decode_attention.h", "layers/native/amx_linear.h", "layers/native/amx_tiles.h",
+           "layers/native/bfloat16_rounding.h", "layers/native/bfloat16_silu_table.h",
+           "layers/native/exp_polynomial.h", "models/native/spin_barrier.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).

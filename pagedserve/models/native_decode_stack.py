@@ -59,6 +59,9 @@ LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMet
                                  OneDnnPrepackedLinearMethod: 3}
 # Kind 1 off Intel: up to 128 rows on the kernel, oneDNN's GEMM above (small_batch_linear.large_batches_on_onednn).
 SMALL_BATCH_ONEDNN_KIND = 4
+# Decode steps of up to this many rows on tile-packed weights run the layers in one parallel region
+# (decode_stack.cpp run_layers_in_one_region); larger ones, and the other kinds, run op by op.
+ONE_REGION_MAX_ROWS = 4
 # The kinds whose method computes with packed_weight_of(layer).
 _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])
 
@@ -107,7 +110,7 @@ class NativeDecodeStackPlan:
                 list(self.weights), list(self.biases), kv_caches, self.embedding, self.final_norm,
                 self.cos_sin_cache, list(self.output_sizes), list(self.sliding_windows), self.num_heads,
                 self.num_kv_heads, self.head_dim, self.eps, self.scale, self.linear_kind,
-                native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS)
+                native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS, ONE_REGION_MAX_ROWS)
             self.block_size = kv_caches[0].shape[2]
         return self.native
 

@@ -309,7 +309,7 @@ def test_plan_object_rejects_mismatched_lists(tiny_model_dir) -> None:
     make = torch.classes.pagedserve.DecodeStackPlan
     arguments = [plan.embedding, plan.final_norm, plan.cos_sin_cache, list(plan.output_sizes),
                  list(plan.sliding_windows), plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.eps, plan.scale,
-                 plan.linear_kind, 8, 256]
+                 plan.linear_kind, 8, 256, 4]
     with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
         make(list(plan.weights[:-1]), list(plan.biases), kv_caches, *arguments)
     arguments[10] = 5
@@ -331,3 +331,49 @@ def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
     assert _generate(llm, prompts) == reference
     assert forward.plan is not old_plan and forward.plan.native is not None
     assert all(cache.abs().sum() > 0 for cache in new_caches)  # the stack and the modules wrote the new caches
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+@pytest.mark.parametrize("num_prompts", [1, 2, 5])
+def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch, num_prompts: int) -> None:
+    """Steps of up to ONE_REGION_MAX_ROWS rows on tile-packed weights run the layers in one parallel region; their
+    tokens and logprobs are bitwise those of the same stack op by op and of the modules. The prompts reach past
+    the 256-token attention partition during decode, so the region also merges partitions; 5 rows stay op by op."""
+    import pagedserve.models.native_decode_stack as stack_module
+
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(num_prompts, 230, 250, seed=num_prompts)
+    options = dict(dtype="bfloat16", weight_layout="amx_packed", max_model_len=512, num_kv_blocks=40 * num_prompts)
+    results = []
+    for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
+        monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
+        llm = LLM(folder, native_decode_stack=enabled, **options)
+        results.append(_generate(llm, prompts))
+        if enabled:
+            forward = _forward(llm)
+            assert forward.plan.linear_kind == 2 and forward.num_stack_steps == NUM_STEPS - 1
+            in_region = forward.plan.native.num_one_region_steps()
+            assert in_region == (NUM_STEPS - 1 if 0 < num_prompts <= one_region_max_rows else 0)
+    assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+def test_one_region_raises_and_leaves_no_thread_waiting(tiny_model_dir) -> None:
+    """An error inside the region (a block id beyond the cache, met by whichever thread attends that item; a slot
+    beyond the cache, met on thread 0) is raised to the caller, and the next call runs normally."""
+    llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
+    reference = _generate(llm, [[5, 6, 7, 8]])
+    forward = _forward(llm)
+    native = forward.plan.native
+    num_blocks = forward.plan.attention_layers[0].kv_cache.shape[1]
+    input_ids = torch.tensor([11], dtype=torch.long)
+    positions = torch.tensor([4], dtype=torch.long)
+    seq_lens = torch.tensor([5], dtype=torch.int32)
+    slot_mapping = torch.tensor([4], dtype=torch.long)
+    bad_table = torch.tensor([[num_blocks + 3, 0]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=rf"block id {num_blocks + 3} out of range"):
+        forward.op(native, input_ids, positions, bad_table, seq_lens, slot_mapping, 256)
+    good_table = torch.tensor([[0, 1]], dtype=torch.int32)
+    bad_slots = torch.tensor([num_blocks * 16 + 1], dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\]=.* is out of range"):
+        forward.op(native, input_ids, positions, good_table, seq_lens, bad_slots, 256)
+    assert _generate(llm, [[5, 6, 7, 8]]) == reference

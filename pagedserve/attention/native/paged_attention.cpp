@@ -52,6 +52,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_decode_attention.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -645,83 +647,117 @@ AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) 
   return &attend_partition_generic<query_t, cache_t>;
 }
 
+}  // namespace
+
+namespace pagedserve_native {
+
+// One call's plan and buffers (DecodeAttentionCall): the work items, the merge list, the partial results of the
+// requests with several partitions, and the item / merge loops of the call's dtypes.
+struct DecodeAttentionCall::State {
+  at::Tensor query, kv_cache, block_table, out;
+  Geometry g;
+  std::vector<WorkItem> items;
+  std::vector<int64_t> merge_items;  // the first item of every (request, kv_head) with several partitions
+  std::vector<float> partials;       // [item, group, head_dim + 2]: acc, then max and sum
+  float scale = 0.f;
+  void (*run_items)(const State&, int64_t, int64_t) = nullptr;
+  void (*merge)(const State&, int64_t, int64_t) = nullptr;
+};
+
+}  // namespace pagedserve_native
+
+namespace {
+
+using DecodeState = pagedserve_native::DecodeAttentionCall::State;
+
+// Items [begin, end) of a call: each writes its own output rows (one partition) or its own partial results.
 template <typename query_t, typename cache_t>
-void run_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                const std::vector<WorkItem>& items, const std::vector<int64_t>& merge_items, const Geometry& g,
-                double scale, at::Tensor& out) {
-  const query_t* query_data = query.data_ptr<query_t>();
-  const cache_t* cache_data = kv_cache.data_ptr<cache_t>();
-  const int32_t* table_data = block_table.data_ptr<int32_t>();
-  query_t* out_data = out.data_ptr<query_t>();
+void run_items(const DecodeState& s, int64_t begin, int64_t end) {
+  const Geometry& g = s.g;
+  const query_t* query_data = s.query.data_ptr<query_t>();
+  const cache_t* cache_data = s.kv_cache.data_ptr<cache_t>();
+  const int32_t* table_data = s.block_table.data_ptr<int32_t>();
+  query_t* out_data = s.out.data_ptr<query_t>();
   const int64_t group = g.group;
   const int64_t head_dim = g.head_dim;
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  // Partial results of items whose request has several partitions: [item, group, head_dim + 2]
-  // (acc, then max and sum).
   const int64_t partial_stride = group * (head_dim + 2);
-  std::vector<float> partials(merge_items.empty() ? 0 : num_items * partial_stride);
-  const float scale_f = static_cast<float>(scale);
+  // The partials are written by disjoint items only (const State: shared between threads).
+  float* partials = const_cast<float*>(s.partials.data());
   const AttendFunction<query_t, cache_t> attend = select_attend<query_t, cache_t>(group, head_dim);
-
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * head_dim + group * g.partition_size + group * (head_dim + 2));
-    std::vector<int64_t> row_offsets(g.partition_size);
-    std::vector<int64_t> next_row_offsets(g.partition_size);
-    float* query_scaled = scratch.data();
-    float* scores = query_scaled + group * head_dim;
-    float* local = scores + group * g.partition_size;
-    for (int64_t index = begin; index < end; ++index) {
-      const WorkItem& item = items[index];
-      float* partial = item.num_partitions == 1 ? local : partials.data() + index * partial_stride;
-      float* acc = partial;
-      float* maxima = partial + group * head_dim;
-      float* sums = maxima + group;
-      NextItemKeys next_keys;
-      if (index + 1 < end)
-        next_keys = plan_next_item_keys(items[index + 1], g, table_data, cache_data, next_row_offsets.data());
-      attend(item, g, query_data, cache_data, table_data, scale_f, query_scaled, scores, row_offsets.data(), acc,
-             maxima, sums, next_keys);
-      if (item.num_partitions == 1) {
-        query_t* destination = out_data + (item.request * g.num_heads + item.kv_head * group) * head_dim;
-        for (int64_t j = 0; j < group; ++j)
-          for (int64_t d = 0; d < head_dim; ++d)
-            destination[j * head_dim + d] = from_float<query_t>(acc[j * head_dim + d] / sums[j]);
-      }
-    }
-  });
-
-  if (merge_items.empty()) return;
-  // Merge: for each (request, kv_head) with several partitions, in partition order.
-  at::parallel_for(0, static_cast<int64_t>(merge_items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(head_dim);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t first = merge_items[index];
-      const WorkItem& head_item = items[first];
-      const int64_t count = head_item.num_partitions;
-      query_t* destination = out_data + (head_item.request * g.num_heads + head_item.kv_head * group) * head_dim;
-      for (int64_t j = 0; j < group; ++j) {
-        float maximum = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < count; ++p)
-          maximum = std::max(maximum, partials[(first + p) * partial_stride + group * head_dim + j]);
-        float total = 0.f;
-        std::fill(merged.begin(), merged.end(), 0.f);
-        for (int64_t p = 0; p < count; ++p) {
-          const float* partial = partials.data() + (first + p) * partial_stride;
-          const float weight = std::exp(partial[group * head_dim + j] - maximum);
-          total += weight * partial[group * head_dim + group + j];
-          const float* acc = partial + j * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
-        }
+  std::vector<float> scratch(group * head_dim + group * g.partition_size + group * (head_dim + 2));
+  std::vector<int64_t> row_offsets(g.partition_size);
+  std::vector<int64_t> next_row_offsets(g.partition_size);
+  float* query_scaled = scratch.data();
+  float* scores = query_scaled + group * head_dim;
+  float* local = scores + group * g.partition_size;
+  for (int64_t index = begin; index < end; ++index) {
+    const WorkItem& item = s.items[index];
+    float* partial = item.num_partitions == 1 ? local : partials + index * partial_stride;
+    float* acc = partial;
+    float* maxima = partial + group * head_dim;
+    float* sums = maxima + group;
+    NextItemKeys next_keys;
+    if (index + 1 < end)
+      next_keys = plan_next_item_keys(s.items[index + 1], g, table_data, cache_data, next_row_offsets.data());
+    attend(item, g, query_data, cache_data, table_data, s.scale, query_scaled, scores, row_offsets.data(), acc,
+           maxima, sums, next_keys);
+    if (item.num_partitions == 1) {
+      query_t* destination = out_data + (item.request * g.num_heads + item.kv_head * group) * head_dim;
+      for (int64_t j = 0; j < group; ++j)
         for (int64_t d = 0; d < head_dim; ++d)
-          destination[j * head_dim + d] = from_float<query_t>(merged[d] / total);
-      }
+          destination[j * head_dim + d] = from_float<query_t>(acc[j * head_dim + d] / sums[j]);
     }
-  });
+  }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-                                  std::optional<int64_t> sliding_window, int64_t partition_size) {
+// Merges [begin, end) of the call's merge list: each (request, kv_head)'s partitions, in partition order.
+template <typename query_t, typename cache_t>
+void merge_partitions(const DecodeState& s, int64_t begin, int64_t end) {
+  const Geometry& g = s.g;
+  const int64_t group = g.group;
+  const int64_t head_dim = g.head_dim;
+  const int64_t partial_stride = group * (head_dim + 2);
+  const std::vector<float>& partials = s.partials;
+  query_t* out_data = s.out.data_ptr<query_t>();
+  std::vector<float> merged(head_dim);
+  for (int64_t index = begin; index < end; ++index) {
+    const int64_t first = s.merge_items[index];
+    const WorkItem& head_item = s.items[first];
+    const int64_t count = head_item.num_partitions;
+    query_t* destination = out_data + (head_item.request * g.num_heads + head_item.kv_head * group) * head_dim;
+    for (int64_t j = 0; j < group; ++j) {
+      float maximum = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < count; ++p)
+        maximum = std::max(maximum, partials[(first + p) * partial_stride + group * head_dim + j]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t p = 0; p < count; ++p) {
+        const float* partial = partials.data() + (first + p) * partial_stride;
+        const float weight = std::exp(partial[group * head_dim + j] - maximum);
+        total += weight * partial[group * head_dim + group + j];
+        const float* acc = partial + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
+      }
+      for (int64_t d = 0; d < head_dim; ++d)
+        destination[j * head_dim + d] = from_float<query_t>(merged[d] / total);
+    }
+  }
+}
+
+template <typename query_t, typename cache_t>
+void select_loops(DecodeState& s) {
+  s.run_items = &run_items<query_t, cache_t>;
+  s.merge = &merge_partitions<query_t, cache_t>;
+}
+
+}  // namespace
+
+namespace pagedserve_native {
+
+DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tensor& kv_cache,
+                                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                                         std::optional<int64_t> sliding_window, int64_t partition_size, at::Tensor out)
+    : state_(std::make_unique<State>()) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu() &&
                   seq_lens.device().is_cpu(),
               "paged_decode_attention: every tensor must be on the CPU");
@@ -746,8 +782,24 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
               "paged_decode_attention: block_table and seq_lens need a row per decode");
   const int64_t window = sliding_window.has_value() ? *sliding_window : 0;
   TORCH_CHECK(window >= 0, "paged_decode_attention: sliding_window must be >= 1 or None");
+  const auto query_type = query.scalar_type();
+  const auto cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(query_type == at::kFloat || query_type == at::kBFloat16,
+              "paged_decode_attention: query must be float32 or bfloat16");
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16,
+              "paged_decode_attention: kv_cache must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == query_type && out.is_contiguous() &&
+                  out.sizes() == at::IntArrayRef({num_decodes, num_heads, head_dim}),
+              "paged_decode_attention: out must be a contiguous [num_decodes, num_heads, head_dim] tensor of the "
+              "query's dtype");
 
-  Geometry g;
+  State& s = *state_;
+  s.query = query;
+  s.kv_cache = kv_cache;
+  s.block_table = block_table;
+  s.out = std::move(out);
+  s.scale = static_cast<float>(scale);
+  Geometry& g = s.g;
   g.num_heads = num_heads;
   g.num_kv_heads = num_kv_heads;
   g.group = num_heads / num_kv_heads;
@@ -762,12 +814,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   g.table_stride = block_table.stride(0);
   g.partition_size = partition_size;
 
-  // Work items in (request, kv_head, partition) order; merge_items lists the first item of every
-  // (request, kv_head) that has several partitions.
+  // Work items in (request, kv_head, partition) order.
   const int32_t* lengths = seq_lens.data_ptr<int32_t>();
-  std::vector<WorkItem> items;
-  std::vector<int64_t> merge_items;
-  items.reserve(num_decodes * num_kv_heads);
+  s.items.reserve(num_decodes * num_kv_heads);
   for (int64_t request = 0; request < num_decodes; ++request) {
     const int64_t seq_len = lengths[request];
     TORCH_CHECK(seq_len >= 1, "paged_decode_attention: seq_lens[", request, "]=", seq_len, " must be >= 1");
@@ -778,33 +827,48 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
     const int64_t last_partition = (seq_len - 1) / partition_size;
     const int32_t num_partitions = static_cast<int32_t>(last_partition - first_partition + 1);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      if (num_partitions > 1) merge_items.push_back(static_cast<int64_t>(items.size()));
+      if (num_partitions > 1) s.merge_items.push_back(static_cast<int64_t>(s.items.size()));
       for (int64_t partition = first_partition; partition <= last_partition; ++partition) {
         const int64_t begin = std::max(first, partition * partition_size);
         const int64_t end = std::min(seq_len, (partition + 1) * partition_size);
-        items.push_back(WorkItem{static_cast<int32_t>(request), static_cast<int32_t>(kv_head),
-                                 static_cast<int32_t>(begin), static_cast<int32_t>(end), num_partitions,
-                                 static_cast<int32_t>(partition - first_partition)});
+        s.items.push_back(WorkItem{static_cast<int32_t>(request), static_cast<int32_t>(kv_head),
+                                   static_cast<int32_t>(begin), static_cast<int32_t>(end), num_partitions,
+                                   static_cast<int32_t>(partition - first_partition)});
       }
     }
   }
+  if (!s.merge_items.empty()) s.partials.resize(s.items.size() * g.group * (head_dim + 2));
+  if (query_type == at::kFloat && cache_type == at::kFloat) select_loops<float, float>(s);
+  else if (query_type == at::kFloat) select_loops<float, c10::BFloat16>(s);
+  else if (cache_type == at::kFloat) select_loops<c10::BFloat16, float>(s);
+  else select_loops<c10::BFloat16, c10::BFloat16>(s);
+}
 
-  at::Tensor out = at::empty({num_decodes, num_heads, head_dim}, query.options());
-  if (num_decodes == 0) return out;
-  const auto query_type = query.scalar_type();
-  const auto cache_type = kv_cache.scalar_type();
-  TORCH_CHECK(query_type == at::kFloat || query_type == at::kBFloat16,
-              "paged_decode_attention: query must be float32 or bfloat16");
-  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16,
-              "paged_decode_attention: kv_cache must be float32 or bfloat16");
-  if (query_type == at::kFloat && cache_type == at::kFloat)
-    run_decode<float, float>(query, kv_cache, block_table, items, merge_items, g, scale, out);
-  else if (query_type == at::kFloat)
-    run_decode<float, c10::BFloat16>(query, kv_cache, block_table, items, merge_items, g, scale, out);
-  else if (cache_type == at::kFloat)
-    run_decode<c10::BFloat16, float>(query, kv_cache, block_table, items, merge_items, g, scale, out);
-  else
-    run_decode<c10::BFloat16, c10::BFloat16>(query, kv_cache, block_table, items, merge_items, g, scale, out);
+DecodeAttentionCall::~DecodeAttentionCall() = default;
+
+int64_t DecodeAttentionCall::num_items() const { return static_cast<int64_t>(state_->items.size()); }
+
+int64_t DecodeAttentionCall::num_merges() const { return static_cast<int64_t>(state_->merge_items.size()); }
+
+void DecodeAttentionCall::run_items(int64_t begin, int64_t end) const { state_->run_items(*state_, begin, end); }
+
+void DecodeAttentionCall::merge(int64_t begin, int64_t end) const { state_->merge(*state_, begin, end); }
+
+}  // namespace pagedserve_native
+
+namespace {
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                                  std::optional<int64_t> sliding_window, int64_t partition_size) {
+  TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [num_decodes, num_heads, head_dim]");
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const pagedserve_native::DecodeAttentionCall call(query, kv_cache, block_table, seq_lens, scale, sliding_window,
+                                                    partition_size, out);
+  if (call.num_items() == 0) return out;
+  at::parallel_for(0, call.num_items(), 1, [&](int64_t begin, int64_t end) { call.run_items(begin, end); });
+  if (call.num_merges() > 0)
+    at::parallel_for(0, call.num_merges(), 1, [&](int64_t begin, int64_t end) { call.merge(begin, end); });
   return out;
 }
 

@@ -57,6 +57,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_linear.h"
 #include "amx_tiles.h"
 #include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
@@ -836,30 +837,70 @@ void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_
 
 #endif  // PAGEDSERVE_DPBF16
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n, c10::string_view products) {
+}  // namespace
+
+namespace pagedserve_native {
+
+struct AmxLinearCall::State {
+  std::string kind;
+  at::Tensor x_padded, bias_float, y;
+  PackedProduct product;
+};
+
+AmxLinearCall::AmxLinearCall(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t n, c10::string_view products, at::Tensor y)
+    : state_(std::make_unique<State>()) {
   constexpr const char* op = "amx_linear";
-  const std::string kind = resolve_products(op, products);
-  at::Tensor x_padded;
-  const PackedProduct product = packed_product(op, kind, x, packed, n, x_padded);
-  const at::Tensor bias_float = float_bias(op, bias, n);
-  at::Tensor y = at::empty({product.m, n}, x.options());
-  if (product.m == 0 || n == 0) return y;
+  State& s = *state_;
+  s.kind = resolve_products(op, products);
+  s.product = packed_product(op, s.kind, x, packed, n, s.x_padded);
+  s.bias_float = float_bias(op, bias, n);
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() &&
+                  y.sizes() == at::IntArrayRef({s.product.m, n}),
+              op, ": the output must be a contiguous bfloat16 [", s.product.m, ", ", n, "] tensor, got ", y.sizes(),
+              " ", y.scalar_type());
+  s.y = std::move(y);
+}
+
+AmxLinearCall::~AmxLinearCall() = default;
+
+int64_t AmxLinearCall::num_units() const {
+  const PackedProduct& p = state_->product;
+  return p.m == 0 || p.n == 0 ? 0 : ::num_units(p);
+}
+
+void AmxLinearCall::run_units(int64_t begin, int64_t end) const {
 #if defined(PAGEDSERVE_DPBF16)
-  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
-  at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, num_units(product), 1, [&](int64_t begin, int64_t end) {
-    with_products(kind, [&](auto& products) {
-      run_units(products, product, begin, end,
+  const State& s = *state_;
+  const int64_t n = s.product.n;
+  const float* bias_data = s.bias_float.defined() ? s.bias_float.data_ptr<float>() : nullptr;
+  at::BFloat16* y_data = s.y.data_ptr<at::BFloat16>();
+  with_products(s.kind, [&](auto& products) {
+    ::run_units(products, s.product, begin, end,
                 [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column,
                     int64_t num_columns) {
                   for (int64_t row = 0; row < num_rows; ++row)
                     store_row(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
                               num_columns, y_data + (first_row + row) * n + first_column);
                 });
-    });
   });
+#else
+  (void)begin;
+  (void)end;
 #endif
+}
+
+}  // namespace pagedserve_native
+
+namespace {
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t n, c10::string_view products) {
+  TORCH_CHECK(x.dim() == 2, "amx_linear: x [M, K] bfloat16 with unit column stride expected, got ", x.sizes(), " ",
+              x.scalar_type());
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const pagedserve_native::AmxLinearCall call(x, packed, bias, n, products, y);
+  at::parallel_for(0, call.num_units(), 1, [&](int64_t begin, int64_t end) { call.run_units(begin, end); });
   return y;
 }
 

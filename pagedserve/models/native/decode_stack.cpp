@@ -19,24 +19,36 @@
 //       layer: qkv, o, gate_up, down; None when the layer has none), kv_caches (one per layer, written), embedding
 //       [V, H] (the token table), final_norm, cos_sin_cache, output_sizes (qkv, o, gate_up, down), sliding_windows
 //       (one per layer, 0: none), num_heads, num_kv_heads, head_dim, eps, scale, linear_kind, reduction_lanes,
-//       partition_size): what does not change between steps, made once per plan
+//       partition_size, one_region_max_rows): what does not change between steps, made once per plan;
+//       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
 //   on the plain weight above (small_batch_linear.py off Intel). Every M row is one decoding request.
+// Kind 2 steps of up to one_region_max_rows rows run every layer inside one parallel region
+// (run_layers_in_one_region); the others run op by op, each op with its own (run_layers_op_by_op).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "../../attention/native/paged_decode_attention.h"
+#include "../../layers/native/amx_linear.h"
+#include "spin_barrier.h"
 
 namespace {
 
@@ -133,12 +145,18 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   int64_t linear_kind, reduction_lanes, partition_size;
+  // Steps of up to this many rows run the layers in one parallel region when the weights are tile-packed
+  // (run_layers_in_one_region; 0: never): its few-row stages run on one thread, which larger batches would rather
+  // split.
+  int64_t one_region_max_rows;
+  int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
 
   DecodeStackPlan(std::vector<at::Tensor> weights_, c10::List<OptionalTensor> biases_,
                   std::vector<at::Tensor> kv_caches_, at::Tensor embedding_, at::Tensor final_norm_,
                   at::Tensor cos_sin_cache_, std::vector<int64_t> output_sizes_, std::vector<int64_t> sliding_windows_,
                   int64_t num_heads_, int64_t num_kv_heads_, int64_t head_dim_, double eps_, double scale_,
-                  int64_t linear_kind_, int64_t reduction_lanes_, int64_t partition_size_)
+                  int64_t linear_kind_, int64_t reduction_lanes_, int64_t partition_size_,
+                  int64_t one_region_max_rows_)
       : weights(std::move(weights_)),
         kv_caches(std::move(kv_caches_)),
         embedding(std::move(embedding_)),
@@ -153,7 +171,8 @@ struct DecodeStackPlan : torch::CustomClassHolder {
         scale(scale_),
         linear_kind(linear_kind_),
         reduction_lanes(reduction_lanes_),
-        partition_size(partition_size_) {
+        partition_size(partition_size_),
+        one_region_max_rows(one_region_max_rows_) {
     for (const OptionalTensor& bias : biases_) biases.push_back(bias);
     const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
     TORCH_CHECK(num_layers >= 1, "DecodeStackPlan: at least one layer expected");
@@ -170,16 +189,191 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   }
 };
 
+// A layer's sliding window (None: the whole context).
+std::optional<int64_t> sliding_window(const DecodeStackPlan& plan, int64_t layer) {
+  const int64_t window = plan.sliding_windows[layer];
+  return window > 0 ? std::optional<int64_t>(window) : std::nullopt;
+}
+
+// The step's inputs, checked (llama_decode_stack).
+struct StepInputs {
+  const at::Tensor& input_ids;
+  const at::Tensor& positions;
+  const at::Tensor& block_table;
+  const at::Tensor& seq_lens;
+  const at::Tensor& slot_mapping;
+};
+
+// The layers one op at a time, each op with its own parallel region (any linear kind, any number of rows).
+at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kernels, const StepInputs& step) {
+  const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
+  const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
+  const int64_t num_tokens = step.input_ids.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
+
+  at::Tensor states = at::embedding(plan.embedding, step.input_ids), residual, normed;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
+    const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
+    // LlamaDecoderLayer.forward: the first layer's residual is the embeddings; later ones fuse the add.
+    if (layer == 0) {
+      residual = states;
+      normed = kernels.rms_norm.call(states, w[0], plan.eps, plan.reduction_lanes);
+    } else {
+      std::tie(normed, residual) = kernels.add_rms_norm.call(states, residual, w[0], plan.eps, plan.reduction_lanes);
+    }
+    // LlamaAttention.forward.
+    const at::Tensor qkv = linear(kernels, plan.linear_kind, normed, w[1], layer_biases[0], plan.output_sizes[0]);
+    const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
+    at::Tensor query, key;
+    std::tie(query, key) =
+        kernels.rotary_embedding.call(step.positions, parts[0], parts[1], plan.cos_sin_cache, head_dim);
+    // Attention.forward and CpuNativeAttentionBackend's decode-only path.
+    query = query.view({num_tokens, num_heads, head_dim});
+    key = key.view({num_tokens, num_kv_heads, head_dim});
+    const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
+    at::Tensor kv_cache = plan.kv_caches[layer];
+    kernels.reshape_and_cache.call(key, value, kv_cache, step.slot_mapping);
+    const at::Tensor attended = kernels.decode_attention
+                                    .call(query, kv_cache, step.block_table, step.seq_lens, plan.scale,
+                                          sliding_window(plan, layer), plan.partition_size)
+                                    .reshape({num_tokens, q_size});
+    const at::Tensor projected =
+        linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1]);
+    // The post-attention norm and LlamaMLP.
+    std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], plan.eps, plan.reduction_lanes);
+    const at::Tensor gate_up = linear(kernels, plan.linear_kind, normed, w[4], layer_biases[2], plan.output_sizes[2]);
+    states = linear(kernels, plan.linear_kind, kernels.silu_and_mul.call(gate_up), w[5], layer_biases[3],
+                    plan.output_sizes[3]);
+  }
+  return std::get<0>(kernels.add_rms_norm.call(states, residual, plan.final_norm, plan.eps, plan.reduction_lanes));
+}
+
+// Thread `thread` of `num_threads`' share of `count` work units: the split at::parallel_for(0, count, 1) makes.
+std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t num_threads) {
+  const int64_t chunk = (count + num_threads - 1) / num_threads;
+  const int64_t begin = std::min(count, thread * chunk);
+  return {begin, std::min(count, begin + chunk)};
+}
+
+// Thread `thread`'s share of one packed product into `y` (amx_linear's units).
+void packed_linear_share(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
+                         const at::Tensor& y, int64_t thread, int64_t num_threads) {
+  const pagedserve_native::AmxLinearCall call(x, weight, bias, n, "auto", y);
+  const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+  call.run_units(begin, end);
+}
+
+// The layers in one parallel region (tile-packed bfloat16 weights, up to the plan's one_region_max_rows rows): the
+// same kernels on the same arguments as run_layers_op_by_op, so the same bits, but the threads meet at a SpinBarrier
+// between the stages instead of starting and joining a team for each op (a batch-1 step of SmolLM2-135M started
+// ~150). The products and the attention items are split between the threads as their ops split them; the few-row
+// stages between them (norms, RoPE, the K/V write, SiLU) run on thread 0 through the dispatcher (their own
+// at::parallel_for runs inline inside a region) while the others wait. Batch-1 decode on the Zen 4 VM, alternating
+// with op by op in one process: 1.059x (median of six rounds, 1.016-1.081).
+at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const Kernels& kernels, const StepInputs& step) {
+  const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
+  const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
+  const int64_t num_tokens = step.input_ids.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
+  const std::vector<int64_t>& output_sizes = plan.output_sizes;
+  const at::TensorOptions options = plan.embedding.options();
+  // The products' outputs, reused by every layer: each is read by the next stage before the next layer writes it.
+  const at::Tensor qkv = at::empty({num_tokens, output_sizes[0]}, options);
+  const at::Tensor attended = at::empty({num_tokens, num_heads, head_dim}, options);
+  const at::Tensor attended_rows = attended.view({num_tokens, q_size});
+  const at::Tensor projected = at::empty({num_tokens, output_sizes[1]}, options);
+  const at::Tensor gate_up = at::empty({num_tokens, output_sizes[2]}, options);
+  const at::Tensor states = at::empty({num_tokens, output_sizes[3]}, options);
+  const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
+  const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
+
+  // Written by thread 0 between two barriers, read by every thread after the second.
+  at::Tensor residual, normed, activated, out;
+  std::unique_ptr<pagedserve_native::DecodeAttentionCall> attention;
+  pagedserve_native::SpinBarrier barrier;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  const int requested_threads = std::max(1, at::get_num_threads());
+
+#pragma omp parallel num_threads(requested_threads)
+  {
+    const int64_t thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
+    barrier.set_num_threads(static_cast<int>(num_threads));
+    try {
+      // Each stage ends at a barrier; false: another thread raised, leave the region.
+      const auto stage_done = [&] { return barrier.wait(); };
+      bool is_running = true;
+      if (thread == 0)
+        normed = kernels.rms_norm.call(at::embedding(plan.embedding, step.input_ids), plan.weights[0], plan.eps,
+                                       plan.reduction_lanes);
+      for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
+        const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
+        const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
+        if (thread == 0) {
+          if (layer == 0)
+            residual = at::embedding(plan.embedding, step.input_ids);
+          else
+            std::tie(normed, residual) =
+                kernels.add_rms_norm.call(states, residual, w[0], plan.eps, plan.reduction_lanes);
+        }
+        if (!stage_done()) break;
+        packed_linear_share(normed, w[1], layer_biases[0], output_sizes[0], qkv, thread, num_threads);
+        if (!stage_done()) break;
+        if (thread == 0) {
+          at::Tensor query, key;
+          std::tie(query, key) =
+              kernels.rotary_embedding.call(step.positions, parts[0], parts[1], plan.cos_sin_cache, head_dim);
+          at::Tensor kv_cache = plan.kv_caches[layer];
+          kernels.reshape_and_cache.call(key.view({num_tokens, num_kv_heads, head_dim}), value, kv_cache,
+                                         step.slot_mapping);
+          attention = std::make_unique<pagedserve_native::DecodeAttentionCall>(
+              query.view({num_tokens, num_heads, head_dim}), kv_cache, step.block_table, step.seq_lens, plan.scale,
+              sliding_window(plan, layer), plan.partition_size, attended);
+        }
+        if (!stage_done()) break;
+        {
+          const auto [begin, end] = thread_share(attention->num_items(), thread, num_threads);
+          attention->run_items(begin, end);
+        }
+        if (!stage_done()) break;
+        if (attention->num_merges() > 0) {
+          const auto [begin, end] = thread_share(attention->num_merges(), thread, num_threads);
+          attention->merge(begin, end);
+          if (!stage_done()) break;
+        }
+        packed_linear_share(attended_rows, w[2], layer_biases[1], output_sizes[1], projected, thread, num_threads);
+        if (!stage_done()) break;
+        if (thread == 0)
+          std::tie(normed, residual) =
+              kernels.add_rms_norm.call(projected, residual, w[3], plan.eps, plan.reduction_lanes);
+        if (!stage_done()) break;
+        packed_linear_share(normed, w[4], layer_biases[2], output_sizes[2], gate_up, thread, num_threads);
+        if (!stage_done()) break;
+        if (thread == 0) activated = kernels.silu_and_mul.call(gate_up);
+        if (!stage_done()) break;
+        packed_linear_share(activated, w[5], layer_biases[3], output_sizes[3], states, thread, num_threads);
+        is_running = stage_done();
+      }
+      if (is_running && thread == 0)
+        out = std::get<0>(kernels.add_rms_norm.call(states, residual, plan.final_norm, plan.eps, plan.reduction_lanes));
+    } catch (...) {
+      {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+      barrier.abort();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  return out;
+}
+
 at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
                               const at::Tensor& positions, const at::Tensor& block_table, const at::Tensor& seq_lens,
                               const at::Tensor& slot_mapping, int64_t max_positions) {
-  const int64_t num_layers = static_cast<int64_t>(plan->kv_caches.size());
-  const std::vector<int64_t>& output_sizes = plan->output_sizes;
-  const std::vector<int64_t>& sliding_windows = plan->sliding_windows;
-  const int64_t num_heads = plan->num_heads, num_kv_heads = plan->num_kv_heads, head_dim = plan->head_dim;
-  const double eps = plan->eps, scale = plan->scale;
-  const int64_t linear_kind = plan->linear_kind, reduction_lanes = plan->reduction_lanes;
-  const at::Tensor& final_norm = plan->final_norm;
   const at::Tensor& cos_sin_cache = plan->cos_sin_cache;
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 && positions.dim() == 1 &&
                   positions.size(0) == input_ids.size(0) &&
@@ -195,45 +389,13 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
   const Kernels& kernels = Kernels::get();
   // The ops below need no autograd (inference): skip the autograd and view-tracking layers of each dispatch.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const int64_t num_tokens = input_ids.size(0);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
 
-  at::Tensor states = at::embedding(plan->embedding, input_ids), residual, normed;
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const at::Tensor* w = plan->weights.data() + layer * kWeightsPerLayer;
-    const OptionalTensor* layer_biases = plan->biases.data() + layer * kBiasesPerLayer;
-    // LlamaDecoderLayer.forward: the first layer's residual is the embeddings; later ones fuse the add.
-    if (layer == 0) {
-      residual = states;
-      normed = kernels.rms_norm.call(states, w[0], eps, reduction_lanes);
-    } else {
-      std::tie(normed, residual) = kernels.add_rms_norm.call(states, residual, w[0], eps, reduction_lanes);
-    }
-    // LlamaAttention.forward.
-    const at::Tensor qkv = linear(kernels, linear_kind, normed, w[1], layer_biases[0], output_sizes[0]);
-    const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
-    at::Tensor query, key;
-    std::tie(query, key) = kernels.rotary_embedding.call(positions, parts[0], parts[1], cos_sin_cache, head_dim);
-    // Attention.forward and CpuNativeAttentionBackend's decode-only path.
-    query = query.view({num_tokens, num_heads, head_dim});
-    key = key.view({num_tokens, num_kv_heads, head_dim});
-    const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
-    at::Tensor kv_cache = plan->kv_caches[layer];
-    kernels.reshape_and_cache.call(key, value, kv_cache, slot_mapping);
-    const std::optional<int64_t> window =
-        sliding_windows[layer] > 0 ? std::optional<int64_t>(sliding_windows[layer]) : std::nullopt;
-    const at::Tensor attended =
-        kernels.decode_attention.call(query, kv_cache, block_table, seq_lens, scale, window, plan->partition_size)
-            .reshape({num_tokens, q_size});
-    const at::Tensor projected = linear(kernels, linear_kind, attended, w[2], layer_biases[1], output_sizes[1]);
-    // The post-attention norm and LlamaMLP.
-    std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], eps, reduction_lanes);
-    const at::Tensor gate_up = linear(kernels, linear_kind, normed, w[4], layer_biases[2], output_sizes[2]);
-    states = linear(kernels, linear_kind, kernels.silu_and_mul.call(gate_up), w[5], layer_biases[3],
-                    output_sizes[3]);
+  const StepInputs step{input_ids, positions, block_table, seq_lens, slot_mapping};
+  if (plan->linear_kind == kAmxPacked && input_ids.size(0) <= plan->one_region_max_rows && !omp_in_parallel()) {
+    ++plan->num_one_region_steps;
+    return run_layers_in_one_region(*plan, kernels, step);
   }
-  return std::get<0>(kernels.add_rms_norm.call(states, residual, final_norm, eps, reduction_lanes));
+  return run_layers_op_by_op(*plan, kernels, step);
 }
 
 }  // namespace
@@ -242,7 +404,9 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.class_<DecodeStackPlan>("DecodeStackPlan")
       .def(torch::init<std::vector<at::Tensor>, c10::List<OptionalTensor>, std::vector<at::Tensor>, at::Tensor,
                        at::Tensor, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t,
-                       double, double, int64_t, int64_t, int64_t>());
+                       double, double, int64_t, int64_t, int64_t, int64_t>())
+      .def("num_one_region_steps",
+           [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; });
   // The plan's KV caches are written (the schema cannot say so of a class's tensors: eager use only, as the stack).
   m.def(
       "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
