@@ -41,7 +41,7 @@ SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_att
            "models/native/decode_stack.cpp", "sample/native/first_argmax.cpp")
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("attention/native/paged_decode_attention.h", "layers/native/amx_linear.h", "layers/native/amx_tiles.h",
-           "layers/native/bfloat16_rounding.h", "layers/native/bfloat16_silu_table.h",
+           "layers/native/bfloat16_rounding.h", "layers/native/bfloat16_silu_table.h", "layers/native/elementwise.h",
            "layers/native/exp_polynomial.h", "models/native/spin_barrier.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)

@@ -53,6 +53,7 @@
 
 #include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
+#include "elementwise.h"
 #include "exp_polynomial.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -648,7 +649,60 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// The row kernels for callers that drive rows themselves (elementwise.h).
+template <typename scalar_t>
+void rotate_token_heads(const float* cos_sin_row, float* rounded_row, const scalar_t* query, int64_t query_head_stride,
+                        int64_t num_query_heads, scalar_t* query_out, const scalar_t* key, int64_t key_head_stride,
+                        int64_t num_key_heads, scalar_t* key_out, int64_t head_dim) {
+  const float* cos = cos_sin_row;
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    round_row<scalar_t>(cos_sin_row, rounded_row, head_dim);
+    cos = rounded_row;
+  }
+  const int64_t half = head_dim / 2;
+  const float* sin = cos + half;
+  for (int64_t head = 0; head < num_query_heads; ++head)
+    rotate_head(query + head * query_head_stride, query_out + head * head_dim, cos, sin, half);
+  for (int64_t head = 0; head < num_key_heads; ++head)
+    rotate_head(key + head * key_head_stride, key_out + head * head_dim, cos, sin, half);
+}
+
+template <typename scalar_t>
+void silu_and_mul_row_of(const scalar_t* in, scalar_t* out, int64_t width) {
+  const uint16_t* silu_table = nullptr;
+#if defined(PAGEDSERVE_ELEMENTWISE_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) silu_table = pagedserve_native::bfloat16_silu_table();
+#endif
+  silu_and_mul_row(in, out, width, silu_table);
+}
+
 }  // namespace
+
+namespace pagedserve_native {
+
+#define PAGEDSERVE_ROW_KERNELS(scalar_t)                                                                           \
+  void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t size, float eps,             \
+                    int64_t reduction_lanes) {                                                                     \
+    normalize_row(x, weight, out, size, eps, reduction_lanes);                                                     \
+  }                                                                                                                \
+  void add_rms_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, scalar_t* out,         \
+                        scalar_t* summed, int64_t size, float eps, int64_t reduction_lanes) {                      \
+    add_row(x, residual, summed, size);                                                                            \
+    normalize_row(summed, weight, out, size, eps, reduction_lanes);                                                \
+  }                                                                                                                \
+  void rotate_token(const float* cos_sin_row, float* rounded_row, const scalar_t* query, int64_t query_head_stride, \
+                    int64_t num_query_heads, scalar_t* query_out, const scalar_t* key, int64_t key_head_stride,    \
+                    int64_t num_key_heads, scalar_t* key_out, int64_t head_dim) {                                  \
+    rotate_token_heads(cos_sin_row, rounded_row, query, query_head_stride, num_query_heads, query_out, key,        \
+                       key_head_stride, num_key_heads, key_out, head_dim);                                         \
+  }                                                                                                                \
+  void silu_and_mul_row(const scalar_t* in, scalar_t* out, int64_t width) { silu_and_mul_row_of(in, out, width); }
+
+PAGEDSERVE_ROW_KERNELS(float)
+PAGEDSERVE_ROW_KERNELS(c10::BFloat16)
+#undef PAGEDSERVE_ROW_KERNELS
+
+}  // namespace pagedserve_native
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("cpu_rms_norm(Tensor x, Tensor weight, float eps, int reduction_lanes) -> Tensor");

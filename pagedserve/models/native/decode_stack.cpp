@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -48,6 +49,7 @@
 
 #include "../../attention/native/paged_decode_attention.h"
 #include "../../layers/native/amx_linear.h"
+#include "../../layers/native/elementwise.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -150,6 +152,8 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // split.
   int64_t one_region_max_rows;
   int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
+  // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
+  bool is_one_region_capable = false;
 
   DecodeStackPlan(std::vector<at::Tensor> weights_, c10::List<OptionalTensor> biases_,
                   std::vector<at::Tensor> kv_caches_, at::Tensor embedding_, at::Tensor final_norm_,
@@ -186,6 +190,35 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     TORCH_CHECK(output_sizes.size() == 4, "DecodeStackPlan: 4 output sizes (qkv, o, gate_up, down) expected");
     TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "DecodeStackPlan: linear_kind=",
                 linear_kind, " must be 0, 1, 2, 3 or 4");
+    is_one_region_capable = one_region_capable();
+  }
+
+  // Tile-packed weights, and bfloat16 embedding, norms and KV caches laid out as run_layers_in_one_region reads them
+  // (the op-by-op path checks the same through its ops at every call).
+  bool one_region_capable() const {
+    const auto is_bfloat16 = [](const at::Tensor& tensor) {
+      return tensor.scalar_type() == at::kBFloat16 && tensor.is_contiguous() && tensor.device().is_cpu();
+    };
+    if (linear_kind != kAmxPacked || !is_bfloat16(embedding) || embedding.dim() != 2 || head_dim % 2 != 0) return false;
+    const int64_t hidden = embedding.size(1);
+    if (output_sizes[0] != (num_heads + 2 * num_kv_heads) * head_dim || output_sizes[1] != hidden ||
+        output_sizes[2] % 2 != 0 || output_sizes[3] != hidden)
+      return false;
+    if (!is_bfloat16(final_norm) || final_norm.numel() != hidden) return false;
+    if (cos_sin_cache.scalar_type() != at::kFloat || !cos_sin_cache.is_contiguous() || cos_sin_cache.dim() != 2 ||
+        cos_sin_cache.size(1) != head_dim)
+      return false;
+    for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+      const at::Tensor& cache = kv_caches[layer];
+      if (!is_bfloat16(cache) || cache.dim() != 5 || cache.size(0) != 2 || cache.size(3) != num_kv_heads ||
+          cache.size(4) != head_dim || cache.sizes() != kv_caches[0].sizes())
+        return false;
+      for (const int64_t norm : {int64_t{0}, int64_t{3}}) {
+        const at::Tensor& weight = weights[layer * kWeightsPerLayer + norm];
+        if (!is_bfloat16(weight) || weight.numel() != hidden) return false;
+      }
+    }
+    return true;
   }
 };
 
@@ -265,34 +298,82 @@ void packed_linear_share(const at::Tensor& x, const at::Tensor& weight, const Op
   call.run_units(begin, end);
 }
 
-// The layers in one parallel region (tile-packed bfloat16 weights, up to the plan's one_region_max_rows rows): the
-// same kernels on the same arguments as run_layers_op_by_op, so the same bits, but the threads meet at a SpinBarrier
-// between the stages instead of starting and joining a team for each op (a batch-1 step of SmolLM2-135M started
-// ~150). The products and the attention items are split between the threads as their ops split them; the few-row
-// stages between them (norms, RoPE, the K/V write, SiLU) run on thread 0 through the dispatcher (their own
-// at::parallel_for runs inline inside a region) while the others wait. Batch-1 decode on the Zen 4 VM, alternating
-// with op by op in one process: 1.059x (median of six rounds, 1.016-1.081).
-at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const Kernels& kernels, const StepInputs& step) {
+// The layers in one parallel region (bfloat16, tile-packed weights, up to the plan's one_region_max_rows rows): the
+// same arithmetic as run_layers_op_by_op, so the same bits, with two differences in how it is driven.
+// - The threads meet at a SpinBarrier between the stages instead of starting and joining a team for each op (a
+//   batch-1 step of SmolLM2-135M started ~150). The products and the attention items are split between the
+//   threads as their ops split them (AmxLinearCall, DecodeAttentionCall).
+// - The few-row stages between them (norms, RoPE, the K/V write, SiLU) run on thread 0 while the others wait, on
+//   the ops' row kernels (elementwise.h) over buffers made before the region: no tensor is made and no op
+//   dispatched inside it. The embedding row and the K/V rows are copied as at::embedding and reshape_and_cache
+//   copy them (same dtype: the bytes).
+// Batch-1 decode on the Zen 4 VM, alternating with op by op in one process: 1.059x (median of six rounds,
+// 1.016-1.081) with the stages still dispatched as ops.
+at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
+  using pagedserve_native::AmxLinearCall;
+  using pagedserve_native::DecodeAttentionCall;
+  using scalar_t = c10::BFloat16;
   const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
   const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
   const int64_t num_tokens = step.input_ids.size(0);
+  const int64_t hidden = plan.embedding.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
   const std::vector<int64_t>& output_sizes = plan.output_sizes;
+  const int64_t qkv_size = output_sizes[0], gate_up_size = output_sizes[2], inter = gate_up_size / 2;
+  const float eps = static_cast<float>(plan.eps);
+  const int64_t lanes = plan.reduction_lanes;
   const at::TensorOptions options = plan.embedding.options();
-  // The products' outputs, reused by every layer: each is read by the next stage before the next layer writes it.
-  const at::Tensor qkv = at::empty({num_tokens, output_sizes[0]}, options);
+
+  // Checked here, before any thread starts: what the ops would raise inside the region.
+  const int64_t* ids = step.input_ids.data_ptr<int64_t>();
+  const int64_t vocab_size = plan.embedding.size(0);
+  for (int64_t row = 0; row < num_tokens; ++row)
+    TORCH_CHECK_INDEX(ids[row] >= 0 && ids[row] < vocab_size, "index ", ids[row], " is out of range in self (",
+                      vocab_size, " embeddings)");
+  const at::Tensor& first_cache = plan.kv_caches[0];
+  const int64_t num_slots = first_cache.size(1) * first_cache.size(2);
+  const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = step.slot_mapping.stride(0);
+  for (int64_t row = 0; row < num_tokens; ++row)
+    TORCH_CHECK(slots[row * slot_stride] < num_slots, "reshape_and_cache: slot_mapping[", row, "]=",
+                slots[row * slot_stride], " is out of range [0, ", num_slots, ")");
+
+  // Every stage's output, each read by the next stages before the next layer writes it again.
+  const at::Tensor residual = at::empty({num_tokens, hidden}, options);
+  const at::Tensor normed = at::empty({num_tokens, hidden}, options);
+  const at::Tensor qkv = at::empty({num_tokens, qkv_size}, options);
+  const at::Tensor query = at::empty({num_tokens, num_heads, head_dim}, options);
+  const at::Tensor key = at::empty({num_tokens, num_kv_heads, head_dim}, options);
   const at::Tensor attended = at::empty({num_tokens, num_heads, head_dim}, options);
   const at::Tensor attended_rows = attended.view({num_tokens, q_size});
   const at::Tensor projected = at::empty({num_tokens, output_sizes[1]}, options);
-  const at::Tensor gate_up = at::empty({num_tokens, output_sizes[2]}, options);
+  const at::Tensor gate_up = at::empty({num_tokens, gate_up_size}, options);
+  const at::Tensor activated = at::empty({num_tokens, inter}, options);
   const at::Tensor states = at::empty({num_tokens, output_sizes[3]}, options);
-  const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
-  const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
+  const at::Tensor out = at::empty({num_tokens, hidden}, options);
+  std::vector<float> rounded_row(head_dim);
+  std::vector<std::unique_ptr<DecodeAttentionCall>> attention(num_layers);
+  for (int64_t layer = 0; layer < num_layers; ++layer)
+    attention[layer] = std::make_unique<DecodeAttentionCall>(query, plan.kv_caches[layer], step.block_table,
+                                                             step.seq_lens, plan.scale, sliding_window(plan, layer),
+                                                             plan.partition_size, attended);
 
-  // Written by thread 0 between two barriers, read by every thread after the second.
-  at::Tensor residual, normed, activated, out;
-  std::unique_ptr<pagedserve_native::DecodeAttentionCall> attention;
+  const auto data = [](const at::Tensor& tensor) { return tensor.data_ptr<scalar_t>(); };
+  scalar_t* const residual_data = data(residual);
+  scalar_t* const normed_data = data(normed);
+  scalar_t* const qkv_data = data(qkv);
+  scalar_t* const query_data = data(query);
+  scalar_t* const key_data = data(key);
+  scalar_t* const projected_data = data(projected);
+  scalar_t* const gate_up_data = data(gate_up);
+  scalar_t* const activated_data = data(activated);
+  scalar_t* const states_data = data(states);
+  const scalar_t* const embedding_data = data(plan.embedding);
+  const float* const cos_sin_data = plan.cos_sin_cache.data_ptr<float>();
+  const int64_t* const positions = step.positions.data_ptr<int64_t>();
+  const int64_t cache_token_elements = kv_size;  // one slot of one plane
+  const int64_t value_plane = num_slots * cache_token_elements;
+
   pagedserve_native::SpinBarrier barrier;
   std::exception_ptr error;
   std::mutex error_mutex;
@@ -302,63 +383,87 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const Kernels& 
   {
     const int64_t thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
     barrier.set_num_threads(static_cast<int>(num_threads));
+    // Thread `thread`'s share of one product.
+    const auto product = [&](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
+                             const at::Tensor& y) {
+      const AmxLinearCall call(x, weight, bias, n, "auto", y);
+      const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+      call.run_units(begin, end);
+    };
     try {
-      // Each stage ends at a barrier; false: another thread raised, leave the region.
-      const auto stage_done = [&] { return barrier.wait(); };
       bool is_running = true;
-      if (thread == 0)
-        normed = kernels.rms_norm.call(at::embedding(plan.embedding, step.input_ids), plan.weights[0], plan.eps,
-                                       plan.reduction_lanes);
+      // Each stage ends at a barrier; false: another thread raised, leave the region.
+      const auto stage_done = [&] { return is_running = barrier.wait(); };
+      if (thread == 0) {
+        // LlamaDecoderLayer.forward of layer 0: the residual is the embedding.
+        for (int64_t row = 0; row < num_tokens; ++row) {
+          std::memcpy(residual_data + row * hidden, embedding_data + ids[row] * hidden, hidden * sizeof(scalar_t));
+          pagedserve_native::rms_norm_row(residual_data + row * hidden, data(plan.weights[0]),
+                                          normed_data + row * hidden, hidden, eps, lanes);
+        }
+      }
       for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
         const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
         const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
-        if (thread == 0) {
-          if (layer == 0)
-            residual = at::embedding(plan.embedding, step.input_ids);
-          else
-            std::tie(normed, residual) =
-                kernels.add_rms_norm.call(states, residual, w[0], plan.eps, plan.reduction_lanes);
-        }
+        if (thread == 0 && layer > 0)
+          for (int64_t row = 0; row < num_tokens; ++row)
+            pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden, data(w[0]),
+                                                normed_data + row * hidden, residual_data + row * hidden, hidden,
+                                                eps, lanes);
         if (!stage_done()) break;
-        packed_linear_share(normed, w[1], layer_biases[0], output_sizes[0], qkv, thread, num_threads);
+        product(normed, w[1], layer_biases[0], qkv_size, qkv);
         if (!stage_done()) break;
         if (thread == 0) {
-          at::Tensor query, key;
-          std::tie(query, key) =
-              kernels.rotary_embedding.call(step.positions, parts[0], parts[1], plan.cos_sin_cache, head_dim);
-          at::Tensor kv_cache = plan.kv_caches[layer];
-          kernels.reshape_and_cache.call(key.view({num_tokens, num_kv_heads, head_dim}), value, kv_cache,
-                                         step.slot_mapping);
-          attention = std::make_unique<pagedserve_native::DecodeAttentionCall>(
-              query.view({num_tokens, num_heads, head_dim}), kv_cache, step.block_table, step.seq_lens, plan.scale,
-              sliding_window(plan, layer), plan.partition_size, attended);
+          // RoPE on q and k, then the K/V write into the layer's cache.
+          scalar_t* const cache = data(plan.kv_caches[layer]);
+          for (int64_t row = 0; row < num_tokens; ++row) {
+            const scalar_t* const qkv_row = qkv_data + row * qkv_size;
+            scalar_t* const key_row = key_data + row * kv_size;
+            pagedserve_native::rotate_token(cos_sin_data + positions[row] * head_dim, rounded_row.data(), qkv_row,
+                                            head_dim, num_heads, query_data + row * q_size, qkv_row + q_size,
+                                            head_dim, num_kv_heads, key_row, head_dim);
+            const int64_t slot = slots[row * slot_stride];
+            if (slot < 0) continue;  // padding
+            scalar_t* const key_slot = cache + slot * cache_token_elements;
+            std::memcpy(key_slot, key_row, kv_size * sizeof(scalar_t));
+            std::memcpy(key_slot + value_plane, qkv_row + q_size + kv_size, kv_size * sizeof(scalar_t));
+          }
         }
         if (!stage_done()) break;
+        const DecodeAttentionCall& layer_attention = *attention[layer];
         {
-          const auto [begin, end] = thread_share(attention->num_items(), thread, num_threads);
-          attention->run_items(begin, end);
+          const auto [begin, end] = thread_share(layer_attention.num_items(), thread, num_threads);
+          layer_attention.run_items(begin, end);
         }
         if (!stage_done()) break;
-        if (attention->num_merges() > 0) {
-          const auto [begin, end] = thread_share(attention->num_merges(), thread, num_threads);
-          attention->merge(begin, end);
+        if (layer_attention.num_merges() > 0) {
+          const auto [begin, end] = thread_share(layer_attention.num_merges(), thread, num_threads);
+          layer_attention.merge(begin, end);
           if (!stage_done()) break;
         }
-        packed_linear_share(attended_rows, w[2], layer_biases[1], output_sizes[1], projected, thread, num_threads);
+        product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected);
         if (!stage_done()) break;
         if (thread == 0)
-          std::tie(normed, residual) =
-              kernels.add_rms_norm.call(projected, residual, w[3], plan.eps, plan.reduction_lanes);
+          for (int64_t row = 0; row < num_tokens; ++row)
+            pagedserve_native::add_rms_norm_row(projected_data + row * hidden, residual_data + row * hidden,
+                                                data(w[3]), normed_data + row * hidden, residual_data + row * hidden,
+                                                hidden, eps, lanes);
         if (!stage_done()) break;
-        packed_linear_share(normed, w[4], layer_biases[2], output_sizes[2], gate_up, thread, num_threads);
+        product(normed, w[4], layer_biases[2], gate_up_size, gate_up);
         if (!stage_done()) break;
-        if (thread == 0) activated = kernels.silu_and_mul.call(gate_up);
+        if (thread == 0)
+          for (int64_t row = 0; row < num_tokens; ++row)
+            pagedserve_native::silu_and_mul_row(gate_up_data + row * gate_up_size, activated_data + row * inter,
+                                                inter);
         if (!stage_done()) break;
-        packed_linear_share(activated, w[5], layer_biases[3], output_sizes[3], states, thread, num_threads);
-        is_running = stage_done();
+        product(activated, w[5], layer_biases[3], output_sizes[3], states);
+        stage_done();
       }
       if (is_running && thread == 0)
-        out = std::get<0>(kernels.add_rms_norm.call(states, residual, plan.final_norm, plan.eps, plan.reduction_lanes));
+        for (int64_t row = 0; row < num_tokens; ++row)
+          pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden,
+                                              data(plan.final_norm), data(out) + row * hidden,
+                                              residual_data + row * hidden, hidden, eps, lanes);
     } catch (...) {
       {
         const std::lock_guard<std::mutex> lock(error_mutex);
@@ -391,9 +496,13 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
   const StepInputs step{input_ids, positions, block_table, seq_lens, slot_mapping};
-  if (plan->linear_kind == kAmxPacked && input_ids.size(0) <= plan->one_region_max_rows && !omp_in_parallel()) {
+  const bool is_one_region = plan->is_one_region_capable && input_ids.size(0) <= plan->one_region_max_rows &&
+                             input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
+                             slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                             slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
+  if (is_one_region) {
     ++plan->num_one_region_steps;
-    return run_layers_in_one_region(*plan, kernels, step);
+    return run_layers_in_one_region(*plan, step);
   }
   return run_layers_op_by_op(*plan, kernels, step);
 }
