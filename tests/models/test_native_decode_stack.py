@@ -336,8 +336,9 @@ def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
 @pytest.mark.parametrize("num_prompts", [1, 2, 5])
 def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch, num_prompts: int) -> None:
     """Steps of up to ONE_REGION_MAX_ROWS rows on tile-packed weights run the layers in one parallel region; their
-    tokens and logprobs are bitwise those of the same stack op by op and of the modules. The prompts reach past
-    the 256-token attention partition during decode, so the region also merges partitions; 5 rows stay op by op."""
+    tokens and logprobs are bitwise those of the same stack op by op (ONE_REGION_MAX_ROWS = 0) and of the modules,
+    with one row (thread 1 has no row of its own) and more. The prompts reach past the 256-token attention
+    partition during decode, so the region also merges partitions."""
     import pagedserve.models.native_decode_stack as stack_module
 
     folder = tiny_model_dir("llama")
@@ -357,23 +358,29 @@ def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch,
 
 
 @pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
-def test_one_region_raises_and_leaves_no_thread_waiting(tiny_model_dir) -> None:
-    """An error inside the region (a block id beyond the cache, met by whichever thread attends that item; a slot
-    beyond the cache, met on thread 0) is raised to the caller, and the next call runs normally."""
+@pytest.mark.parametrize("bad_request", [0, 1])
+@pytest.mark.timeout(120, method="thread")  # a thread left at the barrier hangs the call: exit, not wait
+def test_one_region_raises_and_leaves_no_thread_waiting(tiny_model_dir, bad_request: int) -> None:
+    """An error inside the region is raised to the caller and the next call runs normally: a block id beyond the
+    cache in one of two requests (with two threads, one thread attends each request's items and raises while the
+    other waits at the barrier). A slot beyond the cache is refused before the region starts."""
     llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
     reference = _generate(llm, [[5, 6, 7, 8]])
     forward = _forward(llm)
     native = forward.plan.native
     num_blocks = forward.plan.attention_layers[0].kv_cache.shape[1]
-    input_ids = torch.tensor([11], dtype=torch.long)
-    positions = torch.tensor([4], dtype=torch.long)
-    seq_lens = torch.tensor([5], dtype=torch.int32)
-    slot_mapping = torch.tensor([4], dtype=torch.long)
-    bad_table = torch.tensor([[num_blocks + 3, 0]], dtype=torch.int32)
+    input_ids = torch.tensor([11, 12], dtype=torch.long)
+    positions = torch.tensor([4, 4], dtype=torch.long)
+    seq_lens = torch.tensor([5, 5], dtype=torch.int32)
+    slot_mapping = torch.tensor([4, 20], dtype=torch.long)
+    bad_table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    bad_table[bad_request, 0] = num_blocks + 3
+    steps_before = native.num_one_region_steps()
     with pytest.raises(RuntimeError, match=rf"block id {num_blocks + 3} out of range"):
         forward.op(native, input_ids, positions, bad_table, seq_lens, slot_mapping, 256)
-    good_table = torch.tensor([[0, 1]], dtype=torch.int32)
-    bad_slots = torch.tensor([num_blocks * 16 + 1], dtype=torch.long)
-    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\]=.* is out of range"):
+    assert native.num_one_region_steps() == steps_before + 1
+    good_table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    bad_slots = torch.tensor([4, num_blocks * 16 + 1], dtype=torch.long)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\]=.* is out of range"):
         forward.op(native, input_ids, positions, good_table, seq_lens, bad_slots, 256)
     assert _generate(llm, [[5, 6, 7, 8]]) == reference

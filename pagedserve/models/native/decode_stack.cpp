@@ -303,12 +303,12 @@ void packed_linear_share(const at::Tensor& x, const at::Tensor& weight, const Op
 // - The threads meet at a SpinBarrier between the stages instead of starting and joining a team for each op (a
 //   batch-1 step of SmolLM2-135M started ~150). The products and the attention items are split between the
 //   threads as their ops split them (AmxLinearCall, DecodeAttentionCall).
-// - The few-row stages between them (norms, RoPE, the K/V write, SiLU) run on thread 0 while the others wait, on
-//   the ops' row kernels (elementwise.h) over buffers made before the region: no tensor is made and no op
-//   dispatched inside it. The embedding row and the K/V rows are copied as at::embedding and reshape_and_cache
-//   copy them (same dtype: the bytes).
-// Batch-1 decode on the Zen 4 VM, alternating with op by op in one process: 1.059x (median of six rounds,
-// 1.016-1.081) with the stages still dispatched as ops.
+// - The row stages between them (norms, RoPE with the K/V write, SiLU) run on the ops' row kernels (elementwise.h)
+//   over buffers made before the region, each row on one thread as in the ops: no tensor is made and no op
+//   dispatched inside the region. The embedding row and the K/V rows are copied as at::embedding and
+//   reshape_and_cache copy them (same dtype: the bytes).
+// Batch-1 decode on the Zen 4 VM, alternating with op by op in one process (median of six rounds): 1.059x with the
+// row stages still dispatched as ops on thread 0, 1.094x with the row kernels.
 at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
   using pagedserve_native::AmxLinearCall;
   using pagedserve_native::DecodeAttentionCall;
@@ -351,7 +351,6 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   const at::Tensor activated = at::empty({num_tokens, inter}, options);
   const at::Tensor states = at::empty({num_tokens, output_sizes[3]}, options);
   const at::Tensor out = at::empty({num_tokens, hidden}, options);
-  std::vector<float> rounded_row(head_dim);
   std::vector<std::unique_ptr<DecodeAttentionCall>> attention(num_layers);
   for (int64_t layer = 0; layer < num_layers; ++layer)
     attention[layer] = std::make_unique<DecodeAttentionCall>(query, plan.kv_caches[layer], step.block_table,
@@ -390,33 +389,34 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
       const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
       call.run_units(begin, end);
     };
+    // This thread's rows of the few-row stages (each row is one thread's, as in the ops).
+    const auto [first_row, end_row] = thread_share(num_tokens, thread, num_threads);
+    std::vector<float> rounded_row(head_dim);  // RoPE's cos/sin row in the dtype
     try {
       bool is_running = true;
       // Each stage ends at a barrier; false: another thread raised, leave the region.
       const auto stage_done = [&] { return is_running = barrier.wait(); };
-      if (thread == 0) {
-        // LlamaDecoderLayer.forward of layer 0: the residual is the embedding.
-        for (int64_t row = 0; row < num_tokens; ++row) {
-          std::memcpy(residual_data + row * hidden, embedding_data + ids[row] * hidden, hidden * sizeof(scalar_t));
-          pagedserve_native::rms_norm_row(residual_data + row * hidden, data(plan.weights[0]),
-                                          normed_data + row * hidden, hidden, eps, lanes);
-        }
+      // LlamaDecoderLayer.forward of layer 0: the residual is the embedding.
+      for (int64_t row = first_row; row < end_row; ++row) {
+        std::memcpy(residual_data + row * hidden, embedding_data + ids[row] * hidden, hidden * sizeof(scalar_t));
+        pagedserve_native::rms_norm_row(residual_data + row * hidden, data(plan.weights[0]), normed_data + row * hidden,
+                                        hidden, eps, lanes);
       }
       for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
         const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
         const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
-        if (thread == 0 && layer > 0)
-          for (int64_t row = 0; row < num_tokens; ++row)
+        if (layer > 0)
+          for (int64_t row = first_row; row < end_row; ++row)
             pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden, data(w[0]),
                                                 normed_data + row * hidden, residual_data + row * hidden, hidden,
                                                 eps, lanes);
         if (!stage_done()) break;
         product(normed, w[1], layer_biases[0], qkv_size, qkv);
         if (!stage_done()) break;
-        if (thread == 0) {
+        {
           // RoPE on q and k, then the K/V write into the layer's cache.
           scalar_t* const cache = data(plan.kv_caches[layer]);
-          for (int64_t row = 0; row < num_tokens; ++row) {
+          for (int64_t row = first_row; row < end_row; ++row) {
             const scalar_t* const qkv_row = qkv_data + row * qkv_size;
             scalar_t* const key_row = key_data + row * kv_size;
             pagedserve_native::rotate_token(cos_sin_data + positions[row] * head_dim, rounded_row.data(), qkv_row,
@@ -443,24 +443,21 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
         }
         product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected);
         if (!stage_done()) break;
-        if (thread == 0)
-          for (int64_t row = 0; row < num_tokens; ++row)
-            pagedserve_native::add_rms_norm_row(projected_data + row * hidden, residual_data + row * hidden,
-                                                data(w[3]), normed_data + row * hidden, residual_data + row * hidden,
-                                                hidden, eps, lanes);
+        for (int64_t row = first_row; row < end_row; ++row)
+          pagedserve_native::add_rms_norm_row(projected_data + row * hidden, residual_data + row * hidden, data(w[3]),
+                                              normed_data + row * hidden, residual_data + row * hidden, hidden, eps,
+                                              lanes);
         if (!stage_done()) break;
         product(normed, w[4], layer_biases[2], gate_up_size, gate_up);
         if (!stage_done()) break;
-        if (thread == 0)
-          for (int64_t row = 0; row < num_tokens; ++row)
-            pagedserve_native::silu_and_mul_row(gate_up_data + row * gate_up_size, activated_data + row * inter,
-                                                inter);
+        for (int64_t row = first_row; row < end_row; ++row)
+          pagedserve_native::silu_and_mul_row(gate_up_data + row * gate_up_size, activated_data + row * inter, inter);
         if (!stage_done()) break;
         product(activated, w[5], layer_biases[3], output_sizes[3], states);
         stage_done();
       }
-      if (is_running && thread == 0)
-        for (int64_t row = 0; row < num_tokens; ++row)
+      if (is_running)
+        for (int64_t row = first_row; row < end_row; ++row)
           pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden,
                                               data(plan.final_norm), data(out) + row * hidden,
                                               residual_data + row * hidden, hidden, eps, lanes);
