@@ -59,10 +59,11 @@ LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMet
                                  OneDnnPrepackedLinearMethod: 3}
 # Kind 1 off Intel: up to 128 rows on the kernel, oneDNN's GEMM above (small_batch_linear.large_batches_on_onednn).
 SMALL_BATCH_ONEDNN_KIND = 4
-# Decode steps of up to this many rows on tile-packed weights run the layers in one parallel region
-# (decode_stack.cpp run_layers_in_one_region): a decode batch of up to 256 rows keeps its x in L2 in every product
-# (amx_linear.cpp). On the Zen 4 VM, alternating with op by op in one process: 1.094x at 1 row, 1.084x at 2, 1.039x
-# at 16, 1.047x at 64. Larger steps, and the other linear kinds, run op by op.
+# Decode steps of up to this many rows run the layers in one parallel region (decode_stack.cpp
+# run_layers_in_one_region) on tile-packed bfloat16 weights, and on float32 weights while small_batch_linear takes
+# the rows (16 on Intel, 128 elsewhere): a decode batch of up to 256 rows keeps its x in L2 in every amx_linear
+# product. On the Zen 4 VM, alternating with op by op in one process: bfloat16 1.094x at 1 row, 1.084x at 2, 1.039x
+# at 16, 1.047x at 64; float32 1.038x at 1 row, 1.017x at 64. Larger steps, and the other linear kinds, run op by op.
 ONE_REGION_MAX_ROWS = 256
 # The kinds whose method computes with packed_weight_of(layer).
 _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])

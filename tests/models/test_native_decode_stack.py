@@ -20,6 +20,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.attention.cpu_native_extension import is_native_extension_available
 from pagedserve.config.engine import EngineConfig
 from pagedserve.layers.amx_linear import amx_linear_available
+from pagedserve.layers.small_batch_linear import small_batch_linear_available
 from pagedserve.models.native_decode_stack import NativeDecodeForward, native_decode_stack_plan
 
 pytestmark = pytest.mark.skipif(not is_native_extension_available(),
@@ -332,18 +333,28 @@ def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
     assert forward.plan is not old_plan and forward.plan.native is not None
     assert all(cache.abs().sum() > 0 for cache in new_caches)  # the stack and the modules wrote the new caches
 
-@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+REGION_LAYOUTS = [
+    # (dtype, weight_layout, linear_kind): the kinds whose steps run in one region
+    pytest.param("bfloat16", "amx_packed", 2, marks=pytest.mark.skipif(
+        not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")),
+    pytest.param("float32", "plain_native", None, marks=pytest.mark.skipif(
+        not small_batch_linear_available(), reason="needs AVX-512 (the small-batch float32 kernel)")),
+]
+
+
+@pytest.mark.parametrize("dtype,weight_layout,linear_kind", REGION_LAYOUTS)
 @pytest.mark.parametrize("num_prompts", [1, 2, 5])
-def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch, num_prompts: int) -> None:
-    """Steps of up to ONE_REGION_MAX_ROWS rows on tile-packed weights run the layers in one parallel region; their
-    tokens and logprobs are bitwise those of the same stack op by op (ONE_REGION_MAX_ROWS = 0) and of the modules,
-    with one row (thread 1 has no row of its own) and more. The prompts reach past the 256-token attention
-    partition during decode, so the region also merges partitions."""
+def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch, num_prompts: int, dtype: str,
+                                                     weight_layout: str, linear_kind: int | None) -> None:
+    """Steps of up to ONE_REGION_MAX_ROWS rows on tile-packed bfloat16 or small-batch float32 weights run the layers
+    in one parallel region; their tokens and logprobs are bitwise those of the same stack op by op
+    (ONE_REGION_MAX_ROWS = 0) and of the modules, with one row (thread 1 has no row of its own) and more. The
+    prompts reach past the 256-token attention partition during decode, so the region also merges partitions."""
     import pagedserve.models.native_decode_stack as stack_module
 
     folder = tiny_model_dir("llama")
     prompts = random_prompts(num_prompts, 230, 250, seed=num_prompts)
-    options = dict(dtype="bfloat16", weight_layout="amx_packed", max_model_len=512, num_kv_blocks=40 * num_prompts)
+    options = dict(dtype=dtype, weight_layout=weight_layout, max_model_len=512, num_kv_blocks=40 * num_prompts)
     results = []
     for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
         monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
@@ -351,7 +362,8 @@ def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch,
         results.append(_generate(llm, prompts))
         if enabled:
             forward = _forward(llm)
-            assert forward.plan.linear_kind == 2 and forward.num_stack_steps == NUM_STEPS - 1
+            assert forward.plan.linear_kind in ((1, 4) if linear_kind is None else (linear_kind,))
+            assert forward.num_stack_steps == NUM_STEPS - 1
             in_region = forward.plan.native.num_one_region_steps()
             assert in_region == (NUM_STEPS - 1 if 0 < num_prompts <= one_region_max_rows else 0)
     assert results[0] == results[1] == results[2]

@@ -37,6 +37,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "small_batch_linear.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGEDSERVE_SMALL_BATCH_LINEAR 1
@@ -200,7 +202,25 @@ static_assert(kMaxStreams == 6, "stream_rows dispatches up to 6 streams");
 
 #endif  // PAGEDSERVE_SMALL_BATCH_LINEAR
 
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// Weight bytes per parallel task: at least ~64 KiB, so a thread streams long contiguous ranges.
+int64_t grain_units(int64_t k) { return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, kRows * k * 4)); }
+
+}  // namespace
+
+namespace pagedserve_native {
+
+struct SmallBatchLinearCall::State {
+  at::Tensor bias;
+  const float* x = nullptr;
+  const float* weight = nullptr;
+  const float* bias_data = nullptr;
+  float* y = nullptr;
+  int64_t m = 0, n = 0, k = 0, x_stride = 0;
+};
+
+SmallBatchLinearCall::SmallBatchLinearCall(const at::Tensor& x, const at::Tensor& weight,
+                                           const c10::optional<at::Tensor>& bias, at::Tensor y)
+    : state_(std::make_unique<State>()) {
 #if defined(PAGEDSERVE_SMALL_BATCH_LINEAR)
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_batch_linear: x [M, K] and weight [N, K] expected, got ",
               x.sizes(), " and ", weight.sizes());
@@ -211,45 +231,72 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK(x.size(0) <= kMaxInputs, "small_batch_linear: M=", x.size(0), " exceeds ", kMaxInputs);
   TORCH_CHECK(weight.is_contiguous() && x.stride(1) == 1, "small_batch_linear: contiguous weight rows and x rows "
               "expected");
-  const int64_t m = x.size(0), n = weight.size(0), k = x.size(1);
-  const float* bias_data = nullptr;
-  at::Tensor bias_contiguous;
+  State& s = *state_;
+  s.m = x.size(0);
+  s.n = weight.size(0);
+  s.k = x.size(1);
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat,
-                "small_batch_linear: a float32 bias of ", n, " values expected");
-    bias_contiguous = bias->contiguous();
-    bias_data = bias_contiguous.data_ptr<float>();
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.n && bias->scalar_type() == at::kFloat,
+                "small_batch_linear: a float32 bias of ", s.n, " values expected");
+    s.bias = bias->contiguous();
+    s.bias_data = s.bias.data_ptr<float>();
   }
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const float* x_data = x.data_ptr<float>();
-  const float* w_data = weight.data_ptr<float>();
-  float* y_data = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0);
-  // Measured best from four rows on (up to three stream without software prefetch, above).
-  const int64_t prefetch_bytes = 8192;
-  const int64_t num_full_blocks = n / kRows;
-  // At least ~64 KiB of weight per task, so a thread streams long contiguous ranges.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, kRows * k * 4));
-  if (m <= kMaxStreamInputs) {
-    at::parallel_for(0, n, grain * kRows, [&](int64_t begin, int64_t end) {
-      if (m == 1) stream_rows<1>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
-      else if (m == 2) stream_rows<2>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
-      else stream_rows<3>(x_data, x_stride, w_data, k, bias_data, y_data, n, begin, end);
-    });
-    return y;
-  }
-  at::parallel_for(0, num_full_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block)
-      gemm_rows<kRows>(x_data, x_stride, m, w_data, k, bias_data, y_data, n, block * kRows, prefetch_bytes);
-  });
-  for (int64_t row = num_full_blocks * kRows; row < n; ++row)  // the last < kRows columns
-    gemm_rows<1>(x_data, x_stride, m, w_data, k, bias_data, y_data, n, row, 0);
-  return y;
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.sizes() == at::IntArrayRef({s.m, s.n}),
+              "small_batch_linear: the output must be a contiguous float32 [", s.m, ", ", s.n, "] tensor");
+  s.x = x.data_ptr<float>();
+  s.x_stride = x.stride(0);
+  s.weight = weight.data_ptr<float>();
+  s.y = y.data_ptr<float>();
 #else
+  (void)x, (void)weight, (void)bias, (void)y;
   TORCH_CHECK(false, "small_batch_linear: this build has no AVX-512 kernel (is_small_batch_linear_supported() is "
               "False here)");
 #endif
+}
+
+SmallBatchLinearCall::~SmallBatchLinearCall() = default;
+
+int64_t SmallBatchLinearCall::num_units() const {
+  const State& s = *state_;
+  return s.m == 0 ? 0 : (s.n + kRows - 1) / kRows;
+}
+
+int64_t SmallBatchLinearCall::grain() const { return grain_units(state_->k); }
+
+void SmallBatchLinearCall::run_units(int64_t begin, int64_t end) const {
+#if defined(PAGEDSERVE_SMALL_BATCH_LINEAR)
+  const State& s = *state_;
+  const int64_t first_column = begin * kRows, end_column = std::min(s.n, end * kRows);
+  if (first_column >= end_column) return;
+  if (s.m <= kMaxStreamInputs) {
+    if (s.m == 1) stream_rows<1>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    else if (s.m == 2) stream_rows<2>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    else stream_rows<3>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    return;
+  }
+  // Measured best from four rows on (up to three stream without software prefetch, above).
+  const int64_t prefetch_bytes = 8192;
+  int64_t column = first_column;
+  for (; column + kRows <= end_column; column += kRows)
+    gemm_rows<kRows>(s.x, s.x_stride, s.m, s.weight, s.k, s.bias_data, s.y, s.n, column, prefetch_bytes);
+  for (; column < end_column; ++column)  // the last < kRows columns
+    gemm_rows<1>(s.x, s.x_stride, s.m, s.weight, s.k, s.bias_data, s.y, s.n, column, 0);
+#else
+  (void)begin, (void)end;
+#endif
+}
+
+}  // namespace pagedserve_native
+
+namespace {
+
+at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_batch_linear: x [M, K] and weight [N, K] expected, got ",
+              x.sizes(), " and ", weight.sizes());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  const pagedserve_native::SmallBatchLinearCall call(x, weight, bias, y);
+  at::parallel_for(0, call.num_units(), call.grain(), [&](int64_t begin, int64_t end) { call.run_units(begin, end); });
+  return y;
 }
 
 bool is_small_batch_linear_supported() {

@@ -27,8 +27,9 @@
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
 //   on the plain weight above (small_batch_linear.py off Intel). Every M row is one decoding request.
-// Kind 2 steps of up to one_region_max_rows rows run every layer inside one parallel region
-// (run_layers_in_one_region); the others run op by op, each op with its own (run_layers_op_by_op).
+// Steps on kinds 2 (bfloat16) and 1 / 4 (float32, while small_batch_linear takes the rows) of up to
+// one_region_max_rows rows run every layer inside one parallel region (run_layers_in_one_region); the others run op
+// by op, each op with its own (run_layers_op_by_op).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -44,12 +45,14 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../../attention/native/paged_decode_attention.h"
 #include "../../layers/native/amx_linear.h"
 #include "../../layers/native/elementwise.h"
+#include "../../layers/native/small_batch_linear.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -147,9 +150,8 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim;
   double eps, scale;
   int64_t linear_kind, reduction_lanes, partition_size;
-  // Steps of up to this many rows run the layers in one parallel region when the weights are tile-packed
-  // (run_layers_in_one_region; 0: never): its few-row stages run on one thread, which larger batches would rather
-  // split.
+  // Steps of up to this many rows run the layers in one parallel region (run_layers_in_one_region; 0: never) when
+  // the plan's kind and tensors allow it (one_region_rows_limit).
   int64_t one_region_max_rows;
   int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
   // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
@@ -193,29 +195,41 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     is_one_region_capable = one_region_capable();
   }
 
-  // Tile-packed weights, and bfloat16 embedding, norms and KV caches laid out as run_layers_in_one_region reads them
-  // (the op-by-op path checks the same through its ops at every call).
+  // The rows a step may have to run in one region: tile-packed bfloat16 weights (amx_linear) or plain float32
+  // weights on small_batch_linear, where that kernel takes the step (0: never).
+  int64_t one_region_rows_limit() const {
+    if (!is_one_region_capable) return 0;
+    if (linear_kind == kAmxPacked) return one_region_max_rows;
+    return std::min(one_region_max_rows, linear_kind == kSmallBatch ? kSmallBatchMaxRows : kSmallBatchOneDnnMaxRows);
+  }
+
+  // Weights on amx_linear (bfloat16) or small_batch_linear (float32), and an embedding, norms and KV caches of that
+  // dtype laid out as run_layers_in_one_region reads them (the op-by-op path checks the same through its ops at
+  // every call).
   bool one_region_capable() const {
-    const auto is_bfloat16 = [](const at::Tensor& tensor) {
-      return tensor.scalar_type() == at::kBFloat16 && tensor.is_contiguous() && tensor.device().is_cpu();
+    const at::ScalarType dtype = linear_kind == kAmxPacked ? at::kBFloat16 : at::kFloat;
+    const auto is_of_dtype = [dtype](const at::Tensor& tensor) {
+      return tensor.scalar_type() == dtype && tensor.is_contiguous() && tensor.device().is_cpu();
     };
-    if (linear_kind != kAmxPacked || !is_bfloat16(embedding) || embedding.dim() != 2 || head_dim % 2 != 0) return false;
+    const bool is_kernel_kind =
+        linear_kind == kAmxPacked || linear_kind == kSmallBatch || linear_kind == kSmallBatchOneDnn;
+    if (!is_kernel_kind || !is_of_dtype(embedding) || embedding.dim() != 2 || head_dim % 2 != 0) return false;
     const int64_t hidden = embedding.size(1);
     if (output_sizes[0] != (num_heads + 2 * num_kv_heads) * head_dim || output_sizes[1] != hidden ||
         output_sizes[2] % 2 != 0 || output_sizes[3] != hidden)
       return false;
-    if (!is_bfloat16(final_norm) || final_norm.numel() != hidden) return false;
+    if (!is_of_dtype(final_norm) || final_norm.numel() != hidden) return false;
     if (cos_sin_cache.scalar_type() != at::kFloat || !cos_sin_cache.is_contiguous() || cos_sin_cache.dim() != 2 ||
         cos_sin_cache.size(1) != head_dim)
       return false;
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
       const at::Tensor& cache = kv_caches[layer];
-      if (!is_bfloat16(cache) || cache.dim() != 5 || cache.size(0) != 2 || cache.size(3) != num_kv_heads ||
+      if (!is_of_dtype(cache) || cache.dim() != 5 || cache.size(0) != 2 || cache.size(3) != num_kv_heads ||
           cache.size(4) != head_dim || cache.sizes() != kv_caches[0].sizes())
         return false;
       for (const int64_t norm : {int64_t{0}, int64_t{3}}) {
         const at::Tensor& weight = weights[layer * kWeightsPerLayer + norm];
-        if (!is_bfloat16(weight) || weight.numel() != hidden) return false;
+        if (!is_of_dtype(weight) || weight.numel() != hidden) return false;
       }
     }
     return true;
@@ -298,21 +312,23 @@ void packed_linear_share(const at::Tensor& x, const at::Tensor& weight, const Op
   call.run_units(begin, end);
 }
 
-// The layers in one parallel region (bfloat16, tile-packed weights, up to the plan's one_region_max_rows rows): the
-// same arithmetic as run_layers_op_by_op, so the same bits, with two differences in how it is driven.
+// The layers in one parallel region (scalar_t bfloat16 on amx_linear, float32 on small_batch_linear; up to
+// DecodeStackPlan::one_region_rows_limit() rows): the same arithmetic as run_layers_op_by_op, so the same bits, with
+// two differences in how it is driven.
 // - The threads meet at a SpinBarrier between the stages instead of starting and joining a team for each op (a
 //   batch-1 step of SmolLM2-135M started ~150). The products and the attention items are split between the
-//   threads as their ops split them (AmxLinearCall, DecodeAttentionCall).
+//   threads into the units their ops split (AmxLinearCall, SmallBatchLinearCall, DecodeAttentionCall).
 // - The row stages between them (norms, RoPE with the K/V write, SiLU) run on the ops' row kernels (elementwise.h)
 //   over buffers made before the region, each row on one thread as in the ops: no tensor is made and no op
 //   dispatched inside the region. The embedding row and the K/V rows are copied as at::embedding and
 //   reshape_and_cache copy them (same dtype: the bytes).
-// Batch-1 decode on the Zen 4 VM, alternating with op by op in one process (median of six rounds): 1.059x with the
-// row stages still dispatched as ops on thread 0, 1.094x with the row kernels.
+// Batch-1 decode on the Zen 4 VM, alternating with op by op in one process (median of six rounds): bfloat16 1.059x
+// with the row stages still dispatched as ops on thread 0, 1.094x with the row kernels; float32 1.038x.
+template <typename scalar_t>
 at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
   using pagedserve_native::AmxLinearCall;
   using pagedserve_native::DecodeAttentionCall;
-  using scalar_t = c10::BFloat16;
+  using pagedserve_native::SmallBatchLinearCall;
   const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
   const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
   const int64_t num_tokens = step.input_ids.size(0);
@@ -385,9 +401,15 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
     // Thread `thread`'s share of one product.
     const auto product = [&](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
                              const at::Tensor& y) {
-      const AmxLinearCall call(x, weight, bias, n, "auto", y);
-      const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
-      call.run_units(begin, end);
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        const AmxLinearCall call(x, weight, bias, n, "auto", y);
+        const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+        call.run_units(begin, end);
+      } else {
+        const SmallBatchLinearCall call(x, weight, bias, y);
+        const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+        call.run_units(begin, end);
+      }
     };
     // This thread's rows of the few-row stages (each row is one thread's, as in the ops).
     const auto [first_row, end_row] = thread_share(num_tokens, thread, num_threads);
@@ -493,13 +515,14 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
   const StepInputs step{input_ids, positions, block_table, seq_lens, slot_mapping};
-  const bool is_one_region = plan->is_one_region_capable && input_ids.size(0) <= plan->one_region_max_rows &&
+  const bool is_one_region = input_ids.size(0) <= plan->one_region_rows_limit() &&
                              input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
                              slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                              slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
   if (is_one_region) {
     ++plan->num_one_region_steps;
-    return run_layers_in_one_region(*plan, step);
+    return plan->linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(*plan, step)
+                                           : run_layers_in_one_region<float>(*plan, step);
   }
   return run_layers_op_by_op(*plan, kernels, step);
 }
