@@ -4,7 +4,10 @@ At batch 1 a small model's decode step is bound by memory bandwidth: every weigh
 calls of a few hundred microseconds each on SmolLM2-135M. Driving them through the modules costs ~40 Python
 module calls and op dispatches per layer, as much time again as the reads. `llama_decode_stack`
 (models/native/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
-same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py).
+same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py). On
+amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
+every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
+team for each op (decode_stack.cpp run_layers_in_one_region).
 
 It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path
 for every step the stack does not take; with compilation_config mode 'compile' the compiled graph takes every

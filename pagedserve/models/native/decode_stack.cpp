@@ -304,14 +304,6 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t 
   return {begin, std::min(count, begin + chunk)};
 }
 
-// Thread `thread`'s share of one packed product into `y` (amx_linear's units).
-void packed_linear_share(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
-                         const at::Tensor& y, int64_t thread, int64_t num_threads) {
-  const pagedserve_native::AmxLinearCall call(x, weight, bias, n, "auto", y);
-  const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
-  call.run_units(begin, end);
-}
-
 // The layers in one parallel region (scalar_t bfloat16 on amx_linear, float32 on small_batch_linear; up to
 // DecodeStackPlan::one_region_rows_limit() rows): the same arithmetic as run_layers_op_by_op, so the same bits, with
 // two differences in how it is driven.
