@@ -5,7 +5,8 @@
 // more after a weight stream has evicted libgomp's state. Inside one region the threads only need to wait for each
 // other, which costs one shared cache line: the last thread to arrive moves the generation on, the others spin on it.
 // Spinning suits a team of at most one thread per core (torch's intra-op threads); past kSpinsBeforeYield spins a
-// waiter yields its core, so an oversubscribed machine still makes progress.
+// waiter yields its core at every check, so an oversubscribed machine (another process's threads on the same
+// cores) still makes progress.
 //
 // abort() releases every waiter for good: wait() then returns false, and the callers leave the region (a thread
 // that raised must not leave the others waiting for it).
@@ -51,7 +52,9 @@ class SpinBarrier {
   void abort() { aborted_.store(true, std::memory_order_relaxed); }
 
  private:
-  static constexpr int64_t kSpinsBeforeYield = int64_t{1} << 20;  // ~10-40 ms of pause instructions
+  // ~0.2-0.5 ms of pause instructions: the stages' imbalances (a row stage, attention's items) are a few
+  // microseconds, so a waiter past this is most likely waiting for a thread that lost its core.
+  static constexpr int64_t kSpinsBeforeYield = int64_t{1} << 14;
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<uint32_t> generation_{0};
   std::atomic<int> num_threads_{1};
