@@ -482,6 +482,25 @@ inline void rotate_head(const scalar_t* x, scalar_t* out, const float* cos, cons
 #endif
 }
 
+// One token's heads: the cos/sin row rounded to the dtype once (into `rounded_row`), shared by every head; the heads
+// of query and key `*_head_stride` apart in, back to back out.
+template <typename scalar_t>
+void rotate_token_heads(const float* cos_sin_row, float* rounded_row, const scalar_t* query, int64_t query_head_stride,
+                        int64_t num_query_heads, scalar_t* query_out, const scalar_t* key, int64_t key_head_stride,
+                        int64_t num_key_heads, scalar_t* key_out, int64_t head_dim) {
+  const float* cos = cos_sin_row;
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    round_row<scalar_t>(cos_sin_row, rounded_row, head_dim);
+    cos = rounded_row;
+  }
+  const int64_t half = head_dim / 2;
+  const float* sin = cos + half;
+  for (int64_t head = 0; head < num_query_heads; ++head)
+    rotate_head(query + head * query_head_stride, query_out + head * head_dim, cos, sin, half);
+  for (int64_t head = 0; head < num_key_heads; ++head)
+    rotate_head(key + head * key_head_stride, key_out + head * head_dim, cos, sin, half);
+}
+
 template <typename scalar_t, typename position_t>
 void rotate_tokens(const position_t* positions, const at::Tensor& query, const HeadLayout& query_layout,
                    at::Tensor& query_out, const at::Tensor& key, const HeadLayout& key_layout, at::Tensor& key_out,
@@ -490,27 +509,19 @@ void rotate_tokens(const position_t* positions, const at::Tensor& query, const H
   const scalar_t* key_data = key.const_data_ptr<scalar_t>();
   scalar_t* query_destination = query_out.mutable_data_ptr<scalar_t>();
   scalar_t* key_destination = key_out.mutable_data_ptr<scalar_t>();
-  const int64_t half = head_dim / 2;
   const int64_t token_elements = (query_layout.num_heads + key_layout.num_heads) * head_dim;
-  constexpr bool kRoundTable = !std::is_same_v<scalar_t, float>;
   at::parallel_for(0, num_tokens, grain_rows(token_elements), [&](int64_t begin, int64_t end) {
-    std::vector<float> rounded_table(kRoundTable ? head_dim : 0);  // this token's cos/sin in the dtype
+    std::vector<float> rounded_table(head_dim);  // this token's cos/sin in the dtype
     for (int64_t token = begin; token < end; ++token) {
       const int64_t position = static_cast<int64_t>(positions[token]);
       TORCH_CHECK(position >= 0 && position < max_positions, "cpu_rotary_embedding: position ", position,
                   " is beyond the rotary table (max_positions=", max_positions, ")");
-      const float* cos = cache + position * head_dim;  // the row holds cos (half) then sin (half)
-      if constexpr (kRoundTable) {
-        round_row<scalar_t>(cos, rounded_table.data(), head_dim);  // once per token, shared by every head
-        cos = rounded_table.data();
-      }
-      const float* sin = cos + half;
-      for (int64_t head = 0; head < query_layout.num_heads; ++head)
-        rotate_head(query_data + token * query_layout.token_stride + head * query_layout.head_stride,
-                    query_destination + (token * query_layout.num_heads + head) * head_dim, cos, sin, half);
-      for (int64_t head = 0; head < key_layout.num_heads; ++head)
-        rotate_head(key_data + token * key_layout.token_stride + head * key_layout.head_stride,
-                    key_destination + (token * key_layout.num_heads + head) * head_dim, cos, sin, half);
+      // The row holds cos (half) then sin (half).
+      rotate_token_heads(cache + position * head_dim, rounded_table.data(),
+                         query_data + token * query_layout.token_stride, query_layout.head_stride,
+                         query_layout.num_heads, query_destination + token * query_layout.num_heads * head_dim,
+                         key_data + token * key_layout.token_stride, key_layout.head_stride, key_layout.num_heads,
+                         key_destination + token * key_layout.num_heads * head_dim, head_dim);
     }
   });
 }
@@ -650,23 +661,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // The row kernels for callers that drive rows themselves (elementwise.h).
-template <typename scalar_t>
-void rotate_token_heads(const float* cos_sin_row, float* rounded_row, const scalar_t* query, int64_t query_head_stride,
-                        int64_t num_query_heads, scalar_t* query_out, const scalar_t* key, int64_t key_head_stride,
-                        int64_t num_key_heads, scalar_t* key_out, int64_t head_dim) {
-  const float* cos = cos_sin_row;
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    round_row<scalar_t>(cos_sin_row, rounded_row, head_dim);
-    cos = rounded_row;
-  }
-  const int64_t half = head_dim / 2;
-  const float* sin = cos + half;
-  for (int64_t head = 0; head < num_query_heads; ++head)
-    rotate_head(query + head * query_head_stride, query_out + head * head_dim, cos, sin, half);
-  for (int64_t head = 0; head < num_key_heads; ++head)
-    rotate_head(key + head * key_head_stride, key_out + head * head_dim, cos, sin, half);
-}
-
 template <typename scalar_t>
 void silu_and_mul_row_of(const scalar_t* in, scalar_t* out, int64_t width) {
   const uint16_t* silu_table = nullptr;
