@@ -333,6 +333,7 @@ def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
     assert forward.plan is not old_plan and forward.plan.native is not None
     assert all(cache.abs().sum() > 0 for cache in new_caches)  # the stack and the modules wrote the new caches
 
+
 REGION_LAYOUTS = [
     # (dtype, weight_layout, linear_kind): the kinds whose steps run in one region
     pytest.param("bfloat16", "amx_packed", 2, marks=pytest.mark.skipif(
