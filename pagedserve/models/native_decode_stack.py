@@ -7,7 +7,9 @@ module calls and op dispatches per layer, as much time again as the reads. `llam
 same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py). On
 amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
-team for each op (decode_stack.cpp run_layers_in_one_region).
+team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all sample greedily and
+ask for nothing else, the runner takes `greedy_token_ids` instead: the same step with the LM head's first argmax
+(amx_linear_first_argmax, sample/fused_greedy_head.py) run in the same region, which returns the token ids.
 
 It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path
 for every step the stack does not take; with compilation_config mode 'compile' the compiled graph takes every
@@ -54,6 +56,7 @@ from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod, large_b
 from pagedserve.layers.watched_attributes import watched_attributes_epoch
 from pagedserve.layers.weight_layout import OneDnnPrepackedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from pagedserve.sample.fused_greedy_head import greedy_head_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,8 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
+    # The LM head as amx_linear_first_argmax takes it (greedy_head_arguments; None: greedy_token_ids is off).
+    greedy_head: tuple[torch.Tensor, torch.Tensor | None, int, int] | None = None
     # watched_attributes_epoch() when the sources below were last found current.
     epoch: int = -1
     # What the fields above were read from, compared when the epoch moved (is_current): the dicts that hold the
@@ -117,6 +122,8 @@ class NativeDecodeStackPlan:
                 self.cos_sin_cache, list(self.output_sizes), list(self.sliding_windows), self.num_heads,
                 self.num_kv_heads, self.head_dim, self.eps, self.scale, self.linear_kind,
                 native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS, ONE_REGION_MAX_ROWS)
+            if self.greedy_head is not None:
+                self.native.set_greedy_head(*self.greedy_head)
             self.block_size = kv_caches[0].shape[2]
         return self.native
 
@@ -177,7 +184,8 @@ def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStackPlan:
-    """The plan for `model` (the causal LM), or one whose `reason` says why it cannot take the stack."""
+    """The plan for `model` (the causal LM), or one whose `reason` says why it cannot take the stack. It also holds
+    the LM head for greedy_token_ids when the layers are tile-packed bfloat16 and the fused head op takes the head."""
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
         return NativeDecodeStackPlan(reason=f"{type(model).__name__} is not a Llama-family decoder")
@@ -237,6 +245,13 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         biases += [qkv_bias, o_bias, gu_bias, d_bias]
     if len(kinds) != 1:
         return NativeDecodeStackPlan(reason="the layers' linears use different methods")
+    linear_kind = kinds.pop()
+    lm_head = getattr(model, "lm_head", None)
+    greedy_head = None
+    if lm_head is not None and linear_kind == LINEAR_KINDS[AmxPackedLinearMethod]:
+        greedy_head = greedy_head_arguments(lm_head)
+        if greedy_head is not None:
+            sources.append(lm_head)
     mlp = layers[0].mlp
     return NativeDecodeStackPlan(
         weights=tuple(weights), biases=tuple(biases),
@@ -248,12 +263,13 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
-        scale=float(first_attention.attn.scale), linear_kind=kinds.pop(), epoch=epoch,
+        scale=float(first_attention.attn.scale), linear_kind=linear_kind, greedy_head=greedy_head, epoch=epoch,
         **_sources(sources))
 
 
 class NativeDecodeForward:
-    """The runner's forward: decode-only steps on `llama_decode_stack`, every other step on `fallback`."""
+    """The runner's forward: decode-only steps on `llama_decode_stack`, every other step on `fallback`; and
+    `greedy_token_ids`, the same steps with the LM head's greedy sample."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, plan: NativeDecodeStackPlan,
                  fallback: Callable[..., Any]) -> None:
@@ -263,8 +279,10 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
+        self.greedy_op = torch.ops.pagedserve.llama_decode_stack_greedy.default
         self.has_hooks = self._hook_check()
         self.num_stack_steps = 0
+        self.num_greedy_steps = 0  # of num_stack_steps, those that also sampled (greedy_token_ids)
 
     def _hook_check(self) -> ForwardHookCheck:
         """Whether a forward hook or pre-hook would fire in the modules' forward: globally, on the model or on any
@@ -288,23 +306,48 @@ class NativeDecodeForward:
             self.plan = plan
         return plan
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def _stack_arguments(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[Any, ...] | None:
+        """The stack op's arguments when this step takes the stack (every request decodes one token, no padding
+        rows, attention metadata set, grad mode off, the model still qualifies, no hooks, the caches bound), else
+        None."""
         metadata = get_forward_context().attn_metadata
         num_tokens = input_ids.shape[0]
-        if args or kwargs or metadata is None or torch.is_grad_enabled() or not (
+        if metadata is None or torch.is_grad_enabled() or not (
                 0 < num_tokens == metadata.num_actual_tokens == metadata.num_decodes == metadata.num_seqs):
-            return self.fallback(input_ids, positions, *args, **kwargs)
+            return None
         plan = self.current_plan()
         if plan is None or self.has_hooks():
-            return self.fallback(input_ids, positions)
+            return None
         native = plan.bind_caches()
         if native is None or plan.block_size != metadata.block_size:
-            return self.fallback(input_ids, positions)  # the modules raise the error that names the cause
+            return None  # the modules raise the error that names the cause
         block_table, seq_lens = decode_inputs(metadata)
-        hidden_states = self.op(native, input_ids, positions, block_table, seq_lens,
-                                metadata.slot_mapping[:num_tokens], plan.rotary.max_positions)
+        return (native, input_ids, positions, block_table, seq_lens, metadata.slot_mapping[:num_tokens],
+                plan.rotary.max_positions)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        arguments = None if args or kwargs else self._stack_arguments(input_ids, positions)
+        if arguments is None:
+            return self.fallback(input_ids, positions, *args, **kwargs)
+        hidden_states = self.op(*arguments)
         self.num_stack_steps += 1
         return hidden_states
+
+    def greedy_token_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """[num_tokens] int64: the token each row samples greedily (first_argmax of the LM head's bf16 logits, as
+        FusedGreedySampler gives it), from the stack and the head in one call (`llama_decode_stack_greedy`); None
+        when the step does not take the stack or the plan has no head (the caller runs the forward and samples).
+        The caller checks that the sampler would take nothing but the argmax (fused_greedy_head.is_plain_greedy)."""
+        if self.plan is None or self.plan.greedy_head is None:
+            return None
+        arguments = self._stack_arguments(input_ids, positions)
+        # The plan may have been made again, without a head.
+        if arguments is None or self.plan is None or self.plan.greedy_head is None:
+            return None
+        token_ids = self.greedy_op(*arguments)
+        self.num_stack_steps += 1
+        self.num_greedy_steps += 1
+        return token_ids
 
 
 def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: Callable[..., Any],
@@ -321,7 +364,8 @@ def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: C
     if not plan.is_usable:
         logger.info("native decode stack: not used (%s)", plan.reason)
         return forward
-    logger.info("native decode stack: decode-only steps run %d layers in one native call", len(plan.sliding_windows))
+    logger.info("native decode stack: decode-only steps run %d layers in one native call%s",
+                len(plan.sliding_windows), ", greedy ones with the LM head's argmax" if plan.greedy_head else "")
     return NativeDecodeForward(model, dtype, plan, forward)
 
 

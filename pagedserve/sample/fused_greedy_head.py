@@ -8,7 +8,9 @@ same token ids bit for bit: the kernel compares the very bf16 values `amx_linear
 lowest index, and the first NaN wins. SmolLM2-135M's head (49152 x 576), weights in DRAM, medians of 8
 interleaved runs: 4.32 -> 3.25 ms at 64 rows, 2.46 -> 2.31 ms at 16, 2.10 -> 2.03 ms at one row.
 
-The model runner asks `FusedGreedySampler` first. It answers None, and the logits path runs as before, for
+Where the native decode stack takes a decode step (models/native_decode_stack.py), the runner asks it for the
+token ids instead: `llama_decode_stack_greedy` runs the same head kernel inside the step's own parallel region.
+Otherwise the model runner asks `FusedGreedySampler` first. It answers None, and the logits path runs as before, for
 batches that need more than the argmax, for heads it cannot take (other layouts, a vocabulary split over ranks,
 enable_reduce_sample), and under torch.compile tracing.
 """
@@ -57,18 +59,26 @@ def is_plain_greedy(metadata: SamplingMetadata) -> bool:
         and metadata.max_num_logprobs is None
 
 
-def head_first_argmax(lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
-    """first_argmax(lm_head.compute_logits(hidden_states, dtype=None)) from the head's kernel, or None when the head
-    or the input is not one the fused op takes."""
+def greedy_head_arguments(lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
+    """(packed weight, bias, output size, columns sampled): the fused op's arguments for `lm_head`, or None when it
+    cannot take the head (another weight layout, a vocabulary split over ranks) or cannot run here."""
     if type(getattr(lm_head, "linear_method", None)) is not AmxPackedLinearMethod:
         return None
     if lm_head.parallel_group.world_size != 1 or lm_head.vocab_start_index != 0:
         return None  # a vocabulary split over ranks: the full logits are gathered first
-    if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu" \
-            or hidden_states.stride(-1) != 1 or torch.compiler.is_compiling() or not fused_op_available():
+    if not fused_op_available():
         return None
-    return _fused_op()(hidden_states, packed_weight_of(lm_head), lm_head.bias, lm_head.num_embeddings_per_partition,
-                       lm_head.org_vocab_size)
+    return packed_weight_of(lm_head), lm_head.bias, lm_head.num_embeddings_per_partition, lm_head.org_vocab_size
+
+
+def head_first_argmax(lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """first_argmax(lm_head.compute_logits(hidden_states, dtype=None)) from the head's kernel, or None when the head
+    or the input is not one the fused op takes."""
+    if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu" \
+            or hidden_states.stride(-1) != 1 or torch.compiler.is_compiling():
+        return None
+    arguments = greedy_head_arguments(lm_head)
+    return None if arguments is None else _fused_op()(hidden_states, *arguments)
 
 
 class FusedGreedySampler:
@@ -89,5 +99,5 @@ class FusedGreedySampler:
         return None if token_ids is None else SamplerOutput(sampled_token_ids=token_ids, logprobs=None)
 
 
-__all__ = ["FusedGreedySampler", "amx_linear_first_argmax", "fused_op_available", "head_first_argmax",
-           "is_plain_greedy"]
+__all__ = ["FusedGreedySampler", "amx_linear_first_argmax", "fused_op_available", "greedy_head_arguments",
+           "head_first_argmax", "is_plain_greedy"]

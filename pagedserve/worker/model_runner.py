@@ -22,8 +22,8 @@ from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.models.native_decode_stack import build_native_decode_forward
-from pagedserve.sample.fused_greedy_head import FusedGreedySampler
+from pagedserve.models.native_decode_stack import NativeDecodeForward, build_native_decode_forward
+from pagedserve.sample.fused_greedy_head import FusedGreedySampler, is_plain_greedy
 from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
@@ -64,6 +64,9 @@ class ModelRunner:
             self.forward = build_model_forward(model, config, device)
             # Decode-only steps of qualifying models in one native call (models/native_decode_stack.py).
             self.forward = build_native_decode_forward(model, config, self.forward, device)
+        # Decode steps that only sample greedily: the native stack's forward with the LM head's argmax, in one call.
+        self.greedy_forward = self.forward.greedy_token_ids if isinstance(self.forward, NativeDecodeForward) \
+            and self.fused_greedy_sample.is_enabled else None
         if config.batch_invariant:
             # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
             from pagedserve.batch_invariant import batch_invariant_step
@@ -86,6 +89,9 @@ class ModelRunner:
         step = self._prepare_inputs(scheduler_output)
         metadata = self._build_attention_metadata(step)
         with set_forward_context(metadata):
+            greedy_token_ids = self._greedy_forward(step)
+            if greedy_token_ids is not None:
+                return self._greedy_output(step, greedy_token_ids)
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples
             return ModelRunnerOutput(request_ids=step.request_ids,
@@ -128,6 +134,24 @@ class ModelRunner:
         if self.input_batch.num_prompt_logprobs_requests:
             self._compute_prompt_logprobs(step, hidden_states, output)
         return output
+
+    def _greedy_forward(self, step: StepInputs) -> torch.Tensor | None:
+        """The token ids of a step in which every request decodes one token and samples it greedily with nothing
+        else asked (no logprobs, penalties or min_tokens), from the forward and the LM head's argmax in one call
+        (greedy_forward); None when that does not apply, and the forward and the sampler run."""
+        if self.greedy_forward is None or step.token_requests is not None or not step.is_sampled.all() \
+                or self.input_batch.num_prompt_logprobs_requests:
+            return None
+        requests = self.input_batch.requests
+        if not is_plain_greedy(self._sampling_metadata([requests[request_id] for request_id in step.request_ids])):
+            return None
+        return self.greedy_forward(step.input_ids, step.positions)
+
+    def _greedy_output(self, step: StepInputs, token_ids: torch.Tensor) -> ModelRunnerOutput:
+        """The output of a step _greedy_forward sampled: one token per request, appended to the batch."""
+        self.input_batch.append_tokens(step.rows, token_ids.numpy())
+        return ModelRunnerOutput(request_ids=step.request_ids,
+                                 sampled_token_ids=[[token_id] for token_id in token_ids.tolist()])
 
     def _apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -397,3 +397,74 @@ def test_one_region_raises_and_leaves_no_thread_waiting(tiny_model_dir, bad_requ
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\]=.* is out of range"):
         forward.op(native, input_ids, positions, good_table, seq_lens, bad_slots, 256)
     assert _generate(llm, [[5, 6, 7, 8]]) == reference
+
+
+def _greedy_tokens(llm: LLM, prompts: list[list[int]], **params) -> list[list[int]]:
+    sampling = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+@pytest.mark.parametrize("in_region", [True, False], ids=["one-region", "op-by-op"])
+@pytest.mark.parametrize("num_prompts", [1, 2, 5])
+def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_prompts: int, in_region: bool) -> None:
+    """Steps whose requests only sample greedily take greedy_token_ids: the stack and the LM head's argmax in one
+    call (inside the region, or after the layers op by op). The tokens equal those of the stack with the head
+    sampled separately (FusedGreedySampler) and of the modules. Prompts reach past the 256-token partition."""
+    import pagedserve.models.native_decode_stack as stack_module
+
+    if not in_region:
+        monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", 0)
+    folder = tiny_model_dir("llama")
+    prompts = random_prompts(num_prompts, 230, 250, seed=num_prompts)
+    options = dict(dtype="bfloat16", weight_layout="amx_packed", max_model_len=512, num_kv_blocks=40 * num_prompts)
+    llm = LLM(folder, **options)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    forward = _forward(llm)
+    assert forward.plan.greedy_head is not None and runner.greedy_forward is not None
+    greedy = _greedy_tokens(llm, prompts)
+    assert forward.num_greedy_steps == forward.num_stack_steps == NUM_STEPS - 1
+    assert forward.plan.native.num_one_region_steps() == (NUM_STEPS - 1 if in_region else 0)
+    runner.greedy_forward = None  # the stack's hidden states, then FusedGreedySampler
+    separate = _greedy_tokens(llm, prompts)
+    assert forward.num_greedy_steps == NUM_STEPS - 1 and forward.num_stack_steps == 2 * (NUM_STEPS - 1)
+    modules = _greedy_tokens(LLM(folder, native_decode_stack=False, **options), prompts)
+    assert greedy == separate == modules
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+@pytest.mark.parametrize("params", [dict(logprobs=1), dict(presence_penalty=0.5), dict(min_tokens=NUM_STEPS, stop_token_ids=[7])],
+                         ids=["logprobs", "penalty", "min-tokens"])
+def test_steps_that_need_more_than_the_argmax_take_the_sampler(tiny_model_dir, params: dict) -> None:
+    """One request asking for more than the greedy token (logprobs, a penalty, min_tokens) sends every step it is
+    in through the stack's hidden states and the sampler; the tokens are those of the modules."""
+    folder = tiny_model_dir("llama")
+    llm = _llm(folder, dtype="bfloat16", weight_layout="amx_packed")
+    prompts = random_prompts(2, 5, 40, seed=21)
+    sampling = [SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True),
+                SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)]
+
+    def tokens(engine_llm: LLM) -> list[list[int]]:
+        outputs = engine_llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    with_stack = tokens(llm)
+    forward = _forward(llm)
+    assert forward.num_stack_steps == NUM_STEPS - 1 and forward.num_greedy_steps == 0
+    assert with_stack == tokens(_llm(folder, dtype="bfloat16", weight_layout="amx_packed", native_decode_stack=False))
+
+
+def test_greedy_head_only_on_tile_packed_layers(tiny_model_dir) -> None:
+    """Other layouts keep no head (the fused head op takes tile-packed bfloat16 weights only), and the greedy op
+    refuses a plan without one."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", weight_layout="plain_native")
+    _greedy_tokens(llm, [[5, 6, 7, 8]])
+    forward = _forward(llm)
+    assert forward.plan.greedy_head is None and forward.num_greedy_steps == 0
+    assert forward.greedy_token_ids(torch.tensor([5]), torch.tensor([4])) is None
+    native = forward.plan.native
+    assert not native.has_greedy_head()
+    with pytest.raises(RuntimeError, match="the plan has no LM head"):
+        forward.greedy_op(native, torch.tensor([5]), torch.tensor([4]), torch.tensor([[0]], dtype=torch.int32),
+                          torch.tensor([5], dtype=torch.int32), torch.tensor([4]), 256)

@@ -134,7 +134,10 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_fused_head(tiny_
     real = fused_greedy_head.head_first_argmax
     monkeypatch.setattr(fused_greedy_head, "head_first_argmax",
                         lambda *args: results.append(real(*args)) or results[-1])
-    llm = LLM(folder, dtype="bfloat16", max_model_len=256, num_kv_blocks=64, weight_layout="amx_packed")
+    # The modules take the decode steps: the native stack samples greedy steps with the same kernel itself
+    # (tests/models/test_native_decode_stack.py).
+    llm = LLM(folder, dtype="bfloat16", max_model_len=256, num_kv_blocks=64, weight_layout="amx_packed",
+              native_decode_stack=False)
 
     def generate(params: SamplingParams) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

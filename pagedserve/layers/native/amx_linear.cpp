@@ -50,6 +50,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -904,55 +905,85 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
+}  // namespace
+
+namespace pagedserve_native {
+
 // Greedy sampling straight from the LM head: out[i] = the first index of the maximum of row i of
 // bf16(x @ W^T + b) over columns [0, num_columns) (a NaN counting as larger than everything, the first NaN winning;
 // a row of -inf gives 0): exactly sample/native/first_argmax.cpp on amx_linear's output narrowed to num_columns,
 // without writing the [M, n] logits out and reading them back (at 64 rows and SmolLM2's 49152 columns the logits'
 // write and the argmax pass took ~1.7 of ~7.2 ms).
 //
-// Each unit's products are rounded to bf16 as store_row rounds them; every row keeps 16 lanes of (max, index) and
-// its first NaN (the lowest column). A lane takes a value when it is greater, or equal at a lower column, so it holds
-// its first maximum whatever order the units come in (run_units does not fix one); lanes, then threads, are merged
-// the same way.
-at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                                   int64_t n, int64_t num_columns, c10::string_view products) {
+// Each unit's products are rounded to bf16 as store_row rounds them; every row of a slot keeps 16 lanes of (max,
+// index) and its first NaN (the lowest column). A lane takes a value when it is greater, or equal at a lower column,
+// so it holds its first maximum whatever order the units come in (run_units does not fix one) and whichever slots they
+// go to; finish merges lanes and slots the same way.
+struct AmxFirstArgmaxCall::State {
+  std::string kind;
+  at::Tensor x_padded, bias_float;
+  PackedProduct product;
+  int64_t num_columns = 0, num_slots = 0;
+  // [slot, row, lane] running maxima and their columns, [slot, row] first NaN columns; written by run_units of one
+  // slot at a time (const State: shared between threads, each slot one thread's).
+  std::vector<float> lane_max;
+  std::vector<int32_t> lane_index, first_nan;
+};
+
+namespace {
+constexpr int32_t kNoColumn = std::numeric_limits<int32_t>::max();
+// Whether (value, column) beats the (maximum, index) kept so far: greater, or equal at a lower column (kNoColumn: no
+// column yet). Order-independent, so lanes and slots merge in any order.
+bool is_better(float value, int32_t column, float maximum, int32_t index) {
+  return column != kNoColumn && (index == kNoColumn || value > maximum || (value == maximum && column < index));
+}
+}  // namespace
+
+AmxFirstArgmaxCall::AmxFirstArgmaxCall(const at::Tensor& x, const at::Tensor& packed,
+                                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t num_columns,
+                                       c10::string_view products, int64_t num_slots)
+    : state_(std::make_unique<State>()) {
   constexpr const char* op = "amx_linear_first_argmax";
-  const std::string kind = resolve_products(op, products);
-  at::Tensor x_padded;
-  const PackedProduct product = packed_product(op, kind, x, packed, n, x_padded);
-  const at::Tensor bias_float = float_bias(op, bias, n);
+  State& s = *state_;
+  s.kind = resolve_products(op, products);
+  s.product = packed_product(op, s.kind, x, packed, n, s.x_padded);
+  s.bias_float = float_bias(op, bias, n);
   TORCH_CHECK(num_columns >= 1 && num_columns <= n, op, ": num_columns=", num_columns, " must be in [1, n=", n, "]");
-  const int64_t m = product.m;
-  at::Tensor indices = at::zeros({m}, x.options().dtype(at::kLong));
-  if (m == 0) return indices;
+  TORCH_CHECK(num_slots >= 1, op, ": num_slots=", num_slots, " must be >= 1");
+  s.num_columns = num_columns;
+  s.num_slots = num_slots;
+  const int64_t m = s.product.m;
+  s.lane_max.assign(num_slots * m * 16, -std::numeric_limits<float>::infinity());
+  s.lane_index.assign(num_slots * m * 16, kNoColumn);
+  s.first_nan.assign(num_slots * m, kNoColumn);
+}
+
+AmxFirstArgmaxCall::~AmxFirstArgmaxCall() = default;
+
+bool AmxFirstArgmaxCall::copies_x(int64_t k) { return k % kStepDepth != 0; }
+
+int64_t AmxFirstArgmaxCall::num_units() const {
+  const PackedProduct& p = state_->product;
+  return p.m == 0 || p.n == 0 ? 0 : ::num_units(p);
+}
+
+void AmxFirstArgmaxCall::run_units(int64_t begin, int64_t end, int64_t slot) const {
 #if defined(PAGEDSERVE_DPBF16)
-  const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
-  constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
-  // Whether (value, column) beats the (maximum, index) kept so far: greater, or equal at a lower column (kNone: no
-  // column yet). Order-independent, so lanes and threads merge in any order.
-  const auto is_better = [](float value, int32_t column, float maximum, int32_t index) {
-    return column != kNone && (index == kNone || value > maximum || (value == maximum && column < index));
-  };
-  // One parallel_for call's result per row: (max, index, first NaN).
-  struct Partial {
-    std::vector<float> maximum;
-    std::vector<int32_t> index, first_nan;
-  };
-  std::vector<Partial> partials;
-  std::mutex partials_mutex;
-  at::parallel_for(0, num_units(product), 1, [&](int64_t begin, int64_t end) {
-    // Per row: 16 lanes of the running max and its column, and the first NaN seen.
-    std::vector<float> lane_max(m * 16, -std::numeric_limits<float>::infinity());
-    std::vector<int32_t> lane_index(m * 16, kNone), first_nan(m, kNone);
-    const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    with_products(kind, [&](auto& products) {
-      run_units(products, product, begin, end,
+  const State& s = *state_;
+  const int64_t m = s.product.m, num_columns = s.num_columns;
+  const float* bias_data = s.bias_float.defined() ? s.bias_float.data_ptr<float>() : nullptr;
+  float* const lane_max = const_cast<float*>(s.lane_max.data()) + slot * m * 16;
+  int32_t* const lane_index = const_cast<int32_t*>(s.lane_index.data()) + slot * m * 16;
+  int32_t* const first_nan = const_cast<int32_t*>(s.first_nan.data()) + slot * m;
+  const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  with_products(s.kind, [&](auto& products) {
+    ::run_units(products, s.product, begin, end,
                 [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column, int64_t count) {
                   count = std::min(count, num_columns - first_column);
                   for (int64_t row = 0; row < num_rows; ++row) {
                     const int64_t r = first_row + row;
-                    __m512 best = _mm512_loadu_ps(lane_max.data() + r * 16);
-                    __m512i best_index = _mm512_loadu_si512(lane_index.data() + r * 16);
+                    __m512 best = _mm512_loadu_ps(lane_max + r * 16);
+                    __m512i best_index = _mm512_loadu_si512(lane_index + r * 16);
                     for (int64_t column = 0; column < count; column += kBlockColumns) {
                       const __mmask16 mask = columns_mask(count - column);
                       __m512 value = _mm512_maskz_loadu_ps(mask, values + row * kGroupColumns + column);
@@ -975,42 +1006,59 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
                       best = _mm512_mask_mov_ps(best, is_taken, value);
                       best_index = _mm512_mask_mov_epi32(best_index, is_taken, column_index);
                     }
-                    _mm512_storeu_ps(lane_max.data() + r * 16, best);
-                    _mm512_storeu_si512(lane_index.data() + r * 16, best_index);
+                    _mm512_storeu_ps(lane_max + r * 16, best);
+                    _mm512_storeu_si512(lane_index + r * 16, best_index);
                   }
                 });
-    });
-    Partial partial{std::vector<float>(m), std::vector<int32_t>(m), std::move(first_nan)};
-    for (int64_t row = 0; row < m; ++row) {
-      float maximum = -std::numeric_limits<float>::infinity();
-      int32_t index = kNone;
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        if (is_better(lane_max[row * 16 + lane], lane_index[row * 16 + lane], maximum, index)) {
-          maximum = lane_max[row * 16 + lane];
-          index = lane_index[row * 16 + lane];
-        }
-      }
-      partial.maximum[row] = maximum;
-      partial.index[row] = index;
-    }
-    std::lock_guard<std::mutex> lock(partials_mutex);
-    partials.push_back(std::move(partial));
   });
-  int64_t* out = indices.data_ptr<int64_t>();
+#else
+  (void)begin;
+  (void)end;
+  (void)slot;
+#endif
+}
+
+void AmxFirstArgmaxCall::finish(int64_t* out) const {
+  const State& s = *state_;
+  const int64_t m = s.product.m;
   for (int64_t row = 0; row < m; ++row) {
     float maximum = -std::numeric_limits<float>::infinity();
-    int32_t index = kNone, nan_index = kNone;
-    for (const Partial& partial : partials) {
-      nan_index = std::min(nan_index, partial.first_nan[row]);
-      if (is_better(partial.maximum[row], partial.index[row], maximum, index)) {
-        maximum = partial.maximum[row];
-        index = partial.index[row];
+    int32_t index = kNoColumn, nan_index = kNoColumn;
+    for (int64_t slot = 0; slot < s.num_slots; ++slot) {
+      nan_index = std::min(nan_index, s.first_nan[slot * m + row]);
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t at = (slot * m + row) * 16 + lane;
+        if (is_better(s.lane_max[at], s.lane_index[at], maximum, index)) {
+          maximum = s.lane_max[at];
+          index = s.lane_index[at];
+        }
       }
     }
     // Every value -inf: no lane took one, and the first column holds the maximum.
-    out[row] = nan_index != kNone ? nan_index : (index != kNone ? index : 0);
+    out[row] = nan_index != kNoColumn ? nan_index : (index != kNoColumn ? index : 0);
   }
-#endif
+}
+
+}  // namespace pagedserve_native
+
+namespace {
+
+// The op: AmxFirstArgmaxCall's units split by at::parallel_for, each of its calls into a slot of its own.
+at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                   int64_t n, int64_t num_columns, c10::string_view products) {
+  const int64_t num_slots = std::max(1, at::get_num_threads());
+  const pagedserve_native::AmxFirstArgmaxCall call(x, packed, bias, n, num_columns, products, num_slots);
+  at::Tensor indices = at::zeros({x.size(0)}, x.options().dtype(at::kLong));
+  if (call.num_units() == 0) return indices;
+  // parallel_for calls its function at most once per thread (once when it runs inline).
+  std::atomic<int64_t> next_slot{0};
+  at::parallel_for(0, call.num_units(), 1, [&](int64_t begin, int64_t end) {
+    const int64_t slot = next_slot.fetch_add(1);
+    TORCH_CHECK(slot < num_slots, "amx_linear_first_argmax: more parallel_for calls than the ", num_slots,
+                " threads");
+    call.run_units(begin, end, slot);
+  });
+  call.finish(indices.data_ptr<int64_t>());
   return indices;
 }
 

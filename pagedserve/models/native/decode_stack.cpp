@@ -23,6 +23,9 @@
 //       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
+//   llama_decode_stack_greedy(the same arguments) -> token ids [M] int64: the LM head's first argmax of that output
+//       (amx_linear_first_argmax; the head set by DecodeStackPlan.set_greedy_head), inside the step's one region
+//       when it has one (sample/fused_greedy_head.py says when the sampler would take nothing else)
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
@@ -85,6 +88,9 @@ struct Kernels {
                                       c10::string_view)>
       amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)> small_batch_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
+                                      c10::string_view)>
+      first_argmax;
 
   static const Kernels& get() {
     static const Kernels kernels = [] {
@@ -107,6 +113,9 @@ struct Kernels {
                                 c10::string_view)>(),
           find("pagedserve::small_batch_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>(),
+          find("pagedserve::amx_linear_first_argmax")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
+                                c10::string_view)>(),
       };
     }();
     return kernels;
@@ -156,6 +165,11 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
   // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
   bool is_one_region_capable = false;
+  // The LM head llama_decode_stack_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
+  // weights as amx_linear_first_argmax takes them.
+  at::Tensor head_weight;
+  OptionalTensor head_bias;
+  int64_t head_output_size = 0, head_num_columns = 0;
 
   DecodeStackPlan(std::vector<at::Tensor> weights_, c10::List<OptionalTensor> biases_,
                   std::vector<at::Tensor> kv_caches_, at::Tensor embedding_, at::Tensor final_norm_,
@@ -233,6 +247,17 @@ struct DecodeStackPlan : torch::CustomClassHolder {
       }
     }
     return true;
+  }
+
+  // The LM head of llama_decode_stack_greedy (checked at each step by amx_linear_first_argmax's own checks).
+  void set_greedy_head(at::Tensor weight, OptionalTensor bias, int64_t output_size, int64_t num_columns) {
+    TORCH_CHECK(weight.defined() && num_columns >= 1 && num_columns <= output_size,
+                "DecodeStackPlan.set_greedy_head: a packed weight and 1 <= num_columns <= output_size expected, got ",
+                num_columns, " and ", output_size);
+    head_weight = std::move(weight);
+    head_bias = std::move(bias);
+    head_output_size = output_size;
+    head_num_columns = num_columns;
   }
 };
 
@@ -316,8 +341,13 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t 
 //   reshape_and_cache copy them (same dtype: the bytes).
 // Batch-1 decode on the Zen 4 VM, alternating with op by op in one process (median of six rounds): bfloat16 1.059x
 // with the row stages still dispatched as ops on thread 0, 1.094x with the row kernels; float32 1.038x.
+//
+// With `is_greedy` the LM head's first argmax (amx_linear_first_argmax's units) runs in the region too, after the
+// final norm, and the step returns the token ids [M] instead of the final norm's output (llama_decode_stack_greedy;
+// the plan has a head and AmxFirstArgmaxCall::copies_x(hidden) is false).
 template <typename scalar_t>
-at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
+at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step, bool is_greedy) {
+  using pagedserve_native::AmxFirstArgmaxCall;
   using pagedserve_native::AmxLinearCall;
   using pagedserve_native::DecodeAttentionCall;
   using pagedserve_native::SmallBatchLinearCall;
@@ -359,6 +389,14 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   const at::Tensor activated = at::empty({num_tokens, inter}, options);
   const at::Tensor states = at::empty({num_tokens, output_sizes[3]}, options);
   const at::Tensor out = at::empty({num_tokens, hidden}, options);
+  const int requested_threads = std::max(1, at::get_num_threads());
+  std::unique_ptr<AmxFirstArgmaxCall> head;  // each thread's units into its own slot
+  at::Tensor token_ids;
+  if (is_greedy) {
+    head = std::make_unique<AmxFirstArgmaxCall>(out, plan.head_weight, plan.head_bias, plan.head_output_size,
+                                                plan.head_num_columns, "auto", requested_threads);
+    token_ids = at::empty({num_tokens}, options.dtype(at::kLong));
+  }
   std::vector<std::unique_ptr<DecodeAttentionCall>> attention(num_layers);
   for (int64_t layer = 0; layer < num_layers; ++layer)
     attention[layer] = std::make_unique<DecodeAttentionCall>(query, plan.kv_caches[layer], step.block_table,
@@ -384,7 +422,6 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   pagedserve_native::SpinBarrier barrier;
   std::exception_ptr error;
   std::mutex error_mutex;
-  const int requested_threads = std::max(1, at::get_num_threads());
 
 #pragma omp parallel num_threads(requested_threads)
   {
@@ -475,6 +512,10 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden,
                                               data(plan.final_norm), data(out) + row * hidden,
                                               residual_data + row * hidden, hidden, eps, lanes);
+      if (head != nullptr && is_running && stage_done()) {
+        const auto [begin, end] = thread_share(head->num_units(), thread, num_threads);
+        head->run_units(begin, end, thread);
+      }
     } catch (...) {
       {
         const std::lock_guard<std::mutex> lock(error_mutex);
@@ -484,13 +525,17 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
     }
   }
   if (error) std::rethrow_exception(error);
-  return out;
+  if (head == nullptr) return out;
+  head->finish(token_ids.data_ptr<int64_t>());
+  return token_ids;
 }
 
-at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
-                              const at::Tensor& positions, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                              const at::Tensor& slot_mapping, int64_t max_positions) {
-  const at::Tensor& cos_sin_cache = plan->cos_sin_cache;
+// llama_decode_stack's and llama_decode_stack_greedy's step: the final norm's output, or with `is_greedy` the
+// head's first argmax of every row.
+at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t max_positions, bool is_greedy) {
+  const at::Tensor& input_ids = step.input_ids;
+  const at::Tensor& positions = step.positions;
+  const at::Tensor& cos_sin_cache = plan.cos_sin_cache;
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.size(0) >= 1 && positions.dim() == 1 &&
                   positions.size(0) == input_ids.size(0) &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
@@ -498,6 +543,8 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
               input_ids.sizes(), " and ", positions.sizes(), " ", positions.scalar_type());
   TORCH_CHECK(max_positions <= cos_sin_cache.size(0), "llama_decode_stack: max_positions=", max_positions,
               " exceeds the rotary table's ", cos_sin_cache.size(0), " rows");
+  TORCH_CHECK(!is_greedy || plan.head_weight.defined(),
+              "llama_decode_stack_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
   const int64_t* position_data = positions.data_ptr<int64_t>();
   const int64_t max_position = *std::max_element(position_data, position_data + positions.size(0));
   TORCH_CHECK_VALUE(max_position < max_positions, "position ", max_position,
@@ -506,17 +553,44 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
   // The ops below need no autograd (inference): skip the autograd and view-tracking layers of each dispatch.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
-  const StepInputs step{input_ids, positions, block_table, seq_lens, slot_mapping};
-  const bool is_one_region = input_ids.size(0) <= plan->one_region_rows_limit() &&
+  const at::Tensor& slot_mapping = step.slot_mapping;
+  const bool is_one_region = input_ids.size(0) <= plan.one_region_rows_limit() &&
                              input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
                              slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                              slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
   if (is_one_region) {
-    ++plan->num_one_region_steps;
-    return plan->linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(*plan, step)
-                                           : run_layers_in_one_region<float>(*plan, step);
+    // The head joins the region when the plan's layers are bfloat16 and its call reads x only as its units run.
+    const bool is_greedy_in_region = is_greedy && plan.linear_kind == kAmxPacked &&
+                                     !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.embedding.size(1));
+    ++plan.num_one_region_steps;
+    const at::Tensor result =
+        plan.linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(plan, step, is_greedy_in_region)
+                                       : run_layers_in_one_region<float>(plan, step, false);
+    if (is_greedy_in_region || !is_greedy) return result;
+    return kernels.first_argmax.call(result, plan.head_weight, plan.head_bias, plan.head_output_size,
+                                     plan.head_num_columns, "auto");
   }
-  return run_layers_op_by_op(*plan, kernels, step);
+  const at::Tensor hidden = run_layers_op_by_op(plan, kernels, step);
+  if (!is_greedy) return hidden;
+  return kernels.first_argmax.call(hidden, plan.head_weight, plan.head_bias, plan.head_output_size,
+                                   plan.head_num_columns, "auto");
+}
+
+at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
+                              const at::Tensor& positions, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                              const at::Tensor& slot_mapping, int64_t max_positions) {
+  return decode_step(*plan, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions,
+                     false);
+}
+
+// The step and the LM head's greedy sample (amx_linear_first_argmax of the final norm's output) in one call:
+// token ids [M] int64.
+at::Tensor llama_decode_stack_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
+                                     const at::Tensor& positions, const at::Tensor& block_table,
+                                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                                     int64_t max_positions) {
+  return decode_step(*plan, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions,
+                     true);
 }
 
 }  // namespace
@@ -527,11 +601,20 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
                        at::Tensor, at::Tensor, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t,
                        double, double, int64_t, int64_t, int64_t, int64_t>())
       .def("num_one_region_steps",
-           [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; });
+           [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
+      .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
+      .def("has_greedy_head",
+           [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->head_weight.defined(); });
   // The plan's KV caches are written (the schema cannot say so of a class's tensors: eager use only, as the stack).
   m.def(
       "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
       "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
+  m.def(
+      "llama_decode_stack_greedy(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
+      "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("llama_decode_stack", &llama_decode_stack); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("llama_decode_stack", &llama_decode_stack);
+  m.impl("llama_decode_stack_greedy", &llama_decode_stack_greedy);
+}
