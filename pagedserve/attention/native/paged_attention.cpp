@@ -660,7 +660,7 @@ struct DecodeAttentionCall::State {
   std::vector<int64_t> merge_items;  // the first item of every (request, kv_head) with several partitions
   std::vector<float> partials;       // [item, group, head_dim + 2]: acc, then max and sum
   float scale = 0.f;
-  void (*run_items)(const State&, int64_t, int64_t) = nullptr;
+  void (*run_items)(const State&, const void*, int64_t, int64_t) = nullptr;  // the cache's data
   void (*merge)(const State&, int64_t, int64_t) = nullptr;
 };
 
@@ -672,10 +672,10 @@ using DecodeState = pagedserve_native::DecodeAttentionCall::State;
 
 // Items [begin, end) of a call: each writes its own output rows (one partition) or its own partial results.
 template <typename query_t, typename cache_t>
-void run_items(const DecodeState& s, int64_t begin, int64_t end) {
+void run_items(const DecodeState& s, const void* cache, int64_t begin, int64_t end) {
   const Geometry& g = s.g;
   const query_t* query_data = s.query.data_ptr<query_t>();
-  const cache_t* cache_data = s.kv_cache.data_ptr<cache_t>();
+  const cache_t* cache_data = static_cast<const cache_t*>(cache);
   const int32_t* table_data = s.block_table.data_ptr<int32_t>();
   query_t* out_data = s.out.data_ptr<query_t>();
   const int64_t group = g.group;
@@ -850,7 +850,13 @@ int64_t DecodeAttentionCall::num_items() const { return static_cast<int64_t>(sta
 
 int64_t DecodeAttentionCall::num_merges() const { return static_cast<int64_t>(state_->merge_items.size()); }
 
-void DecodeAttentionCall::run_items(int64_t begin, int64_t end) const { state_->run_items(*state_, begin, end); }
+void DecodeAttentionCall::run_items(int64_t begin, int64_t end) const {
+  state_->run_items(*state_, state_->kv_cache.data_ptr(), begin, end);
+}
+
+void DecodeAttentionCall::run_items_on(const at::Tensor& kv_cache, int64_t begin, int64_t end) const {
+  state_->run_items(*state_, kv_cache.data_ptr(), begin, end);
+}
 
 void DecodeAttentionCall::merge(int64_t begin, int64_t end) const { state_->merge(*state_, begin, end); }
 

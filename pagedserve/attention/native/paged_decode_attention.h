@@ -30,6 +30,9 @@ class DecodeAttentionCall {
   int64_t num_merges() const;
   // Items [begin, end); disjoint ranges may run on different threads at once. A block id outside the cache raises.
   void run_items(int64_t begin, int64_t end) const;
+  // The same items over another cache of the planned cache's sizes, dtype and layout (unchecked): the calls of
+  // layers that differ only in their caches share one plan.
+  void run_items_on(const at::Tensor& kv_cache, int64_t begin, int64_t end) const;
   // Merges [begin, end), once every item has run; disjoint ranges may run at once.
   void merge(int64_t begin, int64_t end) const;
 
