@@ -7,9 +7,13 @@ module calls and op dispatches per layer, as much time again as the reads. `llam
 same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py). On
 amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
-team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all sample greedily and
-ask for nothing else, the runner takes `greedy_token_ids` instead: the same step with the LM head's first argmax
-(amx_linear_first_argmax, sample/fused_greedy_head.py) run in the same region, which returns the token ids.
+team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all decode and sample
+greedily with nothing else asked, the runner takes `greedy_rows` instead (`llama_decode_rows_greedy`): one call
+reads the step's inputs from the runner's persistent batch, runs the layers and the LM head's first argmax
+(amx_linear_first_argmax, sample/fused_greedy_head.py) in the same region, and appends the tokens to the batch.
+After the ~275 MB weight stream of a batch-1 step every line of Python runs with cold caches (Zen 4 VM: the runner's
+and engine's per-step Python took ~90 us warm, ~650 us after the stream), so the step's inputs, attention metadata,
+sampler and append are not built in Python at all.
 
 It plugs into the model runner's forward seam (`build_native_decode_forward`): the eager model stays the path
 for every step the stack does not take; with compilation_config mode 'compile' the compiled graph takes every
@@ -38,6 +42,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,6 +62,7 @@ from pagedserve.layers.watched_attributes import watched_attributes_epoch
 from pagedserve.layers.weight_layout import OneDnnPrepackedLinearMethod
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from pagedserve.sample.fused_greedy_head import greedy_head_arguments
+from pagedserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +102,7 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
-    # The LM head as amx_linear_first_argmax takes it (greedy_head_arguments; None: greedy_token_ids is off).
+    # The LM head as amx_linear_first_argmax takes it (greedy_head_arguments; None: greedy_rows is off).
     greedy_head: tuple[torch.Tensor, torch.Tensor | None, int, int] | None = None
     # watched_attributes_epoch() when the sources below were last found current.
     epoch: int = -1
@@ -109,6 +115,8 @@ class NativeDecodeStackPlan:
     # step that finds every layer's cache bound (`bind_caches`), with the caches' block size.
     native: Any = None
     block_size: int = 0
+    # The persistent batch's arrays bound to `native` (bind_batch), compared by identity.
+    batch_arrays: tuple[torch.Tensor, ...] | None = None
 
     def bind_caches(self) -> Any:
         """The native plan object, made now if it is not yet and every attention layer has its KV cache (else
@@ -185,7 +193,7 @@ def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStackPlan:
     """The plan for `model` (the causal LM), or one whose `reason` says why it cannot take the stack. It also holds
-    the LM head for greedy_token_ids when the layers are tile-packed bfloat16 and the fused head op takes the head."""
+    the LM head for greedy_rows when the layers are tile-packed bfloat16 and the fused head op takes the head."""
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
         return NativeDecodeStackPlan(reason=f"{type(model).__name__} is not a Llama-family decoder")
@@ -269,7 +277,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
 
 class NativeDecodeForward:
     """The runner's forward: decode-only steps on `llama_decode_stack`, every other step on `fallback`; and
-    `greedy_token_ids`, the same steps with the LM head's greedy sample."""
+    `greedy_rows`, a greedy decode step of the runner's persistent batch in one call."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, plan: NativeDecodeStackPlan,
                  fallback: Callable[..., Any]) -> None:
@@ -279,10 +287,13 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
-        self.greedy_op = torch.ops.pagedserve.llama_decode_stack_greedy.default
+        self.greedy_op = torch.ops.pagedserve.llama_decode_rows_greedy.default
+        # The runner's persistent batch as greedy_rows hands it to the plan (bind_batch).
+        self.batch_arrays: tuple[torch.Tensor, ...] | None = None
+        self.batch_block_size = 0
         self.has_hooks = self._hook_check()
         self.num_stack_steps = 0
-        self.num_greedy_steps = 0  # of num_stack_steps, those that also sampled (greedy_token_ids)
+        self.num_greedy_steps = 0  # of num_stack_steps, those that also sampled (greedy_rows)
 
     def _hook_check(self) -> ForwardHookCheck:
         """Whether a forward hook or pre-hook would fire in the modules' forward: globally, on the model or on any
@@ -333,18 +344,33 @@ class NativeDecodeForward:
         self.num_stack_steps += 1
         return hidden_states
 
-    def greedy_token_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """[num_tokens] int64: the token each row samples greedily (first_argmax of the LM head's bf16 logits, as
-        FusedGreedySampler gives it), from the stack and the head in one call (`llama_decode_stack_greedy`); None
-        when the step does not take the stack or the plan has no head (the caller runs the forward and samples).
-        The caller checks that the sampler would take nothing but the argmax (fused_greedy_head.is_plain_greedy)."""
-        if self.plan is None or self.plan.greedy_head is None:
+    def bind_batch(self, batch: InputBatch) -> None:
+        """Share the runner's persistent batch arrays (their memory) with greedy_rows' op."""
+        self.batch_arrays = tuple(torch.from_numpy(array) for array in (
+            batch.token_ids, batch.num_tokens, batch.num_computed_tokens, batch.block_table, batch.num_blocks))
+        self.batch_block_size = batch.block_size
+
+    def greedy_rows(self, rows: np.ndarray) -> torch.Tensor | None:
+        """Decode rows `rows` of the bound batch, each its last token at position num_computed_tokens, sample each
+        row's next token greedily (first_argmax of the LM head's bf16 logits, as FusedGreedySampler gives it) and
+        append it to the batch: [len(rows)] int64 token ids. None when the step does not take the stack (hooks, the
+        model no longer qualifies, the caches not bound), the plan has no head, or a row's next token is not sampled
+        (a one-token prefill chunk); nothing has changed then, and the runner builds the step itself. The caller
+        checks that the sampler would take nothing but the argmax (fused_greedy_head.is_plain_greedy)."""
+        if self.batch_arrays is None or torch.is_grad_enabled():
             return None
-        arguments = self._stack_arguments(input_ids, positions)
-        # The plan may have been made again, without a head.
-        if arguments is None or self.plan is None or self.plan.greedy_head is None:
+        plan = self.current_plan()
+        if plan is None or plan.greedy_head is None or self.has_hooks():
             return None
-        token_ids = self.greedy_op(*arguments)
+        native = plan.bind_caches()
+        if native is None or plan.block_size != self.batch_block_size:
+            return None
+        if plan.batch_arrays is not self.batch_arrays:
+            native.bind_batch(*self.batch_arrays)
+            plan.batch_arrays = self.batch_arrays
+        token_ids = self.greedy_op(native, torch.from_numpy(rows), plan.rotary.max_positions)
+        if token_ids.numel() == 0:
+            return None
         self.num_stack_steps += 1
         self.num_greedy_steps += 1
         return token_ids

@@ -64,9 +64,12 @@ class ModelRunner:
             self.forward = build_model_forward(model, config, device)
             # Decode-only steps of qualifying models in one native call (models/native_decode_stack.py).
             self.forward = build_native_decode_forward(model, config, self.forward, device)
-        # Decode steps that only sample greedily: the native stack's forward with the LM head's argmax, in one call.
-        self.greedy_forward = self.forward.greedy_token_ids if isinstance(self.forward, NativeDecodeForward) \
-            and self.fused_greedy_sample.is_enabled else None
+        # Decode steps that only sample greedily: the native stack reads the batch, runs the model and the LM head's
+        # argmax and appends the tokens, in one call (models/native_decode_stack.py).
+        self.greedy_decode = None
+        if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled:
+            self.forward.bind_batch(self.input_batch)
+            self.greedy_decode = self.forward.greedy_rows
         if config.batch_invariant:
             # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
             from pagedserve.batch_invariant import batch_invariant_step
@@ -86,12 +89,13 @@ class ModelRunner:
         self._apply_scheduler_output(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        if self.greedy_decode is not None:
+            output = self._greedy_decode_step(scheduler_output)
+            if output is not None:
+                return output
         step = self._prepare_inputs(scheduler_output)
         metadata = self._build_attention_metadata(step)
         with set_forward_context(metadata):
-            greedy_token_ids = self._greedy_forward(step)
-            if greedy_token_ids is not None:
-                return self._greedy_output(step, greedy_token_ids)
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples
             return ModelRunnerOutput(request_ids=step.request_ids,
@@ -135,22 +139,23 @@ class ModelRunner:
             self._compute_prompt_logprobs(step, hidden_states, output)
         return output
 
-    def _greedy_forward(self, step: StepInputs) -> torch.Tensor | None:
-        """The token ids of a step in which every request decodes one token and samples it greedily with nothing
-        else asked (no logprobs, penalties or min_tokens), from the forward and the LM head's argmax in one call
-        (greedy_forward); None when that does not apply, and the forward and the sampler run."""
-        if self.greedy_forward is None or step.token_requests is not None or not step.is_sampled.all() \
+    def _greedy_decode_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A step in which every request decodes one token and samples it greedily with nothing else asked (no
+        logprobs, penalties or min_tokens), run by greedy_decode from the persistent batch: inputs, forward, the LM
+        head's argmax and the append in one call. None, with nothing changed, when that does not apply."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if scheduler_output.total_num_scheduled_tokens != len(num_scheduled) \
                 or self.input_batch.num_prompt_logprobs_requests:
             return None
         requests = self.input_batch.requests
-        if not is_plain_greedy(self._sampling_metadata([requests[request_id] for request_id in step.request_ids])):
+        states = [requests[request_id] for request_id in num_scheduled]
+        if not is_plain_greedy(self._sampling_metadata(states)):
             return None
-        return self.greedy_forward(step.input_ids, step.positions)
-
-    def _greedy_output(self, step: StepInputs, token_ids: torch.Tensor) -> ModelRunnerOutput:
-        """The output of a step _greedy_forward sampled: one token per request, appended to the batch."""
-        self.input_batch.append_tokens(step.rows, token_ids.numpy())
-        return ModelRunnerOutput(request_ids=step.request_ids,
+        token_ids = self.greedy_decode(np.fromiter((state.row for state in states), dtype=np.int64,
+                                                   count=len(states)))
+        if token_ids is None:
+            return None
+        return ModelRunnerOutput(request_ids=list(num_scheduled),
                                  sampled_token_ids=[[token_id] for token_id in token_ids.tolist()])
 
     def _apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -409,9 +410,10 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], **params) -> list[list[in
 @pytest.mark.parametrize("in_region", [True, False], ids=["one-region", "op-by-op"])
 @pytest.mark.parametrize("num_prompts", [1, 2, 5])
 def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_prompts: int, in_region: bool) -> None:
-    """Steps whose requests only sample greedily take greedy_token_ids: the stack and the LM head's argmax in one
-    call (inside the region, or after the layers op by op). The tokens equal those of the stack with the head
-    sampled separately (FusedGreedySampler) and of the modules. Prompts reach past the 256-token partition."""
+    """Steps whose requests only sample greedily take greedy_rows: the batch's inputs, the stack, the LM head's
+    argmax (inside the region, or after the layers op by op) and the append in one call. The tokens equal those of
+    the stack with the head sampled separately (FusedGreedySampler) and of the modules. Prompts reach past the
+    256-token partition."""
     import pagedserve.models.native_decode_stack as stack_module
 
     if not in_region:
@@ -422,11 +424,11 @@ def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_promp
     llm = LLM(folder, **options)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     forward = _forward(llm)
-    assert forward.plan.greedy_head is not None and runner.greedy_forward is not None
+    assert forward.plan.greedy_head is not None and runner.greedy_decode is not None
     greedy = _greedy_tokens(llm, prompts)
     assert forward.num_greedy_steps == forward.num_stack_steps == NUM_STEPS - 1
     assert forward.plan.native.num_one_region_steps() == (NUM_STEPS - 1 if in_region else 0)
-    runner.greedy_forward = None  # the stack's hidden states, then FusedGreedySampler
+    runner.greedy_decode = None  # the stack's hidden states, then FusedGreedySampler
     separate = _greedy_tokens(llm, prompts)
     assert forward.num_greedy_steps == NUM_STEPS - 1 and forward.num_stack_steps == 2 * (NUM_STEPS - 1)
     modules = _greedy_tokens(LLM(folder, native_decode_stack=False, **options), prompts)
@@ -456,15 +458,42 @@ def test_steps_that_need_more_than_the_argmax_take_the_sampler(tiny_model_dir, p
 
 
 def test_greedy_head_only_on_tile_packed_layers(tiny_model_dir) -> None:
-    """Other layouts keep no head (the fused head op takes tile-packed bfloat16 weights only), and the greedy op
-    refuses a plan without one."""
+    """Other layouts keep no head (the fused head op takes tile-packed bfloat16 weights only): their greedy steps take
+    the general path, and the op refuses a plan without a batch or a head."""
     llm = _llm(tiny_model_dir("llama"), dtype="float32", weight_layout="plain_native")
     _greedy_tokens(llm, [[5, 6, 7, 8]])
     forward = _forward(llm)
-    assert forward.plan.greedy_head is None and forward.num_greedy_steps == 0
-    assert forward.greedy_token_ids(torch.tensor([5]), torch.tensor([4])) is None
+    assert forward.plan.greedy_head is None and forward.num_greedy_steps == 0 and forward.num_stack_steps > 0
+    assert forward.greedy_rows(np.array([0])) is None
     native = forward.plan.native
     assert not native.has_greedy_head()
+    with pytest.raises(RuntimeError, match=r"no batch bound \(DecodeStackPlan.bind_batch\)"):
+        forward.greedy_op(native, torch.tensor([0]), 256)
+    native.bind_batch(*forward.batch_arrays)
     with pytest.raises(RuntimeError, match="the plan has no LM head"):
-        forward.greedy_op(native, torch.tensor([5]), torch.tensor([4]), torch.tensor([[0]], dtype=torch.int32),
-                          torch.tensor([5], dtype=torch.int32), torch.tensor([4]), 256)
+        forward.greedy_op(native, torch.tensor([0]), 256)
+
+
+@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+def test_greedy_rows_checks_the_batch(tiny_model_dir) -> None:
+    """The op reads the runner's batch: a row outside it, or one without the blocks its position needs, is refused
+    with the row named, and a row whose next token is not sampled (a one-token prefill chunk) gives an empty result
+    with the batch untouched."""
+    llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
+    reference = _greedy_tokens(llm, [[5, 6, 7, 8]])
+    forward = _forward(llm)
+    native = forward.plan.native
+    token_ids, num_tokens, num_computed, block_table, num_blocks = (array.numpy() for array in forward.batch_arrays)
+    with pytest.raises(RuntimeError, match=r"rows\[0\]=.* is outside the batch's"):
+        forward.greedy_op(native, torch.tensor([len(num_tokens)]), 256)
+    row = 3
+    token_ids[row, :4] = [5, 6, 7, 8]
+    num_tokens[row], num_computed[row], num_blocks[row] = 4, 2, 1  # position 2 is not the last: not sampled
+    before = token_ids.copy()
+    assert forward.greedy_op(native, torch.tensor([row]), 256).numel() == 0
+    assert (token_ids == before).all() and num_tokens[row] == 4
+    num_computed[row], num_blocks[row] = 3, 0
+    with pytest.raises(RuntimeError, match=rf"row {row} has 0 blocks; position 3 needs 1"):
+        forward.greedy_op(native, torch.tensor([row]), 256)
+    num_tokens[row] = num_computed[row] = num_blocks[row] = 0
+    assert _greedy_tokens(llm, [[5, 6, 7, 8]]) == reference

@@ -23,9 +23,12 @@
 //       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
-//   llama_decode_stack_greedy(the same arguments) -> token ids [M] int64: the LM head's first argmax of that output
-//       (amx_linear_first_argmax; the head set by DecodeStackPlan.set_greedy_head), inside the step's one region
-//       when it has one (sample/fused_greedy_head.py says when the sampler would take nothing else)
+//   llama_decode_rows_greedy(plan, rows [M] int64, max_positions) -> token ids [M] int64: a decode step of rows
+//       `rows` of the runner's persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
+//       inputs read from the batch and the LM head's first argmax of the final norm's output (amx_linear_first_argmax;
+//       the head set by DecodeStackPlan.set_greedy_head) appended to it: the runner's whole greedy decode step in one
+//       call, the head inside the step's one region when it has one (sample/fused_greedy_head.py says when the
+//       sampler would take nothing else). Empty when a row's next token is not sampled (a one-token prefill chunk).
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
@@ -165,11 +168,14 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
   // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
   bool is_one_region_capable = false;
-  // The LM head llama_decode_stack_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
+  // The LM head llama_decode_rows_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
   // weights as amx_linear_first_argmax takes them.
   at::Tensor head_weight;
   OptionalTensor head_bias;
   int64_t head_output_size = 0, head_num_columns = 0;
+  // The runner's persistent batch (bind_batch; undefined: none): token ids [R, L] int64, token counts [R] int64,
+  // computed-token counts [R] int64, block table [R, B] int32 and its filled columns [R] int64, numpy's memory.
+  at::Tensor batch_token_ids, batch_num_tokens, batch_num_computed_tokens, batch_block_table, batch_num_blocks;
 
   DecodeStackPlan(std::vector<at::Tensor> weights_, c10::List<OptionalTensor> biases_,
                   std::vector<at::Tensor> kv_caches_, at::Tensor embedding_, at::Tensor final_norm_,
@@ -249,7 +255,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     return true;
   }
 
-  // The LM head of llama_decode_stack_greedy (checked at each step by amx_linear_first_argmax's own checks).
+  // The LM head of llama_decode_rows_greedy (checked at each step by amx_linear_first_argmax's own checks).
   void set_greedy_head(at::Tensor weight, OptionalTensor bias, int64_t output_size, int64_t num_columns) {
     TORCH_CHECK(weight.defined() && num_columns >= 1 && num_columns <= output_size,
                 "DecodeStackPlan.set_greedy_head: a packed weight and 1 <= num_columns <= output_size expected, got ",
@@ -258,6 +264,26 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     head_bias = std::move(bias);
     head_output_size = output_size;
     head_num_columns = num_columns;
+  }
+
+  // The persistent batch llama_decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
+  // the plan holds them).
+  void bind_batch(at::Tensor token_ids, at::Tensor num_tokens, at::Tensor num_computed_tokens, at::Tensor block_table,
+                  at::Tensor num_blocks) {
+    const auto is_rows = [&](const at::Tensor& tensor, at::ScalarType dtype, int64_t dim) {
+      return tensor.scalar_type() == dtype && tensor.dim() == dim && tensor.is_contiguous() && tensor.device().is_cpu() &&
+             tensor.size(0) == token_ids.size(0);
+    };
+    TORCH_CHECK(is_rows(token_ids, at::kLong, 2) && is_rows(num_tokens, at::kLong, 1) &&
+                    is_rows(num_computed_tokens, at::kLong, 1) && is_rows(block_table, at::kInt, 2) &&
+                    is_rows(num_blocks, at::kLong, 1),
+                "DecodeStackPlan.bind_batch: contiguous token_ids [R, L] int64, num_tokens, num_computed_tokens [R] "
+                "int64, block_table [R, B] int32 and num_blocks [R] int64 expected");
+    batch_token_ids = std::move(token_ids);
+    batch_num_tokens = std::move(num_tokens);
+    batch_num_computed_tokens = std::move(num_computed_tokens);
+    batch_block_table = std::move(block_table);
+    batch_num_blocks = std::move(num_blocks);
   }
 };
 
@@ -343,7 +369,7 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t 
 // with the row stages still dispatched as ops on thread 0, 1.094x with the row kernels; float32 1.038x.
 //
 // With `is_greedy` the LM head's first argmax (amx_linear_first_argmax's units) runs in the region too, after the
-// final norm, and the step returns the token ids [M] instead of the final norm's output (llama_decode_stack_greedy;
+// final norm, and the step returns the token ids [M] instead of the final norm's output (llama_decode_rows_greedy;
 // the plan has a head and AmxFirstArgmaxCall::copies_x(hidden) is false).
 template <typename scalar_t>
 at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step, bool is_greedy) {
@@ -539,7 +565,7 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   return token_ids;
 }
 
-// llama_decode_stack's and llama_decode_stack_greedy's step: the final norm's output, or with `is_greedy` the
+// llama_decode_stack's and llama_decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
 // head's first argmax of every row.
 at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t max_positions, bool is_greedy) {
   const at::Tensor& input_ids = step.input_ids;
@@ -552,8 +578,6 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
               input_ids.sizes(), " and ", positions.sizes(), " ", positions.scalar_type());
   TORCH_CHECK(max_positions <= cos_sin_cache.size(0), "llama_decode_stack: max_positions=", max_positions,
               " exceeds the rotary table's ", cos_sin_cache.size(0), " rows");
-  TORCH_CHECK(!is_greedy || plan.head_weight.defined(),
-              "llama_decode_stack_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
   const int64_t* position_data = positions.data_ptr<int64_t>();
   const int64_t max_position = *std::max_element(position_data, position_data + positions.size(0));
   TORCH_CHECK_VALUE(max_position < max_positions, "position ", max_position,
@@ -592,14 +616,61 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
                      false);
 }
 
-// The step and the LM head's greedy sample (amx_linear_first_argmax of the final norm's output) in one call:
-// token ids [M] int64.
-at::Tensor llama_decode_stack_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
-                                     const at::Tensor& positions, const at::Tensor& block_table,
-                                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
-                                     int64_t max_positions) {
-  return decode_step(*plan, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions,
-                     true);
+// The runner's greedy decode step of rows `rows` of the bound batch (see the header): each row's inputs are its
+// last token at position num_computed_tokens, the step's token ids come from the head, and each is appended to its
+// row (token_ids[row, num_tokens] = token, num_tokens += 1), as the runner's InputBatch.append_tokens does.
+at::Tensor llama_decode_rows_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& rows,
+                                    int64_t max_positions) {
+  DecodeStackPlan& p = *plan;
+  TORCH_CHECK(p.batch_token_ids.defined(), "llama_decode_rows_greedy: no batch bound (DecodeStackPlan.bind_batch)");
+  TORCH_CHECK(p.head_weight.defined(),
+              "llama_decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) >= 1 && rows.is_contiguous(),
+              "llama_decode_rows_greedy: rows [M] int64, M >= 1, expected, got ", rows.sizes(), " ", rows.scalar_type());
+  const int64_t num_rows = rows.size(0), num_batch_rows = p.batch_token_ids.size(0);
+  const int64_t max_len = p.batch_token_ids.size(1), table_columns = p.batch_block_table.size(1);
+  const int64_t block_size = p.kv_caches[0].size(2);
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  int64_t* const token_ids = p.batch_token_ids.data_ptr<int64_t>();
+  int64_t* const num_tokens = p.batch_num_tokens.data_ptr<int64_t>();
+  const int64_t* const num_computed = p.batch_num_computed_tokens.data_ptr<int64_t>();
+  const int32_t* const table = p.batch_block_table.data_ptr<int32_t>();
+  const int64_t* const num_blocks = p.batch_num_blocks.data_ptr<int64_t>();
+  const at::TensorOptions long_options = rows.options();
+  at::Tensor input_ids = at::empty({num_rows}, long_options), positions = at::empty({num_rows}, long_options);
+  at::Tensor slot_mapping = at::empty({num_rows}, long_options);
+  at::Tensor seq_lens = at::empty({num_rows}, long_options.dtype(at::kInt));
+  int64_t max_blocks = 1;
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const int64_t row = row_ids[m];
+    TORCH_CHECK(row >= 0 && row < num_batch_rows, "llama_decode_rows_greedy: rows[", m, "]=", row,
+                " is outside the batch's ", num_batch_rows, " rows");
+    const int64_t position = num_computed[row];
+    if (position < 0 || position + 1 != num_tokens[row]) return at::empty({0}, long_options);  // not sampled
+    TORCH_CHECK(num_tokens[row] < max_len, "llama_decode_rows_greedy: row ", row, " holds ", num_tokens[row],
+                " tokens, the batch's limit (max_model_len=", max_len, "): no room for the next");
+    const int64_t block = position / block_size;
+    TORCH_CHECK(block < num_blocks[row] && num_blocks[row] <= table_columns, "llama_decode_rows_greedy: row ", row,
+                " has ", num_blocks[row], " blocks; position ", position, " needs ", block + 1);
+    input_ids.data_ptr<int64_t>()[m] = token_ids[row * max_len + position];
+    positions.data_ptr<int64_t>()[m] = position;
+    seq_lens.data_ptr<int32_t>()[m] = static_cast<int32_t>(position + 1);
+    slot_mapping.data_ptr<int64_t>()[m] = table[row * table_columns + block] * block_size + position % block_size;
+    max_blocks = std::max(max_blocks, block + 1);
+  }
+  at::Tensor block_table = at::empty({num_rows, max_blocks}, long_options.dtype(at::kInt));
+  for (int64_t m = 0; m < num_rows; ++m)
+    std::memcpy(block_table.data_ptr<int32_t>() + m * max_blocks, table + row_ids[m] * table_columns,
+                max_blocks * sizeof(int32_t));
+  const at::Tensor sampled =
+      decode_step(p, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions, true);
+  const int64_t* sampled_ids = sampled.data_ptr<int64_t>();
+  for (int64_t m = 0; m < num_rows; ++m) {
+    const int64_t row = row_ids[m];
+    token_ids[row * max_len + num_tokens[row]] = sampled_ids[m];
+    ++num_tokens[row];
+  }
+  return sampled;
 }
 
 }  // namespace
@@ -612,18 +683,20 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("num_one_region_steps",
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
+      .def("bind_batch", &DecodeStackPlan::bind_batch)
       .def("has_greedy_head",
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->head_weight.defined(); });
   // The plan's KV caches are written (the schema cannot say so of a class's tensors: eager use only, as the stack).
   m.def(
       "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
       "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
+  // The bound batch's token ids and counts are written too.
   m.def(
-      "llama_decode_stack_greedy(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
-      "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
+      "llama_decode_rows_greedy(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor rows, "
+      "int max_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("llama_decode_stack", &llama_decode_stack);
-  m.impl("llama_decode_stack_greedy", &llama_decode_stack_greedy);
+  m.impl("llama_decode_rows_greedy", &llama_decode_rows_greedy);
 }
