@@ -1,5 +1,8 @@
 """Builds and loads the native CPU kernels as torch ops: one library from every source in SOURCES.
 
+The library is also a Python extension module (`native_module()`): a call from Python that a batch-1 decode step
+makes once per token (the decode stack's decode_rows_greedy) skips torch's dispatcher there.
+
 Sources (paths relative to the `pagedserve` package root): attention/native/paged_attention.cpp (paged decode
 attention, K/V write; used by attention/cpu_native.py) and layers/native/elementwise.cpp (RMSNorm, residual add
 + RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py), the prefill attention
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import platform as python_platform
@@ -54,6 +58,8 @@ KEY_LENGTH = 20
 _lock = threading.Lock()
 # None: not tried yet; True: loaded in this process; an Exception: the failure, kept so it is reported once.
 _state: bool | BaseException | None = None
+# The library as a Python module, once loaded.
+_module: Any = None
 
 
 def _cpu_description() -> str:
@@ -112,8 +118,18 @@ def _library_name() -> str:
     return f"pagedserve_cpu_kernels_{extension_key()}"
 
 
-def _build_and_load() -> None:
-    """Loads the cached library, building it first when it is missing."""
+def _import_library(path: Path) -> Any:
+    """Imports the library at `path` as the Python module it also is (loading it registers its torch ops)."""
+    spec = importlib.util.spec_from_file_location(_library_name(), path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the native library {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_and_load() -> Any:
+    """Loads the cached library, building it first when it is missing; returns it as a Python module."""
     directory = extension_dir()
     library = directory / f"{_library_name()}.so"
     if not library.exists():
@@ -124,10 +140,10 @@ def _build_and_load() -> None:
         logger.info("building the native CPU kernels into %s (once per CPU and source)", directory)
         # Builds into build/ (torch's lock file there serialises concurrent builders), then publishes the
         # library by an atomic rename, so a concurrent process never loads a half-written file.
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=_library_name(), sources=[str(PACKAGE_ROOT / name) for name in SOURCES],
             extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
-            is_python_module=False, verbose=False,
+            is_python_module=True, verbose=False,
         )
         temporary = directory / f"{library.name}.{os.getpid()}.tmp"
         shutil.copyfile(build_dir / library.name, temporary)
@@ -136,10 +152,11 @@ def _build_and_load() -> None:
         removed = prune_extension_cache(directory.parent, directory.name)
         if removed:
             logger.info("removed %d older native builds from %s", len(removed), directory.parent)
-        return  # cpp_extension.load already loaded the library it built
-    torch.ops.load_library(str(library))
+        return module  # cpp_extension.load already loaded the library it built
+    module = _import_library(library)
     with contextlib.suppress(OSError):  # a read-only cache still loads
         os.utime(directory)  # used now: pruning keeps the most recently used builds
+    return module
 
 
 def load_native_extension() -> None:
@@ -148,11 +165,11 @@ def load_native_extension() -> None:
 
     Raises RuntimeError naming the cause when the extension cannot be built or loaded.
     """
-    global _state
+    global _state, _module
     with _lock:
         if _state is None:
             try:
-                _build_and_load()
+                _module = _build_and_load()
                 _state = True
             except Exception as error:  # a missing compiler/ninja, a compile error, a bad cached file
                 _state = error
@@ -162,6 +179,12 @@ def load_native_extension() -> None:
             raise RuntimeError(f"attention backend 'cpu_native' is unavailable: the native kernels could not be "
                                f"built or loaded ({type(_state).__name__}: {_state}); install a C++ compiler "
                                f"and ninja, or use attention_backend='torch_paged'") from _state
+
+
+def native_module() -> Any:
+    """The native library as a Python module (load_native_extension() first; raises as it does)."""
+    load_native_extension()
+    return _module
 
 
 def is_native_extension_available() -> bool:

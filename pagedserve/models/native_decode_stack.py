@@ -42,12 +42,11 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS, CpuNativeAttentionBackend, decode_inputs
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.attention.cpu_native_extension import is_native_extension_available, native_module
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.layers import native_elementwise
 from pagedserve.layers.activation import SiluAndMul
@@ -115,8 +114,10 @@ class NativeDecodeStackPlan:
     # step that finds every layer's cache bound (`bind_caches`), with the caches' block size.
     native: Any = None
     block_size: int = 0
-    # The persistent batch's arrays bound to `native` (bind_batch), compared by identity.
+    # The persistent batch's arrays bound to `native` (bind_batch), compared by identity, and native's handle for
+    # the binding's decode_rows_greedy.
     batch_arrays: tuple[torch.Tensor, ...] | None = None
+    handle: int = 0
 
     def bind_caches(self) -> Any:
         """The native plan object, made now if it is not yet and every attention layer has its KV cache (else
@@ -288,6 +289,8 @@ class NativeDecodeForward:
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
         self.greedy_op = torch.ops.pagedserve.llama_decode_rows_greedy.default
+        # The same step through the library's Python binding: the plan by handle, rows and tokens as lists.
+        self.decode_rows_greedy = native_module().decode_rows_greedy
         # The runner's persistent batch as greedy_rows hands it to the plan (bind_batch).
         self.batch_arrays: tuple[torch.Tensor, ...] | None = None
         self.batch_block_size = 0
@@ -350,10 +353,10 @@ class NativeDecodeForward:
             batch.token_ids, batch.num_tokens, batch.num_computed_tokens, batch.block_table, batch.num_blocks))
         self.batch_block_size = batch.block_size
 
-    def greedy_rows(self, rows: np.ndarray) -> torch.Tensor | None:
+    def greedy_rows(self, rows: list[int]) -> list[int] | None:
         """Decode rows `rows` of the bound batch, each its last token at position num_computed_tokens, sample each
         row's next token greedily (first_argmax of the LM head's bf16 logits, as FusedGreedySampler gives it) and
-        append it to the batch: [len(rows)] int64 token ids. None when the step does not take the stack (hooks, the
+        append it to the batch: the token ids. None when the step does not take the stack (hooks, the
         model no longer qualifies, the caches not bound), the plan has no head, or a row's next token is not sampled
         (a one-token prefill chunk); nothing has changed then, and the runner builds the step itself. The caller
         checks that the sampler would take nothing but the argmax (fused_greedy_head.is_plain_greedy)."""
@@ -368,8 +371,11 @@ class NativeDecodeForward:
         if plan.batch_arrays is not self.batch_arrays:
             native.bind_batch(*self.batch_arrays)
             plan.batch_arrays = self.batch_arrays
-        token_ids = self.greedy_op(native, torch.from_numpy(rows), plan.rotary.max_positions)
-        if token_ids.numel() == 0:
+            plan.handle = native.handle()
+        # llama_decode_rows_greedy without the dispatcher (decode_stack.cpp PlanRegistry): `native` lives as long
+        # as the plan, which holds it.
+        token_ids = self.decode_rows_greedy(plan.handle, rows, plan.rotary.max_positions)
+        if not token_ids:
             return None
         self.num_stack_steps += 1
         self.num_greedy_steps += 1

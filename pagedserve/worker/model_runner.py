@@ -151,12 +151,11 @@ class ModelRunner:
         states = [requests[request_id] for request_id in num_scheduled]
         if not is_plain_greedy(self._sampling_metadata(states)):
             return None
-        token_ids = self.greedy_decode(np.fromiter((state.row for state in states), dtype=np.int64,
-                                                   count=len(states)))
+        token_ids = self.greedy_decode([state.row for state in states])
         if token_ids is None:
             return None
         return ModelRunnerOutput(request_ids=list(num_scheduled),
-                                 sampled_token_ids=[[token_id] for token_id in token_ids.tolist()])
+                                 sampled_token_ids=[[token_id] for token_id in token_ids])
 
     def _apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -464,7 +464,7 @@ def test_greedy_head_only_on_tile_packed_layers(tiny_model_dir) -> None:
     _greedy_tokens(llm, [[5, 6, 7, 8]])
     forward = _forward(llm)
     assert forward.plan.greedy_head is None and forward.num_greedy_steps == 0 and forward.num_stack_steps > 0
-    assert forward.greedy_rows(np.array([0])) is None
+    assert forward.greedy_rows([0]) is None
     native = forward.plan.native
     assert not native.has_greedy_head()
     with pytest.raises(RuntimeError, match=r"no batch bound \(DecodeStackPlan.bind_batch\)"):

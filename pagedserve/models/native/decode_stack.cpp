@@ -41,6 +41,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 #include <torch/custom_class.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -52,6 +53,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -148,6 +150,22 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
     return onednn_linear().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
   return at::linear(x, weight, bias);
 }
+
+struct DecodeStackPlan;
+
+// Plans by integer handle, for the Python binding (decode_rows_greedy below): on the Zen 4 VM a call through torch's
+// dispatcher with the plan as a TorchBind argument, from cold caches after a batch-1 step's weight stream, cost
+// ~130 us more than the step itself. A plan registers itself at its first handle() and leaves at its destruction.
+struct PlanRegistry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, DecodeStackPlan*> plans;
+  int64_t next_handle = 1;
+
+  static PlanRegistry& get() {
+    static PlanRegistry registry;
+    return registry;
+  }
+};
 
 // What llama_decode_stack reads that does not change between steps, handed over once (Python: the plan's
 // `native` object). Passing the ~180 weights, ~120 biases and 30 KV caches as op arguments instead cost ~180 us of
@@ -264,6 +282,27 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     head_bias = std::move(bias);
     head_output_size = output_size;
     head_num_columns = num_columns;
+  }
+
+  int64_t registered_handle = 0;  // handle() (0: none yet)
+
+  ~DecodeStackPlan() override {
+    if (registered_handle == 0) return;
+    PlanRegistry& registry = PlanRegistry::get();
+    const std::lock_guard<std::mutex> lock(registry.mutex);
+    registry.plans.erase(registered_handle);
+  }
+
+  // The plan's handle for the Python binding, registered at the first call. The caller keeps the plan alive while it
+  // uses the handle (a handle of a destroyed plan is refused).
+  int64_t handle() {
+    if (registered_handle == 0) {
+      PlanRegistry& registry = PlanRegistry::get();
+      const std::lock_guard<std::mutex> lock(registry.mutex);
+      registered_handle = registry.next_handle++;
+      registry.plans[registered_handle] = this;
+    }
+    return registered_handle;
   }
 
   // The persistent batch llama_decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
@@ -619,24 +658,20 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
 // The runner's greedy decode step of rows `rows` of the bound batch (see the header): each row's inputs are its
 // last token at position num_computed_tokens, the step's token ids come from the head, and each is appended to its
 // row (token_ids[row, num_tokens] = token, num_tokens += 1), as the runner's InputBatch.append_tokens does.
-at::Tensor llama_decode_rows_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& rows,
-                                    int64_t max_positions) {
-  DecodeStackPlan& p = *plan;
+at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_t num_rows, int64_t max_positions) {
   TORCH_CHECK(p.batch_token_ids.defined(), "llama_decode_rows_greedy: no batch bound (DecodeStackPlan.bind_batch)");
   TORCH_CHECK(p.head_weight.defined(),
               "llama_decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) >= 1 && rows.is_contiguous(),
-              "llama_decode_rows_greedy: rows [M] int64, M >= 1, expected, got ", rows.sizes(), " ", rows.scalar_type());
-  const int64_t num_rows = rows.size(0), num_batch_rows = p.batch_token_ids.size(0);
+  TORCH_CHECK(num_rows >= 1, "llama_decode_rows_greedy: at least one row expected");
+  const int64_t num_batch_rows = p.batch_token_ids.size(0);
   const int64_t max_len = p.batch_token_ids.size(1), table_columns = p.batch_block_table.size(1);
   const int64_t block_size = p.kv_caches[0].size(2);
-  const int64_t* row_ids = rows.data_ptr<int64_t>();
   int64_t* const token_ids = p.batch_token_ids.data_ptr<int64_t>();
   int64_t* const num_tokens = p.batch_num_tokens.data_ptr<int64_t>();
   const int64_t* const num_computed = p.batch_num_computed_tokens.data_ptr<int64_t>();
   const int32_t* const table = p.batch_block_table.data_ptr<int32_t>();
   const int64_t* const num_blocks = p.batch_num_blocks.data_ptr<int64_t>();
-  const at::TensorOptions long_options = rows.options();
+  const at::TensorOptions long_options = at::TensorOptions().dtype(at::kLong);
   at::Tensor input_ids = at::empty({num_rows}, long_options), positions = at::empty({num_rows}, long_options);
   at::Tensor slot_mapping = at::empty({num_rows}, long_options);
   at::Tensor seq_lens = at::empty({num_rows}, long_options.dtype(at::kInt));
@@ -673,6 +708,30 @@ at::Tensor llama_decode_rows_greedy(const c10::intrusive_ptr<DecodeStackPlan>& p
   return sampled;
 }
 
+at::Tensor llama_decode_rows_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& rows,
+                                    int64_t max_positions) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "llama_decode_rows_greedy: rows [M] int64 expected, got ", rows.sizes(), " ", rows.scalar_type());
+  return decode_rows_greedy(*plan, rows.data_ptr<int64_t>(), rows.size(0), max_positions);
+}
+
+// The binding's form of llama_decode_rows_greedy: the plan by handle, the rows and the token ids as Python lists.
+std::vector<int64_t> decode_rows_greedy_by_handle(int64_t handle, const std::vector<int64_t>& rows,
+                                                  int64_t max_positions) {
+  DecodeStackPlan* plan = nullptr;
+  {
+    PlanRegistry& registry = PlanRegistry::get();
+    const std::lock_guard<std::mutex> lock(registry.mutex);
+    const auto found = registry.plans.find(handle);
+    TORCH_CHECK(found != registry.plans.end(), "decode_rows_greedy: no live DecodeStackPlan has handle ", handle);
+    plan = found->second;
+  }
+  const at::Tensor sampled =
+      decode_rows_greedy(*plan, rows.data(), static_cast<int64_t>(rows.size()), max_positions);
+  const int64_t* data = sampled.data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + sampled.numel());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
@@ -684,6 +743,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
       .def("bind_batch", &DecodeStackPlan::bind_batch)
+      .def("handle", &DecodeStackPlan::handle)
       .def("has_greedy_head",
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->head_weight.defined(); });
   // The plan's KV caches are written (the schema cannot say so of a class's tensors: eager use only, as the stack).
@@ -699,4 +759,19 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("llama_decode_stack", &llama_decode_stack);
   m.impl("llama_decode_rows_greedy", &llama_decode_rows_greedy);
+}
+
+// The library is also a Python module (cpu_native_extension.native_module()): calls that a batch-1 decode step makes
+// once per token skip the dispatcher (see PlanRegistry). c10 errors become the Python exceptions torch raises for them.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "decode_rows_greedy",
+      [](int64_t handle, const std::vector<int64_t>& rows, int64_t max_positions) -> std::vector<int64_t> {
+        HANDLE_TH_ERRORS
+        return decode_rows_greedy_by_handle(handle, rows, max_positions);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      "llama_decode_rows_greedy on the plan with this handle (DecodeStackPlan.handle()): the rows' token ids, [] "
+      "when a row's next token is not sampled",
+      pybind11::arg("handle"), pybind11::arg("rows"), pybind11::arg("max_positions"));
 }
