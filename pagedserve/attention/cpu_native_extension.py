@@ -46,7 +46,8 @@ SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_att
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("attention/native/paged_decode_attention.h", "layers/native/amx_linear.h", "layers/native/amx_tiles.h",
            "layers/native/bfloat16_rounding.h", "layers/native/bfloat16_silu_table.h", "layers/native/elementwise.h",
-           "layers/native/exp_polynomial.h", "layers/native/small_batch_linear.h", "models/native/spin_barrier.h")
+           "layers/native/exp_polynomial.h", "layers/native/small_batch_linear.h", "models/native/spin_barrier.h",
+           "sample/native/first_argmax.h")
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).

@@ -9,8 +9,9 @@ amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of u
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
 team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all decode and sample
 greedily with nothing else asked, the runner takes `greedy_rows` instead (`llama_decode_rows_greedy`): one call
-reads the step's inputs from the runner's persistent batch, runs the layers and the LM head's first argmax
-(amx_linear_first_argmax, sample/fused_greedy_head.py) in the same region, and appends the tokens to the batch.
+reads the step's inputs from the runner's persistent batch, runs the layers and the LM head's greedy pick in the
+same region (bfloat16: amx_linear_first_argmax's units, sample/fused_greedy_head.py; float32: the head's
+small_batch_linear units and the greedy sampler's argmax), and appends the tokens to the batch.
 After the ~275 MB weight stream of a batch-1 step every line of Python runs with cold caches (Zen 4 VM: the runner's
 and engine's per-step Python took ~90 us warm, ~650 us after the stream), so the step's inputs, attention metadata,
 sampler and append are not built in Python at all.
@@ -101,7 +102,7 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
-    # The LM head as amx_linear_first_argmax takes it (greedy_head_arguments; None: greedy_rows is off).
+    # The LM head greedy_rows samples from (_greedy_head; None: greedy_rows is off).
     greedy_head: tuple[torch.Tensor, torch.Tensor | None, int, int] | None = None
     # watched_attributes_epoch() when the sources below were last found current.
     epoch: int = -1
@@ -192,9 +193,23 @@ def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
             and norm.weight.is_contiguous())
 
 
+def _greedy_head(lm_head: nn.Module, linear_kind: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
+    """(weight, bias, output size, columns sampled) of an LM head the stack's region samples from as the module path
+    would: tile-packed bfloat16 beside amx_packed layers (the fused head op's arguments), or a plain float32 head on
+    small_batch_linear beside plain_native layers (its logits, then the greedy sampler's argmax); None otherwise."""
+    if linear_kind == LINEAR_KINDS[AmxPackedLinearMethod]:
+        return greedy_head_arguments(lm_head)
+    if linear_kind in (LINEAR_KINDS[SmallBatchLinearMethod], SMALL_BATCH_ONEDNN_KIND) \
+            and type(getattr(lm_head, "linear_method", None)) is SmallBatchLinearMethod \
+            and lm_head.parallel_group.world_size == 1 and lm_head.vocab_start_index == 0 \
+            and lm_head.weight.dtype == torch.float32 and lm_head.weight.is_contiguous():
+        return lm_head.weight, lm_head.bias, lm_head.num_embeddings_per_partition, lm_head.org_vocab_size
+    return None
+
+
 def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStackPlan:
     """The plan for `model` (the causal LM), or one whose `reason` says why it cannot take the stack. It also holds
-    the LM head for greedy_rows when the layers are tile-packed bfloat16 and the fused head op takes the head."""
+    the LM head for greedy_rows when the head qualifies (_greedy_head)."""
     decoder = getattr(model, "model", None)
     if not isinstance(decoder, LlamaModel) or type(decoder).forward is not LlamaModel.forward:
         return NativeDecodeStackPlan(reason=f"{type(model).__name__} is not a Llama-family decoder")
@@ -256,11 +271,9 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         return NativeDecodeStackPlan(reason="the layers' linears use different methods")
     linear_kind = kinds.pop()
     lm_head = getattr(model, "lm_head", None)
-    greedy_head = None
-    if lm_head is not None and linear_kind == LINEAR_KINDS[AmxPackedLinearMethod]:
-        greedy_head = greedy_head_arguments(lm_head)
-        if greedy_head is not None:
-            sources.append(lm_head)
+    greedy_head = None if lm_head is None else _greedy_head(lm_head, linear_kind)
+    if greedy_head is not None:
+        sources.append(lm_head)
     mlp = layers[0].mlp
     return NativeDecodeStackPlan(
         weights=tuple(weights), biases=tuple(biases),
@@ -355,11 +368,12 @@ class NativeDecodeForward:
 
     def greedy_rows(self, rows: list[int]) -> list[int] | None:
         """Decode rows `rows` of the bound batch, each its last token at position num_computed_tokens, sample each
-        row's next token greedily (first_argmax of the LM head's bf16 logits, as FusedGreedySampler gives it) and
-        append it to the batch: the token ids. None when the step does not take the stack (hooks, the
-        model no longer qualifies, the caches not bound), the plan has no head, or a row's next token is not sampled
-        (a one-token prefill chunk); nothing has changed then, and the runner builds the step itself. The caller
-        checks that the sampler would take nothing but the argmax (fused_greedy_head.is_plain_greedy)."""
+        row's next token greedily (first_argmax of the LM head's logits, the module path's pick bit for bit) and
+        append it to the batch: the token ids. None when the step does not take the stack (hooks, the model no
+        longer qualifies, the caches not bound), the plan has no head, a float32 step is too large for the one
+        region, or a row's next token is not sampled (a one-token prefill chunk); nothing has changed then, and the
+        runner builds the step itself. The caller checks that the sampler would take nothing but the argmax
+        (fused_greedy_head.is_plain_greedy)."""
         if self.batch_arrays is None or torch.is_grad_enabled():
             return None
         plan = self.current_plan()

@@ -14,6 +14,8 @@ the step before (run earlier on this worker, steps run in order) appended the to
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 from torch import nn
@@ -66,7 +68,7 @@ class ModelRunner:
             self.forward = build_native_decode_forward(model, config, self.forward, device)
         # Decode steps that only sample greedily: the native stack reads the batch, runs the model and the LM head's
         # argmax and appends the tokens, in one call (models/native_decode_stack.py).
-        self.greedy_decode = None
+        self.greedy_decode: Callable[[list[int]], list[int] | None] | None = None
         if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled:
             self.forward.bind_batch(self.input_batch)
             self.greedy_decode = self.forward.greedy_rows

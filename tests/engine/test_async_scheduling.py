@@ -127,6 +127,20 @@ def test_placeholder_position_gets_the_workers_last_sampled_token(folder: str, m
                 checked.append((request_id, token_id, last_sampled[request_id]))
         return step
 
+    greedy_decode = runner.greedy_decode
+    assert greedy_decode is not None  # float32 plain_native: greedy decode steps read the batch natively
+
+    def checking_greedy_decode(rows):
+        # The native step's input for each row: the batch's token at the row's computed position.
+        batch = runner.input_batch
+        request_of_row = {state.row: request_id for request_id, state in batch.requests.items()}
+        for row in rows:
+            request_id = request_of_row[row]
+            if request_id in last_sampled:
+                token_id = int(batch.token_ids[row, batch.num_computed_tokens[row]])
+                checked.append((request_id, token_id, last_sampled[request_id]))
+        return greedy_decode(rows)
+
     def recording_execute_model(scheduler_output):
         output = execute_model(scheduler_output)
         for request_id, token_ids in zip(output.request_ids, output.sampled_token_ids):
@@ -143,6 +157,7 @@ def test_placeholder_position_gets_the_workers_last_sampled_token(folder: str, m
         return submit(scheduler_output)
 
     monkeypatch.setattr(runner, "_prepare_inputs", checking_prepare_inputs)
+    monkeypatch.setattr(runner, "greedy_decode", checking_greedy_decode)
     monkeypatch.setattr(runner, "execute_model", recording_execute_model)
     monkeypatch.setattr(core.executor, "execute_model_async", counting_submit)
     _generate(llm, _prompts(4, seed=4), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
@@ -195,15 +210,19 @@ def test_injected_step_failure_fails_only_that_batch(folder: str, monkeypatch) -
         current["batch"] = set(scheduler_output.num_scheduled_tokens)
         return execute_model(scheduler_output)
 
-    def failing_once_forward(*args, **kwargs):
-        calls["forward"] += 1
-        if calls["forward"] == 5:
-            current["failed"] = current["batch"]
-            raise RuntimeError("injected step failure")
-        return forward(*args, **kwargs)
+    def failing_once(model_step):
+        # The fifth model step fails, whichever path runs it (the forward, or greedy decode from the batch).
+        def step(*args, **kwargs):
+            calls["forward"] += 1
+            if calls["forward"] == 5:
+                current["failed"] = current["batch"]
+                raise RuntimeError("injected step failure")
+            return model_step(*args, **kwargs)
+        return step
 
     monkeypatch.setattr(worker, "execute_model", recording_execute_model)
-    monkeypatch.setattr(runner, "forward", failing_once_forward)
+    monkeypatch.setattr(runner, "forward", failing_once(forward))
+    monkeypatch.setattr(runner, "greedy_decode", failing_once(runner.greedy_decode))
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     failed_ids = {str(int(rid)) for rid in current["failed"]}
     errors = {o.request_id for o in outputs if o.outputs[0].finish_reason == "error"}

@@ -406,31 +406,35 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], **params) -> list[list[in
                                                          use_tqdm=False)]
 
 
-@pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
+@pytest.mark.parametrize("dtype,weight_layout,linear_kind", REGION_LAYOUTS)
 @pytest.mark.parametrize("in_region", [True, False], ids=["one-region", "op-by-op"])
 @pytest.mark.parametrize("num_prompts", [1, 2, 5])
-def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_prompts: int, in_region: bool) -> None:
+def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_prompts: int, in_region: bool, dtype: str,
+                                          weight_layout: str, linear_kind: int | None) -> None:
     """Steps whose requests only sample greedily take greedy_rows: the batch's inputs, the stack, the LM head's
-    argmax (inside the region, or after the layers op by op) and the append in one call. The tokens equal those of
-    the stack with the head sampled separately (FusedGreedySampler) and of the modules. Prompts reach past the
-    256-token partition."""
+    argmax and the append in one call (bfloat16: in the region, or after the layers op by op; float32: in the region
+    only, else the general path). The tokens equal those of the stack with the head sampled separately and of the
+    modules. Prompts reach past the 256-token partition."""
     import pagedserve.models.native_decode_stack as stack_module
 
     if not in_region:
         monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", 0)
     folder = tiny_model_dir("llama")
     prompts = random_prompts(num_prompts, 230, 250, seed=num_prompts)
-    options = dict(dtype="bfloat16", weight_layout="amx_packed", max_model_len=512, num_kv_blocks=40 * num_prompts)
+    options = dict(dtype=dtype, weight_layout=weight_layout, max_model_len=512, num_kv_blocks=40 * num_prompts)
     llm = LLM(folder, **options)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     forward = _forward(llm)
     assert forward.plan.greedy_head is not None and runner.greedy_decode is not None
     greedy = _greedy_tokens(llm, prompts)
-    assert forward.num_greedy_steps == forward.num_stack_steps == NUM_STEPS - 1
+    is_sampled_in_stack = in_region or dtype == "bfloat16"
+    assert forward.num_stack_steps == NUM_STEPS - 1
+    assert forward.num_greedy_steps == (NUM_STEPS - 1 if is_sampled_in_stack else 0)
     assert forward.plan.native.num_one_region_steps() == (NUM_STEPS - 1 if in_region else 0)
-    runner.greedy_decode = None  # the stack's hidden states, then FusedGreedySampler
+    runner.greedy_decode = None  # the stack's hidden states, then the sampler (FusedGreedySampler in bfloat16)
     separate = _greedy_tokens(llm, prompts)
-    assert forward.num_greedy_steps == NUM_STEPS - 1 and forward.num_stack_steps == 2 * (NUM_STEPS - 1)
+    assert forward.num_stack_steps == 2 * (NUM_STEPS - 1)
+    assert forward.num_greedy_steps == (NUM_STEPS - 1 if is_sampled_in_stack else 0)
     modules = _greedy_tokens(LLM(folder, native_decode_stack=False, **options), prompts)
     assert greedy == separate == modules
 
@@ -457,10 +461,10 @@ def test_steps_that_need_more_than_the_argmax_take_the_sampler(tiny_model_dir, p
     assert with_stack == tokens(_llm(folder, dtype="bfloat16", weight_layout="amx_packed", native_decode_stack=False))
 
 
-def test_greedy_head_only_on_tile_packed_layers(tiny_model_dir) -> None:
-    """Other layouts keep no head (the fused head op takes tile-packed bfloat16 weights only): their greedy steps take
-    the general path, and the op refuses a plan without a batch or a head."""
-    llm = _llm(tiny_model_dir("llama"), dtype="float32", weight_layout="plain_native")
+def test_greedy_head_only_beside_native_layers(tiny_model_dir) -> None:
+    """Plain float32 layers (F.linear) keep no head: their greedy steps take the general path, and the op refuses a
+    plan without a batch or a head."""
+    llm = _llm(tiny_model_dir("llama"), dtype="float32", weight_layout="plain")
     _greedy_tokens(llm, [[5, 6, 7, 8]])
     forward = _forward(llm)
     assert forward.plan.greedy_head is None and forward.num_greedy_steps == 0 and forward.num_stack_steps > 0

@@ -283,8 +283,10 @@ def test_disconnect_mid_stream_frees_blocks(server, model_name):
     _wait_for_idle(server)
     assert metrics_values(server)["vllm:request_success_total"] == aborted_before + 1  # counted as 'abort'
 
-    # Non-streaming: the client gives up (timeout) before the answer; the server aborts the request.
-    body["stream"] = False
+    # Non-streaming: the client gives up (timeout) before the answer; the server aborts the request. Sampled with
+    # logprobs, so the steps take the general path: greedy decode of the tiny model from the persistent batch
+    # (models/native_decode_stack.py) writes 2000 tokens within the client's timeout.
+    body.update(stream=False, temperature=1.0, seed=0, logprobs=5)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, json=body, timeout=0.5)
     _wait_for_idle(server)

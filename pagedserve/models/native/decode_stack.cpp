@@ -61,6 +61,7 @@
 #include "../../layers/native/amx_linear.h"
 #include "../../layers/native/elementwise.h"
 #include "../../layers/native/small_batch_linear.h"
+#include "../../sample/native/first_argmax.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -187,7 +188,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
   bool is_one_region_capable = false;
   // The LM head llama_decode_rows_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
-  // weights as amx_linear_first_argmax takes them.
+  // weights as amx_linear_first_argmax takes them (kind 2), or plain float32 ones as small_batch_linear does.
   at::Tensor head_weight;
   OptionalTensor head_bias;
   int64_t head_output_size = 0, head_num_columns = 0;
@@ -305,6 +306,12 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     return registered_handle;
   }
 
+  // Whether llama_decode_rows_greedy can sample a step of `num_rows` rows: with a head, a float32 one only in the
+  // one region (its small-batch kernel and the argmax run there).
+  bool can_sample_greedy(int64_t num_rows) const {
+    return head_weight.defined() && (linear_kind == kAmxPacked || num_rows <= one_region_rows_limit());
+  }
+
   // The persistent batch llama_decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
   // the plan holds them).
   void bind_batch(at::Tensor token_ids, at::Tensor num_tokens, at::Tensor num_computed_tokens, at::Tensor block_table,
@@ -407,9 +414,11 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t 
 // Batch-1 decode on the Zen 4 VM, alternating with op by op in one process (median of six rounds): bfloat16 1.059x
 // with the row stages still dispatched as ops on thread 0, 1.094x with the row kernels; float32 1.038x.
 //
-// With `is_greedy` the LM head's first argmax (amx_linear_first_argmax's units) runs in the region too, after the
-// final norm, and the step returns the token ids [M] instead of the final norm's output (llama_decode_rows_greedy;
-// the plan has a head and AmxFirstArgmaxCall::copies_x(hidden) is false).
+// With `is_greedy` the LM head's first argmax runs in the region too, after the final norm, and the step returns the
+// token ids [M] instead of the final norm's output (llama_decode_rows_greedy; the plan has a head, and in bfloat16
+// AmxFirstArgmaxCall::copies_x(hidden) is false): amx_linear_first_argmax's units in bfloat16; in float32 the
+// head's small_batch_linear units into logits, then cpu_first_argmax's row function on each row (its thread's), the
+// module path's compute_logits and greedy sampler.
 template <typename scalar_t>
 at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInputs& step, bool is_greedy) {
   using pagedserve_native::AmxFirstArgmaxCall;
@@ -455,12 +464,18 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   const at::Tensor states = at::empty({num_tokens, output_sizes[3]}, options);
   const at::Tensor out = at::empty({num_tokens, hidden}, options);
   const int requested_threads = std::max(1, at::get_num_threads());
-  std::unique_ptr<AmxFirstArgmaxCall> head;  // each thread's units into its own slot
-  at::Tensor token_ids;
+  std::unique_ptr<AmxFirstArgmaxCall> head;  // bfloat16: each thread's units into its own slot
+  std::unique_ptr<SmallBatchLinearCall> head_linear;  // float32: the logits
+  at::Tensor token_ids, logits;
   if (is_greedy) {
-    head = std::make_unique<AmxFirstArgmaxCall>(out, plan.head_weight, plan.head_bias, plan.head_output_size,
-                                                plan.head_num_columns, "auto", requested_threads);
     token_ids = at::empty({num_tokens}, options.dtype(at::kLong));
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      head = std::make_unique<AmxFirstArgmaxCall>(out, plan.head_weight, plan.head_bias, plan.head_output_size,
+                                                  plan.head_num_columns, "auto", requested_threads);
+    } else {
+      logits = at::empty({num_tokens, plan.head_output_size}, options);
+      head_linear = std::make_unique<SmallBatchLinearCall>(out, plan.head_weight, plan.head_bias, logits);
+    }
   }
   // One attention plan per distinct sliding window (the items depend on the window, not on the layer's cache,
   // whose sizes one_region_capable checked equal): planning all 30 layers' took ~40 us of a batch-1 step.
@@ -586,9 +601,21 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden,
                                               data(plan.final_norm), data(out) + row * hidden,
                                               residual_data + row * hidden, hidden, eps, lanes);
-      if (head != nullptr && is_running && stage_done()) {
-        const auto [begin, end] = thread_share(head->num_units(), thread, num_threads);
-        head->run_units(begin, end, thread);
+      if (is_greedy && is_running && stage_done()) {
+        if (head != nullptr) {
+          const auto [begin, end] = thread_share(head->num_units(), thread, num_threads);
+          head->run_units(begin, end, thread);
+        } else {
+          const auto [begin, end] = thread_share(head_linear->num_units(), thread, num_threads);
+          head_linear->run_units(begin, end);
+          if (stage_done()) {
+            const float* const logits_data = logits.data_ptr<float>();
+            int64_t* const token_data = token_ids.data_ptr<int64_t>();
+            for (int64_t row = first_row; row < end_row; ++row)
+              token_data[row] = pagedserve_native::first_argmax_row(logits_data + row * plan.head_output_size,
+                                                                    plan.head_num_columns);
+          }
+        }
       }
     } catch (...) {
       {
@@ -599,8 +626,8 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
     }
   }
   if (error) std::rethrow_exception(error);
-  if (head == nullptr) return out;
-  head->finish(token_ids.data_ptr<int64_t>());
+  if (!is_greedy) return out;
+  if (head != nullptr) head->finish(token_ids.data_ptr<int64_t>());
   return token_ids;
 }
 
@@ -631,17 +658,20 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
                              slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                              slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
   if (is_one_region) {
-    // The head joins the region when the plan's layers are bfloat16 and its call reads x only as its units run.
-    const bool is_greedy_in_region = is_greedy && plan.linear_kind == kAmxPacked &&
-                                     !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.embedding.size(1));
+    // The head joins the region, in bfloat16 when its call reads x only as its units run.
+    const bool is_greedy_in_region =
+        is_greedy && (plan.linear_kind != kAmxPacked ||
+                      !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.embedding.size(1)));
     ++plan.num_one_region_steps;
     const at::Tensor result =
         plan.linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(plan, step, is_greedy_in_region)
-                                       : run_layers_in_one_region<float>(plan, step, false);
+                                       : run_layers_in_one_region<float>(plan, step, is_greedy_in_region);
     if (is_greedy_in_region || !is_greedy) return result;
     return kernels.first_argmax.call(result, plan.head_weight, plan.head_bias, plan.head_output_size,
                                      plan.head_num_columns, "auto");
   }
+  TORCH_CHECK(!is_greedy || plan.linear_kind == kAmxPacked,
+              "llama_decode_rows_greedy: a float32 head samples only in the one region (can_sample_greedy)");
   const at::Tensor hidden = run_layers_op_by_op(plan, kernels, step);
   if (!is_greedy) return hidden;
   return kernels.first_argmax.call(hidden, plan.head_weight, plan.head_bias, plan.head_output_size,
@@ -663,6 +693,7 @@ at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_
   TORCH_CHECK(p.head_weight.defined(),
               "llama_decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
   TORCH_CHECK(num_rows >= 1, "llama_decode_rows_greedy: at least one row expected");
+  if (!p.can_sample_greedy(num_rows)) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
   const int64_t num_batch_rows = p.batch_token_ids.size(0);
   const int64_t max_len = p.batch_token_ids.size(1), table_columns = p.batch_block_table.size(1);
   const int64_t block_size = p.kv_caches[0].size(2);

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "first_argmax.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PAGEDSERVE_ARGMAX_AVX512 1
@@ -117,6 +119,12 @@ at::Tensor first_argmax(const at::Tensor& logits) {
 }
 
 }  // namespace
+
+namespace pagedserve_native {
+
+int64_t first_argmax_row(const float* row, int64_t size) { return row_first_argmax(row, size); }
+
+}  // namespace pagedserve_native
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) { m.def("cpu_first_argmax(Tensor logits) -> Tensor"); }
 
