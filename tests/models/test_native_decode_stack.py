@@ -440,7 +440,8 @@ def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_promp
 
 
 @pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
-@pytest.mark.parametrize("params", [dict(logprobs=1), dict(presence_penalty=0.5), dict(min_tokens=NUM_STEPS, stop_token_ids=[7])],
+@pytest.mark.parametrize("params", [dict(logprobs=1), dict(presence_penalty=0.5),
+                                    dict(min_tokens=NUM_STEPS, stop_token_ids=[7])],
                          ids=["logprobs", "penalty", "min-tokens"])
 def test_steps_that_need_more_than_the_argmax_take_the_sampler(tiny_model_dir, params: dict) -> None:
     """One request asking for more than the greedy token (logprobs, a penalty, min_tokens) sends every step it is

@@ -25,10 +25,12 @@
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
 //   llama_decode_rows_greedy(plan, rows [M] int64, max_positions) -> token ids [M] int64: a decode step of rows
 //       `rows` of the runner's persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
-//       inputs read from the batch and the LM head's first argmax of the final norm's output (amx_linear_first_argmax;
-//       the head set by DecodeStackPlan.set_greedy_head) appended to it: the runner's whole greedy decode step in one
-//       call, the head inside the step's one region when it has one (sample/fused_greedy_head.py says when the
-//       sampler would take nothing else). Empty when a row's next token is not sampled (a one-token prefill chunk).
+//       inputs read from the batch and the LM head's greedy pick from the final norm's output (the head set by
+//       DecodeStackPlan.set_greedy_head: amx_linear_first_argmax's in bfloat16, small_batch_linear's logits and
+//       cpu_first_argmax's in float32) appended to it: the runner's whole greedy decode step in one call, the head
+//       inside the step's one region (float32 steps only there: can_sample_greedy). The runner calls it when the
+//       sampler would take nothing else (sample/fused_greedy_head.py is_plain_greedy), through the Python binding at
+//       the end of this file. Empty when a row's next token is not sampled (a one-token prefill chunk).
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
@@ -277,7 +279,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // The LM head of llama_decode_rows_greedy (checked at each step by amx_linear_first_argmax's own checks).
   void set_greedy_head(at::Tensor weight, OptionalTensor bias, int64_t output_size, int64_t num_columns) {
     TORCH_CHECK(weight.defined() && num_columns >= 1 && num_columns <= output_size,
-                "DecodeStackPlan.set_greedy_head: a packed weight and 1 <= num_columns <= output_size expected, got ",
+                "DecodeStackPlan.set_greedy_head: a head weight and 1 <= num_columns <= output_size expected, got ",
                 num_columns, " and ", output_size);
     head_weight = std::move(weight);
     head_bias = std::move(bias);
@@ -317,8 +319,8 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   void bind_batch(at::Tensor token_ids, at::Tensor num_tokens, at::Tensor num_computed_tokens, at::Tensor block_table,
                   at::Tensor num_blocks) {
     const auto is_rows = [&](const at::Tensor& tensor, at::ScalarType dtype, int64_t dim) {
-      return tensor.scalar_type() == dtype && tensor.dim() == dim && tensor.is_contiguous() && tensor.device().is_cpu() &&
-             tensor.size(0) == token_ids.size(0);
+      return tensor.scalar_type() == dtype && tensor.dim() == dim && tensor.is_contiguous() &&
+             tensor.device().is_cpu() && tensor.size(0) == token_ids.size(0);
     };
     TORCH_CHECK(is_rows(token_ids, at::kLong, 2) && is_rows(num_tokens, at::kLong, 1) &&
                     is_rows(num_computed_tokens, at::kLong, 1) && is_rows(block_table, at::kInt, 2) &&
@@ -478,7 +480,8 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
     }
   }
   // One attention plan per distinct sliding window (the items depend on the window, not on the layer's cache,
-  // whose sizes one_region_capable checked equal): planning all 30 layers' took ~40 us of a batch-1 step.
+  // whose sizes one_region_capable checked equal): planning all 30 layers' took most of the ~46 us spent before
+  // the region of a batch-1 step (rdtsc, seventeenth session).
   std::vector<std::unique_ptr<DecodeAttentionCall>> attention_plans;
   std::vector<const DecodeAttentionCall*> attention(num_layers);
   for (int64_t layer = 0; layer < num_layers; ++layer) {
