@@ -211,7 +211,9 @@ FEATURES: tuple[Feature, ...] = (
         line="framework", family="graph mode", feature="native decode stack: decode-only steps of Llama-family "
                                                        "models (Llama, Mistral, Qwen2) run every layer in one "
                                                        "native call over the same kernels as the modules "
-                                                       "(bitwise equal; CPU, on by default)",
+                                                       "(bitwise equal; CPU, on by default); all-greedy decode "
+                                                       "steps also read their inputs from the persistent batch, "
+                                                       "pick the LM head's argmax in the same call and append it",
         modules=("pagedserve.models.native_decode_stack",),
         knobs=("native_decode_stack",),
         docs="docs/params-06-compilation.md",
