@@ -8,7 +8,7 @@ same arguments, so its output is bitwise that of the modules (tests/models/test_
 amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
 team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all decode and sample
-greedily with nothing else asked, the runner takes `greedy_rows` instead (`llama_decode_rows_greedy`): one call
+greedily with nothing else asked, the runner takes `greedy_rows` instead (`decode_rows_greedy`): one call
 reads the step's inputs from the runner's persistent batch, runs the layers and the LM head's greedy pick in the
 same region (bfloat16: amx_linear_first_argmax's units, sample/fused_greedy_head.py; float32: the head's
 small_batch_linear units and the greedy sampler's argmax), and appends the tokens to the batch.
@@ -301,8 +301,7 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
-        self.greedy_op = torch.ops.pagedserve.llama_decode_rows_greedy.default
-        # The same step through the library's Python binding: the plan by handle, rows and tokens as lists.
+        # greedy_rows' step, the library's Python binding: the plan by handle, rows and tokens as lists.
         self.decode_rows_greedy = native_module().decode_rows_greedy
         # The runner's persistent batch as greedy_rows hands it to the plan (bind_batch).
         self.batch_arrays: tuple[torch.Tensor, ...] | None = None
@@ -386,8 +385,8 @@ class NativeDecodeForward:
             native.bind_batch(*self.batch_arrays)
             plan.batch_arrays = self.batch_arrays
             plan.handle = native.handle()
-        # llama_decode_rows_greedy without the dispatcher (decode_stack.cpp PlanRegistry): `native` lives as long
-        # as the plan, which holds it.
+        # By handle, without the dispatcher (decode_stack.cpp PlanRegistry): `native` lives as long as the plan,
+        # which holds it.
         token_ids = self.decode_rows_greedy(plan.handle, rows, plan.rotary.max_positions)
         if not token_ids:
             return None

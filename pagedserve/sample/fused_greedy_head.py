@@ -9,7 +9,7 @@ lowest index, and the first NaN wins. SmolLM2-135M's head (49152 x 576), weights
 interleaved runs: 4.32 -> 3.25 ms at 64 rows, 2.46 -> 2.31 ms at 16, 2.10 -> 2.03 ms at one row.
 
 Where the native decode stack takes a decode step (models/native_decode_stack.py), the runner asks it for the
-token ids instead: `llama_decode_stack_greedy` runs the same head kernel inside the step's own parallel region.
+token ids instead: `decode_rows_greedy` runs the same head kernel inside the step's own parallel region.
 Otherwise the model runner asks `FusedGreedySampler` first. It answers None, and the logits path runs as before, for
 batches that need more than the argmax, for heads it cannot take (other layouts, a vocabulary split over ranks,
 enable_reduce_sample), and under torch.compile tracing.

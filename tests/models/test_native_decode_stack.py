@@ -473,32 +473,34 @@ def test_greedy_head_only_beside_native_layers(tiny_model_dir) -> None:
     native = forward.plan.native
     assert not native.has_greedy_head()
     with pytest.raises(RuntimeError, match=r"no batch bound \(DecodeStackPlan.bind_batch\)"):
-        forward.greedy_op(native, torch.tensor([0]), 256)
+        forward.decode_rows_greedy(native.handle(), [0], 256)
     native.bind_batch(*forward.batch_arrays)
     with pytest.raises(RuntimeError, match="the plan has no LM head"):
-        forward.greedy_op(native, torch.tensor([0]), 256)
+        forward.decode_rows_greedy(native.handle(), [0], 256)
+    with pytest.raises(RuntimeError, match="no live DecodeStackPlan has handle -1"):
+        forward.decode_rows_greedy(-1, [0], 256)
 
 
 @pytest.mark.skipif(not amx_linear_available(), reason="needs AMX or AVX512-BF16 (the amx_packed layout)")
 def test_greedy_rows_checks_the_batch(tiny_model_dir) -> None:
-    """The op reads the runner's batch: a row outside it, or one without the blocks its position needs, is refused
+    """The step reads the runner's batch: a row outside it, or one without the blocks its position needs, is refused
     with the row named, and a row whose next token is not sampled (a one-token prefill chunk) gives an empty result
     with the batch untouched."""
     llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
     reference = _greedy_tokens(llm, [[5, 6, 7, 8]])
     forward = _forward(llm)
-    native = forward.plan.native
+    handle = forward.plan.handle
     token_ids, num_tokens, num_computed, block_table, num_blocks = (array.numpy() for array in forward.batch_arrays)
     with pytest.raises(RuntimeError, match=r"rows\[0\]=.* is outside the batch's"):
-        forward.greedy_op(native, torch.tensor([len(num_tokens)]), 256)
+        forward.decode_rows_greedy(handle, [len(num_tokens)], 256)
     row = 3
     token_ids[row, :4] = [5, 6, 7, 8]
     num_tokens[row], num_computed[row], num_blocks[row] = 4, 2, 1  # position 2 is not the last: not sampled
     before = token_ids.copy()
-    assert forward.greedy_op(native, torch.tensor([row]), 256).numel() == 0
+    assert forward.decode_rows_greedy(handle, [row], 256) == []
     assert (token_ids == before).all() and num_tokens[row] == 4
     num_computed[row], num_blocks[row] = 3, 0
     with pytest.raises(RuntimeError, match=rf"row {row} has 0 blocks; position 3 needs 1"):
-        forward.greedy_op(native, torch.tensor([row]), 256)
+        forward.decode_rows_greedy(handle, [row], 256)
     num_tokens[row] = num_computed[row] = num_blocks[row] = 0
     assert _greedy_tokens(llm, [[5, 6, 7, 8]]) == reference

@@ -23,14 +23,16 @@
 //       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
-//   llama_decode_rows_greedy(plan, rows [M] int64, max_positions) -> token ids [M] int64: a decode step of rows
-//       `rows` of the runner's persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
+//   decode_rows_greedy(handle, rows, max_positions) -> token ids (the Python binding at the end of this file; the
+//       plan by DecodeStackPlan.handle(), rows and tokens as lists): a decode step of rows `rows` of the runner's
+//       persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
 //       inputs read from the batch and the LM head's greedy pick from the final norm's output (the head set by
 //       DecodeStackPlan.set_greedy_head: amx_linear_first_argmax's in bfloat16, small_batch_linear's logits and
 //       cpu_first_argmax's in float32) appended to it: the runner's whole greedy decode step in one call, the head
 //       inside the step's one region (float32 steps only there: can_sample_greedy). The runner calls it when the
-//       sampler would take nothing else (sample/fused_greedy_head.py is_plain_greedy), through the Python binding at
-//       the end of this file. Empty when a row's next token is not sampled (a one-token prefill chunk).
+//       sampler would take nothing else (sample/fused_greedy_head.py is_plain_greedy). Empty when a row's next token
+//       is not sampled (a one-token prefill chunk). A Python binding, not a torch op: it writes the batch, which a
+//       schema could not say, and the dispatcher's call cost ~130 us of a batch-1 step (PlanRegistry).
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
@@ -189,7 +191,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t num_one_region_steps = 0;  // steps that ran in one region (tests read it)
   // Whether the plan's tensors are what run_layers_in_one_region reads without checking (set by the constructor).
   bool is_one_region_capable = false;
-  // The LM head llama_decode_rows_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
+  // The LM head decode_rows_greedy samples from (set_greedy_head; undefined: none): tile-packed bfloat16
   // weights as amx_linear_first_argmax takes them (kind 2), or plain float32 ones as small_batch_linear does.
   at::Tensor head_weight;
   OptionalTensor head_bias;
@@ -276,7 +278,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     return true;
   }
 
-  // The LM head of llama_decode_rows_greedy (checked at each step by amx_linear_first_argmax's own checks).
+  // The LM head of decode_rows_greedy (checked at each step by amx_linear_first_argmax's own checks).
   void set_greedy_head(at::Tensor weight, OptionalTensor bias, int64_t output_size, int64_t num_columns) {
     TORCH_CHECK(weight.defined() && num_columns >= 1 && num_columns <= output_size,
                 "DecodeStackPlan.set_greedy_head: a head weight and 1 <= num_columns <= output_size expected, got ",
@@ -308,13 +310,13 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     return registered_handle;
   }
 
-  // Whether llama_decode_rows_greedy can sample a step of `num_rows` rows: with a head, a float32 one only in the
+  // Whether decode_rows_greedy can sample a step of `num_rows` rows: with a head, a float32 one only in the
   // one region (its small-batch kernel and the argmax run there).
   bool can_sample_greedy(int64_t num_rows) const {
     return head_weight.defined() && (linear_kind == kAmxPacked || num_rows <= one_region_rows_limit());
   }
 
-  // The persistent batch llama_decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
+  // The persistent batch decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
   // the plan holds them).
   void bind_batch(at::Tensor token_ids, at::Tensor num_tokens, at::Tensor num_computed_tokens, at::Tensor block_table,
                   at::Tensor num_blocks) {
@@ -417,7 +419,7 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int64_t thread, int64_t 
 // with the row stages still dispatched as ops on thread 0, 1.094x with the row kernels; float32 1.038x.
 //
 // With `is_greedy` the LM head's first argmax runs in the region too, after the final norm, and the step returns the
-// token ids [M] instead of the final norm's output (llama_decode_rows_greedy; the plan has a head, and in bfloat16
+// token ids [M] instead of the final norm's output (decode_rows_greedy; the plan has a head, and in bfloat16
 // AmxFirstArgmaxCall::copies_x(hidden) is false): amx_linear_first_argmax's units in bfloat16; in float32 the
 // head's small_batch_linear units into logits, then cpu_first_argmax's row function on each row (its thread's), the
 // module path's compute_logits and greedy sampler.
@@ -634,7 +636,7 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   return token_ids;
 }
 
-// llama_decode_stack's and llama_decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
+// llama_decode_stack's and decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
 // head's first argmax of every row.
 at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t max_positions, bool is_greedy) {
   const at::Tensor& input_ids = step.input_ids;
@@ -674,7 +676,7 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
                                      plan.head_num_columns, "auto");
   }
   TORCH_CHECK(!is_greedy || plan.linear_kind == kAmxPacked,
-              "llama_decode_rows_greedy: a float32 head samples only in the one region (can_sample_greedy)");
+              "decode_rows_greedy: a float32 head samples only in the one region (can_sample_greedy)");
   const at::Tensor hidden = run_layers_op_by_op(plan, kernels, step);
   if (!is_greedy) return hidden;
   return kernels.first_argmax.call(hidden, plan.head_weight, plan.head_bias, plan.head_output_size,
@@ -692,10 +694,10 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
 // last token at position num_computed_tokens, the step's token ids come from the head, and each is appended to its
 // row (token_ids[row, num_tokens] = token, num_tokens += 1), as the runner's InputBatch.append_tokens does.
 at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_t num_rows, int64_t max_positions) {
-  TORCH_CHECK(p.batch_token_ids.defined(), "llama_decode_rows_greedy: no batch bound (DecodeStackPlan.bind_batch)");
+  TORCH_CHECK(p.batch_token_ids.defined(), "decode_rows_greedy: no batch bound (DecodeStackPlan.bind_batch)");
   TORCH_CHECK(p.head_weight.defined(),
-              "llama_decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
-  TORCH_CHECK(num_rows >= 1, "llama_decode_rows_greedy: at least one row expected");
+              "decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
+  TORCH_CHECK(num_rows >= 1, "decode_rows_greedy: at least one row expected");
   if (!p.can_sample_greedy(num_rows)) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
   const int64_t num_batch_rows = p.batch_token_ids.size(0);
   const int64_t max_len = p.batch_token_ids.size(1), table_columns = p.batch_block_table.size(1);
@@ -712,14 +714,14 @@ at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_
   int64_t max_blocks = 1;
   for (int64_t m = 0; m < num_rows; ++m) {
     const int64_t row = row_ids[m];
-    TORCH_CHECK(row >= 0 && row < num_batch_rows, "llama_decode_rows_greedy: rows[", m, "]=", row,
+    TORCH_CHECK(row >= 0 && row < num_batch_rows, "decode_rows_greedy: rows[", m, "]=", row,
                 " is outside the batch's ", num_batch_rows, " rows");
     const int64_t position = num_computed[row];
     if (position < 0 || position + 1 != num_tokens[row]) return at::empty({0}, long_options);  // not sampled
-    TORCH_CHECK(num_tokens[row] < max_len, "llama_decode_rows_greedy: row ", row, " holds ", num_tokens[row],
+    TORCH_CHECK(num_tokens[row] < max_len, "decode_rows_greedy: row ", row, " holds ", num_tokens[row],
                 " tokens, the batch's limit (max_model_len=", max_len, "): no room for the next");
     const int64_t block = position / block_size;
-    TORCH_CHECK(block < num_blocks[row] && num_blocks[row] <= table_columns, "llama_decode_rows_greedy: row ", row,
+    TORCH_CHECK(block < num_blocks[row] && num_blocks[row] <= table_columns, "decode_rows_greedy: row ", row,
                 " has ", num_blocks[row], " blocks; position ", position, " needs ", block + 1);
     input_ids.data_ptr<int64_t>()[m] = token_ids[row * max_len + position];
     positions.data_ptr<int64_t>()[m] = position;
@@ -742,14 +744,7 @@ at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_
   return sampled;
 }
 
-at::Tensor llama_decode_rows_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& rows,
-                                    int64_t max_positions) {
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
-              "llama_decode_rows_greedy: rows [M] int64 expected, got ", rows.sizes(), " ", rows.scalar_type());
-  return decode_rows_greedy(*plan, rows.data_ptr<int64_t>(), rows.size(0), max_positions);
-}
-
-// The binding's form of llama_decode_rows_greedy: the plan by handle, the rows and the token ids as Python lists.
+// decode_rows_greedy as the Python binding takes it: the plan by handle, the rows and the token ids as lists.
 std::vector<int64_t> decode_rows_greedy_by_handle(int64_t handle, const std::vector<int64_t>& rows,
                                                   int64_t max_positions) {
   DecodeStackPlan* plan = nullptr;
@@ -784,15 +779,10 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
       "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
-  // The bound batch's token ids and counts are written too.
-  m.def(
-      "llama_decode_rows_greedy(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor rows, "
-      "int max_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("llama_decode_stack", &llama_decode_stack);
-  m.impl("llama_decode_rows_greedy", &llama_decode_rows_greedy);
 }
 
 // The library is also a Python module (cpu_native_extension.native_module()): calls that a batch-1 decode step makes
@@ -805,7 +795,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return decode_rows_greedy_by_handle(handle, rows, max_positions);
         END_HANDLE_TH_ERRORS_PYBIND
       },
-      "llama_decode_rows_greedy on the plan with this handle (DecodeStackPlan.handle()): the rows' token ids, [] "
+      "The greedy decode step of these batch rows on the plan with this handle (DecodeStackPlan.handle()): the rows' "
+      "token ids, [] "
       "when a row's next token is not sampled",
       pybind11::arg("handle"), pybind11::arg("rows"), pybind11::arg("max_positions"));
 }
