@@ -9,6 +9,8 @@ Per engine: 16 requests (64-token prompts) are brought to steady decoding, 10 de
 Reported: the decodes' mean TPOT and worst inter-token gap over that window, and the long prompt's TTFT.
 
     python benchmarks/chunked_prefill.py [--dtype bfloat16] [--target-tpot-ms 150] [--json out.json]
+
+The result goes to results/chunked_prefill_<dtype>_<cpu kind>.json (cpu_kind.py) unless --json names another file.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
+from cpu_kind import result_path  # noqa: E402
 
 NUM_DECODES = 16
 LONG_PROMPT_TOKENS = 3500
@@ -91,8 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--target-tpot-ms", type=float, default=150.0)
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--json", default=None,
+                        help="result file (default: results/chunked_prefill_<dtype>_<cpu kind>.json; '' writes none)")
     args = parser.parse_args()
+    if args.json is None:
+        args.json = result_path("chunked_prefill", args.dtype)
     folder = benchmark_model_folder()
     results = [
         run(folder, args.dtype, "no-chunk", enable_chunked_prefill=False, max_num_batched_tokens=4096),
@@ -110,6 +116,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ KV cache, so its best time is bytes per token / memory bandwidth. This script me
 and prints each engine's share of the roofline. It also reads pagedserve's largest weight (the LM head) in place and
 reports that memory's bandwidth beside the roofline's: on the AMD VM the probe buffer and the weights can land on
 memory that streams at different speeds (benchmarks/memory_placement.py), so the share at the weights' own speed
-is printed too (a diagnostic; the target is the share of the probe's roofline).
+is printed too (a diagnostic; the target is the share of the probe's roofline). The result goes to
+results/decode_roofline_<dtype>_<cpu kind>.json (cpu_kind.py) unless --json-out names another file.
 
     python benchmarks/decode_roofline.py --dtype bfloat16 [--vllm-python /root/vllm-cpu-venv/bin/python]
 """
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
+from cpu_kind import result_path  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_OUTPUT = 256
@@ -194,8 +196,11 @@ def main() -> None:
     parser.add_argument("--huge-page-weights", action=argparse.BooleanOptionalAction, default=True,
                         help="pagedserve's huge_page_weights load option (--no-huge-page-weights: the weights stay "
                              "where loading put them)")
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None,
+                        help="result file (default: results/decode_roofline_<dtype>_<cpu kind>.json; '' writes none)")
     args = parser.parse_args()
+    if args.json_out is None:
+        args.json_out = result_path("decode_roofline", args.dtype)
     folder = benchmark_model_folder()
     num_bytes = bytes_per_decode_token(getattr(torch, args.dtype), PROMPT_LEN + NUM_OUTPUT // 2)
     one, runs, weight_bandwidth = run_pagedserve(folder, args.dtype, args.threads, args.repeats,
@@ -231,6 +236,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Read bandwidth per buffer: does this machine stream every allocation at the same speed?
 
 Recipe B's roofline divides a decode token's bytes by the read bandwidth of a freshly allocated 1 GiB buffer. On the
-AMD Zen 4 VM of the eleventh to thirteenth sessions that figure moved between ~27 and ~60 GB/s within minutes. This
-script shows why: it allocates several buffers a few seconds apart, keeps them all, and measures each one's read
-bandwidth (torch's sum, best of three) every round. At the same moment, buffers differ by up to 1.6x, and a buffer
-mostly keeps its speed: on that VM seven 512 MiB buffers read at 38.6, 51.8, 57.6, 63.9, 63.6, 62.6, 62.7 GB/s, each
-within ~3 GB/s of that at every later round; in another run a first buffer went from 32 to 48 GB/s after ~7 s while
-the others held. The speed follows where a buffer's memory lands (and what the host does with it), not only the
-moment it is read. A model's weights are read from wherever they landed at load time; the roofline's probe buffer
-lands elsewhere.
+AMD EPYC Zen 4 VM (zen4-avx512bf16 in benchmarks/README.md) that figure moves between ~27 and ~60 GB/s within
+minutes. This script shows why: it allocates several buffers a few seconds apart, keeps them all, and measures each
+one's read bandwidth (torch's sum, best of three) every round. At the same moment, buffers differ by up to 1.6x, and
+a buffer mostly keeps its speed: on that VM seven 512 MiB buffers read at 38.6, 51.8, 57.6, 63.9, 63.6, 62.6,
+62.7 GB/s, each within ~3 GB/s of that at every later round; in another run a first buffer went from 32 to 48 GB/s
+after ~7 s while the others held. The speed follows where a buffer's memory lands (and what the host does with
+it), not only the moment it is read. A model's weights are read from wherever they landed at load time; the
+roofline's probe buffer lands elsewhere.
 
     python benchmarks/memory_placement.py [--buffers 7] [--mib 512] [--interval 6] [--threads 2]
 """

@@ -10,12 +10,13 @@ timed runs are interleaved: both engines are loaded first (vLLM in its own proce
 run of each, the order alternating between rounds. Between its runs the vLLM process tree is stopped (SIGSTOP,
 SIGCONT before its next run): idle, its worker still polls its message queue, which took 0.8% and 5.6% of one
 core in two samples here (of the two pagedserve's runs share); pagedserve's engine idles at ~0% while vLLM runs. Reported: every run,
-each engine's best run and their ratio (the headline, as in earlier sessions), and the per-round ratios with
-their median (the two runs of a round are minutes apart at most, so a phase change hits both alike more often).
+each engine's best run and their ratio (the headline), and the per-round ratios with their median (the two
+runs of a round are minutes apart at most, so a phase change hits both alike more often). The result goes to
+results/offline_vs_vllm_<dtype>_<cpu kind>.json (cpu_kind.py) unless --json-out names another file.
 With --prefill-only every request stops after its first token: the run is the prompts' prefill alone, and a
-full run's time minus it is the decode phase's (how the eighth session split A between the two phases).
+full run's time minus it is the decode phase's (such a run writes a file only when --json-out names one).
 
-    python benchmarks/offline_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16
+    python benchmarks/offline_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16 --repeats 4
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
+from cpu_kind import result_path  # noqa: E402
 from offline_throughput import PagedserveOfflineRunner, make_workload  # noqa: E402
 
 # A persistent vLLM process: loads, warms up, prints READY, then times one run per "run" line on stdin.
@@ -143,8 +145,12 @@ def main() -> None:
     parser.add_argument("--prefill-only", action="store_true",
                         help="every request generates one token: times the prompts' prefill alone (a full run's "
                              "time minus this one is its decode time)")
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None,
+                        help="result file (default: results/offline_vs_vllm_<dtype>_<cpu kind>.json; none for "
+                             "--prefill-only; '' writes none)")
     args = parser.parse_args()
+    if args.json_out is None and not args.prefill_only:
+        args.json_out = result_path("offline_vs_vllm", args.dtype)
     folder = benchmark_model_folder()
     workload = make_workload(args.num_requests, 0, 49152, (64, 512), (64, 256))
     if args.prefill_only:
@@ -176,6 +182,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=2)
+        print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":

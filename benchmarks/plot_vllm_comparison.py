@@ -1,25 +1,29 @@
-"""Plot issue #7's side-by-side results (recipes A, B, C) into one PNG for benchmarks/README.md.
+"""Plot issue #7's side-by-side results (recipes A, B, C) of one CPU kind into one PNG for benchmarks/README.md.
 
-Reads the JSON files the recipes write (missing ones are left out of the figure):
-  results/offline_vs_vllm_{bfloat16,float32}.json   (offline_vs_vllm.py --json-out)
-  results/decode_roofline_{bfloat16,float32}.json   (decode_roofline.py --json-out)
-  results/serving_vs_vllm_{bfloat16,float32}.json   (serving_vs_vllm.py --result-file)
+Reads the JSON files the recipes write for that CPU kind (cpu_kind.py; missing ones are left out of the figure):
+  results/offline_vs_vllm_{bfloat16,float32}_<cpu kind>.json   (offline_vs_vllm.py)
+  results/decode_roofline_{bfloat16,float32}_<cpu kind>.json   (decode_roofline.py)
+  results/serving_vs_vllm_{bfloat16,float32}_<cpu kind>.json   (serving_vs_vllm.py)
+and writes results/vllm_comparison_<cpu kind>.png. The CPU kind defaults to this machine's.
 
     pip install matplotlib   # benchmark-only, not a dependency of pagedserve
-    python benchmarks/plot_vllm_comparison.py --out benchmarks/results/vllm_comparison.png
+    python benchmarks/plot_vllm_comparison.py [--cpu-kind zen4-avx512bf16]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_kind import RESULTS, cpu_kind, result_path  # noqa: E402
 
 DTYPES = ("bfloat16", "float32")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def load(name: str) -> dict | list | None:
-    path = os.path.join(RESULTS, name)
+def load(recipe: str, dtype: str, kind: str) -> dict | list | None:
+    path = result_path(recipe, dtype, kind)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -48,15 +52,18 @@ def bars(axis, groups: list[str], series: dict[str, list[float]], title: str, yl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(RESULTS, "vllm_comparison.png"))
+    parser.add_argument("--cpu-kind", default=None, help="whose results to plot (default: this machine's kind)")
+    parser.add_argument("--out", default=None, help="default: results/vllm_comparison_<cpu kind>.png")
     args = parser.parse_args()
+    kind = args.cpu_kind or cpu_kind()
+    args.out = args.out or os.path.join(RESULTS, f"vllm_comparison_{kind}.png")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(14, 4))
-    offline = {dtype: load(f"offline_vs_vllm_{dtype}.json") for dtype in DTYPES}
+    offline = {dtype: load("offline_vs_vllm", dtype, kind) for dtype in DTYPES}
     groups = [dtype for dtype in DTYPES if offline[dtype]]
     series: dict[str, list[float]] = {"pagedserve": [], "vLLM CPU": []}
     for dtype in groups:
@@ -68,7 +75,7 @@ def main() -> None:
         series["vLLM CPU"].append(best["vllm-cpu"])
     bars(axes[0], groups, series, "A. offline throughput (64 requests)", "output tokens/s")
 
-    roofline = {dtype: load(f"decode_roofline_{dtype}.json") for dtype in DTYPES}
+    roofline = {dtype: load("decode_roofline", dtype, kind) for dtype in DTYPES}
     groups = [dtype for dtype in DTYPES if roofline[dtype]]
     series = {"roofline": [], "pagedserve": [], "vLLM CPU": []}
     for dtype in groups:
@@ -81,7 +88,7 @@ def main() -> None:
     groups, series = [], {"pagedserve TPOT p50": [], "vLLM TPOT p50": [], "pagedserve TTFT p50": [],
                           "vLLM TTFT p50": []}
     for dtype in DTYPES:
-        serving = load(f"serving_vs_vllm_{dtype}.json")
+        serving = load("serving_vs_vllm", dtype, kind)
         if not serving or len(serving["reports"]) < 2:
             continue
         ours, theirs = serving["reports"][0]["rates"], serving["reports"][1]["rates"]
@@ -92,8 +99,9 @@ def main() -> None:
             series["pagedserve TTFT p50"].append(ours[rate]["ttft"]["p50"])
             series["vLLM TTFT p50"].append(theirs[rate]["ttft"]["p50"])
     bars(axes[2], groups, series, "C. serving latency (lower is better; log scale)", "ms", is_log=True)
-    figure.suptitle("pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model, 2 cores (AMD Zen 4 VM, no AMX)",
-                    fontsize=10)
+    threads = next((r["threads"] for r in roofline.values() if r and "threads" in r), None)
+    figure.suptitle(f"pagedserve vs vLLM CPU 0.32 — SmolLM2-135M-shaped model"
+                    f"{f', {threads} threads' if threads else ''}, CPU kind {kind}", fontsize=10)
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     figure.savefig(args.out, dpi=110)

@@ -9,9 +9,10 @@ and reports TTFT / TPOT p50 and p99, throughput, and the HTTP overhead on mean T
 at 8 req/s).
 
 Issue settings (default): the default model in bf16, 100 requests, prompts [64, 512] tokens, outputs
-[32, 128], rates 2 and 8:
+[32, 128], rates 2 and 8; the result goes to results/serving_<dtype>_<cpu kind>.json (cpu_kind.py) unless
+--result-file names another file:
 
-    python benchmarks/serving.py --dtype bfloat16 --result-file benchmarks/results/serving.json
+    python benchmarks/serving.py --dtype bfloat16
 
 Smaller runs for a busy CPU: --num-prompts 20 --input-len-range 32 128 --output-len-range 16 48 --rates 1 4
     --threads 1 --engine-arg=--max-model-len --engine-arg=1024
@@ -33,6 +34,9 @@ import httpx
 import numpy as np
 
 from pagedserve.bench.serve import BenchRequest, RequestResult, make_requests, run_benchmark, summarize
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_kind import result_path  # noqa: E402
 
 
 def free_port() -> int:
@@ -152,8 +156,11 @@ def main() -> int:
                         help="CPU threads for both paths (OMP_NUM_THREADS for the server, torch.set_num_threads "
                              "in process); on a shared CPU, oversubscribed threads swamp the comparison")
     parser.add_argument("--skip-in-process", action="store_true")
-    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--result-file", default=None,
+                        help="result file (default: results/serving_<dtype>_<cpu kind>.json; '' writes none)")
     args = parser.parse_args()
+    if args.result_file is None:
+        args.result_file = result_path("serving", args.dtype)
 
     requests = make_requests(args.num_prompts, "random", None, tuple(args.input_len_range),
                              tuple(args.output_len_range), tuple(args.vocab_range), args.seed)
@@ -201,6 +208,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w") as f:
             json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.result_file}")
     return 0
 
 

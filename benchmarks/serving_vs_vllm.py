@@ -5,11 +5,11 @@ The same seeded workload (100 requests, random token-id prompts of [64, 512] tok
 /v1/completions, Poisson arrivals) to `pagedserve serve` and to vLLM CPU's OpenAI server, both on the
 SmolLM2-shaped benchmark model, at each request rate. Each rate sends its own prompts (seeds `--seed`,
 `--seed` + 1, ...) and the warm-up others again, so no rate finds an earlier rate's prompts in a prefix cache
-(pagedserve caches prefixes by default; until the twelfth session both rates sent the same prompts, and
-pagedserve's 8 req/s run hit its cache). One server runs at a time, on both cores. With
-`--repeats N` the engines take N rounds, alternating which goes first, and each figure is the median of the
-rounds (this VM's speed moves by tens of percent within minutes; one run per engine is not enough to rank
-them).
+(pagedserve caches prefixes by default: a rate that sent an earlier rate's prompts would time cache hits, not
+prefills). One server runs at a time, on both cores. With `--repeats N` the engines take N rounds, alternating
+which goes first, and each figure is the median of the rounds (a VM's speed can move by tens of percent within
+minutes; one run per engine is not enough to rank them). The result goes to
+results/serving_vs_vllm_<dtype>_<cpu kind>.json (cpu_kind.py) unless --result-file names another file.
 
     python benchmarks/serving_vs_vllm.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16 --repeats 2
 
@@ -33,6 +33,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
+from cpu_kind import result_path  # noqa: E402
 from serving import free_port  # noqa: E402
 
 from pagedserve.bench.serve import make_requests, run_benchmark, summarize  # noqa: E402
@@ -123,8 +124,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of both engines (alternating which starts); each figure is the median of the "
                              "rounds, every run is listed and kept in the result file")
-    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--result-file", default=None,
+                        help="result file (default: results/serving_vs_vllm_<dtype>_<cpu kind>.json; '' writes none)")
     args = parser.parse_args()
+    if args.result_file is None:
+        args.result_file = result_path("serving_vs_vllm", args.dtype)
 
     folder = benchmark_model_folder()
     def workload(seed: int) -> list:
@@ -179,6 +183,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w") as f:
             json.dump({"config": vars(args), "reports": reports, "runs": runs}, f, indent=2, default=str)
+        print(f"wrote {args.result_file}")
     return 0
 
 
