@@ -34,7 +34,7 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS
-    from pagedserve.layers import native_elementwise
+    from pagedserve.kernels import elementwise as native_elementwise
     from pagedserve.models.native_decode_stack import ONE_REGION_MAX_ROWS, NativeDecodeForward
 
     torch.set_num_threads(args.threads)

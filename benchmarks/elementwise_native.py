@@ -1,4 +1,4 @@
-"""Micro-benchmark: the native fused elementwise kernels (layers/native/elementwise.cpp) vs forward_native.
+"""Micro-benchmark: the native fused elementwise kernels (kernels/cpu/elementwise.cpp) vs forward_native.
 
 Per decoder layer of the SmolLM2-135M-shaped benchmark model (hidden 576, 9 heads / 3 KV heads, head_dim 64,
 intermediate 1536), the elementwise work around the GEMMs and attention: the input residual add + RMSNorm, RoPE
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagedserve.layers import native_elementwise  # noqa: E402
+from pagedserve.kernels import elementwise as native_elementwise  # noqa: E402
 from pagedserve.layers.activation import SiluAndMul  # noqa: E402
 from pagedserve.layers.norm import RMSNorm  # noqa: E402
 from pagedserve.layers.rotary import get_rope  # noqa: E402

@@ -2,7 +2,7 @@
 
 vLLM CPU 0.32 runs a dense bf16 linear on oneDNN with the weight reordered once at load (`create_onednn_mm` /
 `onednn_mm`, vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm); pagedserve's default bf16 layout
-runs it on the native AMX kernel (weight_layout='amx_packed', layers/native/amx_linear.cpp). This recipe times a
+runs it on the native AMX kernel (weight_layout='amx_packed', kernels/cpu/amx_linear.cpp). This recipe times a
 pass over 30 layers of SmolLM2-135M's four linear shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536; 212 MB of weights, streamed from memory as in a real step) at each batch size, in both: vLLM's op in a
 process of its own venv (this machine's torch and vLLM's torch differ), pagedserve's here, the two alternating

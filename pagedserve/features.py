@@ -54,7 +54,7 @@ FEATURES: tuple[Feature, ...] = (
                                                       "and fp32 prefills on FMA, native K/V write; batch "
                                                       "invariant; "
                                                       "JIT-built, cached, torch_paged fallback",
-        modules=("pagedserve.attention.cpu_native", "pagedserve.attention.cpu_native_extension"),
+        modules=("pagedserve.attention.cpu_native", "pagedserve.kernels.cpu_library"),
         knobs=("attention_backend",),
         docs="docs/params-03-attention-backends.md",
         tests=("tests/attention/test_cpu_native.py", "tests/attention/test_prefill_attention.py"),

@@ -42,7 +42,7 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(params=["amx", "avx512_bf16"])
 def linear_products(request: pytest.FixtureRequest) -> str:
-    """Each product unit of the tile-packed bf16 linear kernels (layers/native/amx_linear.cpp) that this CPU and
+    """Each product unit of the tile-packed bf16 linear kernels (kernels/cpu/amx_linear.cpp) that this CPU and
     process can run; the others skip."""
     from pagedserve.layers.amx_linear import amx_linear_products
 

@@ -1,12 +1,12 @@
 """The 'cpu_native' attention backend: decodes and the K/V write through native kernels, the rest as torch_paged.
 
 Decodes (the `num_decodes` single-token requests placed first) go to `pagedserve::paged_decode_attention`
-(attention/native/paged_attention.cpp), which reads K/V in place through the block table: one pass over
+(kernels/cpu/paged_attention.cpp), which reads K/V in place through the block table: one pass over
 the KV bytes instead of torch_paged's gather + SDPA (three passes). The step's K/V write goes to
 `pagedserve::reshape_and_cache`: one call for K and V that reads the (strided, fused-QKV) rows in place and
 converts the dtype on the way, instead of two `.to()` copies and two index_copy_ calls; its result is
 bitwise torch_paged.write_to_kv_cache's. On a CPU with AMX or AVX512-BF16, the prefill chunks and multi-token
-steps (bfloat16 or float32) go to `pagedserve::paged_prefill_attention` (attention/native/prefill_attention.cpp):
+steps (bfloat16 or float32) go to `pagedserve::paged_prefill_attention` (kernels/cpu/prefill_attention.cpp):
 one call for all of a step's prefills, flash attention reading K/V in place, its products on AMX tiles or
 VDPBF16PS dot products in bfloat16 and FMA in float32 (ATen's CPU flash attention ran at ~0.15 TFLOPS on
 SmolLM2's bf16 prompts with AMX, ~0.05 without, and ~0.05 in float32). Everything else (head dims that are not
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.cpu_native_extension import is_native_extension_available, load_native_extension
+from pagedserve.kernels.cpu_library import is_native_extension_available, load_native_extension
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, validate_inputs
 
 # Context tokens per work item of the kernel (flash-decoding partitions, merged in order). Part of the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op, register_fake
 
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 
 # ---------------------------------------------------------------- residual add + RMSNorm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.custom_op import CustomOp
 
 
@@ -16,7 +16,7 @@ class SiluAndMul(CustomOp):
         return F.silu(x[..., :half]) * x[..., half:]
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """One native kernel (layers/native/elementwise.cpp): silu rounded to the dtype, then the product, as
+        """One native kernel (kernels/cpu/elementwise.cpp): silu rounded to the dtype, then the product, as
         forward_native; every element through the vector exp (bitwise equal to forward_native except, for
         a row length that is not a multiple of ATen's vector, the last bit of its scalar tail). Per token,
         so batch invariant (kept on under batch_invariant=True)."""

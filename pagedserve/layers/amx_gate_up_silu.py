@@ -2,7 +2,7 @@
 
 With weight_layout='amx_packed' a bfloat16 MLP computes gate_up = x @ W^T ([M, 2d]), writes it out, and the
 SiLU-and-mul kernel reads it back to produce silu(gate) * up ([M, d]). Above 256 rows `amx_linear_silu_and_mul`
-(layers/native/amx_linear.cpp) computes each 32-row chunk's gate and up columns into L1 and writes only the
+(kernels/cpu/amx_linear.cpp) computes each 32-row chunk's gate and up columns into L1 and writes only the
 [M, d] result, bitwise what the two kernels give (same sums, same roundings, the same SiLU table). Interleaved
 with the unfused pair over 30 layers of SmolLM2-135M's gate_up at 2048 rows: 1.17x.
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod, load_amx_op
 from pagedserve.layers.forward_hooks import has_forward_hooks, hook_registries

@@ -2,7 +2,7 @@
 
 A decode step streams every weight once, so its linears run at the bandwidth their loop sustains. oneDNN's packed
 bf16 GEMM ('prepacked') sustained 17-19 GB/s at M = 1..16 with the weights in DRAM on an Intel Sapphire Rapids VM;
-the native kernel (layers/native/amx_linear.cpp) on AMX tiles sustained 25-28 GB/s, 1.4-1.5x, flat up to 16 rows,
+the native kernel (kernels/cpu/amx_linear.cpp) on AMX tiles sustained 25-28 GB/s, 1.4-1.5x, flat up to 16 rows,
 1.3-1.4x at 32 and 1.05-1.2x at 64 (benchmarks/amx_linear.py). Prefill-sized batches run on the same kernel:
 1.1-1.2x oneDNN at 128-512 rows, 0.75-0.85x at 2048.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.attention.cpu_native_extension import load_native_op
+from pagedserve.kernels.cpu_library import load_native_op
 from pagedserve.layers.linear import LinearMethodBase, packed_weight_of
 
 AMX_PACKED_LAYOUT = "amx_packed"
@@ -56,7 +56,7 @@ def _amx_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 
 
 def load_amx_op(op_name: str, fake: Callable[..., Any]) -> Any:
-    """pagedserve::<op_name>, another op of layers/native/amx_linear.cpp (with `fake` for tracing), when
+    """pagedserve::<op_name>, another op of kernels/cpu/amx_linear.cpp (with `fake` for tracing), when
     `amx_linear_available()`; else None."""
     return load_native_op(op_name, "is_amx_linear_supported", fake) if amx_linear_available() else None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.custom_op import CustomOp
 from pagedserve.layers.weight_loading import default_weight_loader
 
@@ -40,7 +40,7 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One native kernel (layers/native/elementwise.cpp) instead of forward_native's ~8 ops, bitwise equal
+        """One native kernel (kernels/cpu/elementwise.cpp) instead of forward_native's ~8 ops, bitwise equal
         to it; forward_native when the inputs do not qualify (dtype, layout, tracing, no native build).
 
         The kernel returns new tensors and never writes x or residual (Qwen3 passes a view of the qkv output).

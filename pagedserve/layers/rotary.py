@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -161,7 +161,7 @@ class RotaryEmbedding(CustomOp):
 
     def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor,
                     key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One native kernel (layers/native/elementwise.cpp) reading the cos/sin rows in place, instead of
+        """One native kernel (kernels/cpu/elementwise.cpp) reading the cos/sin rows in place, instead of
         forward_native's gather, casts and ~10 ops per tensor; bitwise equal to forward_native (same rounding
         points: cos/sin rounded to the dtype, each product and the sum rounded). Reads query/key views with
         their row strides (qkv.split slices) and returns new contiguous tensors. Per token, so batch

@@ -1,7 +1,7 @@
 """weight_layout='plain_native': float32 linears on plain weights, decode-sized batches on a native kernel.
 
 A linear with a handful of rows streams its weight once per step; its speed is the memory bandwidth the loop
-sustains. The native kernel (layers/native/small_batch_linear.cpp, built into the CPU library with the
+sustains. The native kernel (kernels/cpu/small_batch_linear.cpp, built into the CPU library with the
 attention kernels) streams the plain [N, K] weight four rows at a time with software prefetch and reuses each
 weight vector for every row: measured 1.03x / 1.16x / 1.64x / 1.63x / 1.36x the bandwidth of MKL's sgemm
 (F.linear) at M = 1 / 2 / 4 / 8 / 16 with the weights in DRAM (26.0 vs 25.2 GB/s at M = 1, 19.5 vs 12.0 at
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.cpu_native_extension import load_native_op
+from pagedserve.kernels.cpu_library import load_native_op
 from pagedserve.layers.linear import LinearMethodBase
 from pagedserve.platforms.cpu_vendor import is_intel_cpu
 

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from pagedserve.config.load import WEIGHT_LAYOUTS
+from pagedserve.kernels import cpu_isa
 from pagedserve.layers.amx_linear import AMX_PACKED_LAYOUT, AMX_PACKED_LINEAR_METHOD, amx_linear_available, amx_pack
 from pagedserve.layers.embedding import ParallelLMHead
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase, packed_weight_of
@@ -72,9 +73,31 @@ _PREPACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _AUTO_PREPACKED_DTYPES = (torch.bfloat16,)
 
 
-def can_prepack_on_cpu() -> bool:
-    """oneDNN is built in and usable (torch's CPU wheels on x86 and aarch64 ship it)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+def can_prepack_on_cpu(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN can pack and multiply `dtype` weights on this CPU: probed once per dtype with a tiny weight, never
+    assumed (torch's CPU wheels ship oneDNN on x86 and aarch64, but its bf16 path needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT: an AVX2-only CPU refuses bf16 weights at the reorder)."""
+    if dtype not in _PREPACKABLE_DTYPES or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    if dtype not in _prepack_probes:
+        _prepack_probes[dtype] = _probe_prepack(dtype)
+    return _prepack_probes[dtype]
+
+
+# dtype -> whether oneDNN packed and multiplied a tiny weight of it here.
+_prepack_probes: dict[torch.dtype, bool] = {}
+
+
+def _probe_prepack(dtype: torch.dtype) -> bool:
+    try:
+        weight = torch.ones(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        out = prepacked_matmul(torch.ones(2, 16, dtype=dtype), packed, None, 16)
+    except RuntimeError as error:
+        logger.info("oneDNN cannot pack %s weights on this CPU (%s): weight_layout='prepacked' is off for it", dtype,
+                    str(error).splitlines()[0])
+        return False
+    return bool(torch.all(out == 16))
 
 
 class OneDnnPrepackedLinearMethod(LinearMethodBase):
@@ -108,13 +131,14 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
     if weight_layout != "auto" and batch_invariant:
         raise ValueError(f"weight_layout={weight_layout!r} with batch_invariant=True: the batch-invariant mode "
                          f"computes plain GEMMs in fixed row tiles; use weight_layout='plain' or 'auto'")
-    can_pack = device_type == "cpu" and can_prepack_on_cpu() and dtype in _PREPACKABLE_DTYPES
+    can_pack = device_type == "cpu" and can_prepack_on_cpu(dtype)
     if weight_layout == PREPACKED_LAYOUT:
         if not can_pack:
             raise ValueError(f"weight_layout='prepacked' is not available for {dtype} on {device_type!r} "
-                             f"(needs the CPU with oneDNN and one of "
-                             f"{[str(d).removeprefix('torch.') for d in _PREPACKABLE_DTYPES]}); "
-                             f"use 'plain' or 'auto'")
+                             f"(needs the CPU, oneDNN, and one of "
+                             f"{[str(d).removeprefix('torch.') for d in _PREPACKABLE_DTYPES]} that oneDNN can run "
+                             f"on this CPU; CPU ISA {cpu_isa.describe()}); layouts it can run: "
+                             f"{runnable_layouts(device_type, dtype)}")
         return PREPACKED_LAYOUT
     # The native-kernel layouts run one dtype each, on the CPU, where their kernel is available (checked last:
     # that builds the native library at first use).
@@ -125,7 +149,8 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
     if weight_layout in _NATIVE_LAYOUTS:
         if not can_run_natively(weight_layout):
             raise ValueError(f"weight_layout={weight_layout!r} is not available for {dtype} on {device_type!r} "
-                             f"(needs {_NATIVE_LAYOUTS[weight_layout][2]}); use 'plain' or 'auto'")
+                             f"(needs {_NATIVE_LAYOUTS[weight_layout][2]}; CPU ISA {cpu_isa.describe()}); "
+                             f"layouts it can run: {runnable_layouts(device_type, dtype)}")
         return weight_layout
     if batch_invariant:
         return PLAIN_LAYOUT
@@ -136,6 +161,19 @@ def resolve_weight_layout(weight_layout: str, device_type: str, dtype: torch.dty
     if can_run_natively(PLAIN_NATIVE_LAYOUT):
         return PLAIN_NATIVE_LAYOUT
     return PLAIN_LAYOUT
+
+
+def runnable_layouts(device_type: str, dtype: torch.dtype) -> list[str]:
+    """The explicit layouts this device and CPU can run for `dtype` ('plain' always)."""
+    layouts = [PLAIN_LAYOUT]
+    if device_type != "cpu":
+        return layouts
+    if can_prepack_on_cpu(dtype):
+        layouts.append(PREPACKED_LAYOUT)
+    for layout, (native_dtype, is_available, _) in _NATIVE_LAYOUTS.items():
+        if dtype == native_dtype and is_available():
+            layouts.append(layout)
+    return layouts
 
 
 def _linear_layers(model: nn.Module) -> list[LinearBase]:
@@ -150,7 +188,7 @@ def _prepack_lm_head(head: ParallelLMHead) -> bool:
     """Give `head` its packed weight (see the module docstring); False when it cannot be packed."""
     weight = head.weight
     if head.packed_weight is not None or weight.is_mkldnn or weight.device.type != "cpu" \
-            or weight.dtype not in _PREPACKABLE_DTYPES:
+            or not can_prepack_on_cpu(weight.dtype):
         return False
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     if not head.is_tied:
@@ -200,7 +238,7 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
     with torch.no_grad():
         if layout == PREPACKED_LAYOUT:
             for layer in _linear_layers(model):
-                if layer.weight_read_elsewhere or layer.weight.dtype not in _PREPACKABLE_DTYPES:
+                if layer.weight_read_elsewhere or not can_prepack_on_cpu(layer.weight.dtype):
                     continue
                 PREPACKED_LINEAR_METHOD.process_weights_after_loading(layer)
                 layer.linear_method = PREPACKED_LINEAR_METHOD
@@ -262,4 +300,5 @@ def weight_layout_of(model: nn.Module) -> dict[str, int]:
 
 __all__ = ["AMX_PACKED_LAYOUT", "PLAIN_LAYOUT", "PLAIN_NATIVE_LAYOUT", "PREPACKED_LAYOUT",
            "OneDnnPrepackedLinearMethod",
-           "apply_weight_layout", "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "weight_layout_of"]
+           "apply_weight_layout", "can_prepack_on_cpu", "resolve_weight_layout", "restore_plain_layout", "runnable_layouts",
+           "weight_layout_of"]

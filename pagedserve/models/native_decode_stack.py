@@ -3,7 +3,7 @@
 At batch 1 a small model's decode step is bound by memory bandwidth: every weight is read once, ~120 linear
 calls of a few hundred microseconds each on SmolLM2-135M. Driving them through the modules costs ~40 Python
 module calls and op dispatches per layer, as much time again as the reads. `llama_decode_stack`
-(models/native/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
+(kernels/cpu/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
 same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py). On
 amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
@@ -47,9 +47,9 @@ import torch
 from torch import nn
 
 from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS, CpuNativeAttentionBackend, decode_inputs
-from pagedserve.attention.cpu_native_extension import is_native_extension_available, native_module
+from pagedserve.kernels.cpu_library import is_native_extension_available, native_module
 from pagedserve.attention.forward_context import get_forward_context
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
 from pagedserve.layers.embedding import VocabParallelEmbedding

@@ -34,8 +34,8 @@ class CpuPlatform(Platform):
 
     def default_attention_backend(self) -> str:
         """'cpu_native' (in-place paged decode kernels) when its C++ extension builds and loads, else the
-        portable 'torch_paged'; a failed build is logged once (attention/cpu_native_extension.py)."""
-        from pagedserve.attention.cpu_native_extension import is_native_extension_available
+        portable 'torch_paged'; a failed build is logged once (kernels/cpu_library.py)."""
+        from pagedserve.kernels.cpu_library import is_native_extension_available
 
         return "cpu_native" if is_native_extension_available() else "torch_paged"
 

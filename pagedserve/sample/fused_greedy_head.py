@@ -3,7 +3,7 @@
 When every sampled row is greedy and nothing else reads the logits (no logprobs, penalties or min_tokens), all
 the sampler does is `first_argmax(logits)`. With weight_layout='amx_packed' on the CPU, the LM head's kernel
 keeps each row's first maximum in its epilogue instead (`amx_linear_first_argmax`,
-layers/native/amx_linear.cpp). It writes no [rows, vocab] bf16 logits for first_argmax to read back, and gives the
+kernels/cpu/amx_linear.cpp). It writes no [rows, vocab] bf16 logits for first_argmax to read back, and gives the
 same token ids bit for bit: the kernel compares the very bf16 values `amx_linear` would store, ties go to the
 lowest index, and the first NaN wins. SmolLM2-135M's head (49152 x 576), weights in DRAM, medians of 8
 interleaved runs: 4.32 -> 3.25 ms at 64 rows, 2.46 -> 2.31 ms at 16, 2.10 -> 2.03 ms at one row.

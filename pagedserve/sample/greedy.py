@@ -14,7 +14,7 @@ block whose maximum equals the row's, and is that block's first maximum, so ties
 reference. Small inputs keep the one-pass reference, where the extra ops would cost more than they save.
 
 On the CPU, float32 and bfloat16 logits take the native kernel instead when the native library is built
-(sample/native/first_argmax.cpp: per row, a vectorised pass for the maximum and a second for its first index;
+(kernels/cpu/first_argmax.cpp: per row, a vectorised pass for the maximum and a second for its first index;
 the same result, [64, 49152] bf16 in ~0.2 ms against ~1.2 ms for the two-level form on this machine).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.kernels.cpu_library import is_native_extension_available
 
 # Columns per block: measured best among 512..4096 for vocabularies of 32k-152k (whole blocks stay in L1).
 BLOCK_WIDTH = 1024

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from pagedserve.attention import cpu_native_extension, get_attention_backend
+from pagedserve.kernels import cpu_library as cpu_native_extension
+from pagedserve.attention import get_attention_backend
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.cpu_native import (DECODE_PARTITION_TOKENS, CpuNativeAttentionBackend,
                                              paged_decode_attention)
@@ -279,7 +280,7 @@ def test_second_start_loads_the_cached_library_without_building() -> None:
         "import torch.utils.cpp_extension as c\n"
         "def no_build(*a, **k): raise AssertionError('rebuilt')\n"
         "c.load = no_build\n"
-        "from pagedserve.attention import cpu_native_extension as e\n"
+        "from pagedserve.kernels import cpu_library as e\n"
         "e.load_native_extension()\n"
         "import torch\n"
         "assert hasattr(torch.ops.pagedserve, 'paged_decode_attention')\n"
@@ -360,7 +361,7 @@ def test_prune_extension_cache_keeps_the_most_recently_used(tmp_path) -> None:
 def test_loading_marks_the_build_as_used() -> None:
     directory = cpu_native_extension.extension_dir()
     os.utime(directory, (1_000_000, 1_000_000))
-    code = "from pagedserve.attention import cpu_native_extension as e\ne.load_native_extension()\n"
+    code = "from pagedserve.kernels import cpu_library as e\ne.load_native_extension()\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from paged_inputs import build_attention_metadata
-from pagedserve.attention import cpu_native_extension, torch_paged
+from pagedserve.kernels import cpu_library as cpu_native_extension
+from pagedserve.attention import torch_paged
 from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, reshape_and_cache
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, write_to_kv_cache
 

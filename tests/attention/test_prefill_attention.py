@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from attention.test_cpu_native import _step
-from pagedserve.attention import cpu_native, cpu_native_extension
+from pagedserve.attention import cpu_native
+from pagedserve.kernels import cpu_library as cpu_native_extension
 from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, paged_prefill_attention
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 

@@ -207,7 +207,7 @@ def test_pass_manager_applies_enabled_passes() -> None:
 def test_fused_add_rms_norm_matches_reference(monkeypatch, dtype: torch.dtype, native: bool) -> None:
     """Bitwise the unfused reference, through the native CPU kernel when it is built (counted) and through the
     ATen body when it is not."""
-    from pagedserve.layers import native_elementwise
+    from pagedserve.kernels import elementwise as native_elementwise
 
     if native and not native_elementwise.native_elementwise_available():
         pytest.skip("the native CPU kernels are not built here")

@@ -144,7 +144,7 @@ def test_capture_succeeds_before_any_layer_checked_the_native_kernels(tiny_model
     """The layers' first call loads the native kernels under a lock, which Dynamo cannot trace: capture runs one
     eager forward first (in a fresh process the first forward used to be the traced one, and capture fell back
     to eager)."""
-    from pagedserve.layers import native_elementwise
+    from pagedserve.kernels import elementwise as native_elementwise
 
     monkeypatch.setattr(native_elementwise, "_available", None)  # as in a fresh process
     llm = _engine(tiny_model_dir("llama"), _compiled(tmp_path))

@@ -6,7 +6,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers import amx_gate_up_silu
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.amx_gate_up_silu import MIN_FUSED_ROWS, amx_linear_silu_and_mul, fused_op_available
 from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_pack
 from pagedserve.layers.weight_layout import apply_weight_layout

@@ -1,4 +1,4 @@
-"""The native fused elementwise CPU kernels (layers/native/elementwise.cpp) against forward_native.
+"""The native fused elementwise CPU kernels (kernels/cpu/elementwise.cpp) against forward_native.
 
 The kernels reproduce forward_native's rounding points and ATen's summation order, so the comparisons are
 bitwise (atol=0) for float32 and bfloat16; the one documented exception is SiLU on a row whose length is not a
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from pagedserve.attention import cpu_native_extension
-from pagedserve.layers import native_elementwise
+from pagedserve.kernels import cpu_library as cpu_native_extension
+from pagedserve.kernels import elementwise as native_elementwise
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import get_rope

@@ -18,7 +18,7 @@ import torch
 from generation_helpers import random_prompts
 from hf_reference import hf_greedy_with_logprobs
 from pagedserve import LLM, SamplingParams
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.kernels.cpu_library import is_native_extension_available
 from pagedserve.config.engine import EngineConfig
 from pagedserve.layers.amx_linear import amx_linear_available
 from pagedserve.layers.small_batch_linear import small_batch_linear_available

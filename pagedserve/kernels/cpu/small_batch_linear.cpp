@@ -39,8 +39,12 @@
 
 #include "small_batch_linear.h"
 
+#include "vector_avx2.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define PAGEDSERVE_SMALL_BATCH_LINEAR 1
+#elif defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_SMALL_BATCH_LINEAR 1
 #endif
 
@@ -48,29 +52,50 @@ namespace {
 
 constexpr int64_t kRows = 4;         // weight rows streamed together (one register each)
 constexpr int64_t kMaxInputs = 128;  // largest M the op accepts
-constexpr int64_t kLanes = 16;
 constexpr int64_t kFarPrefetchFactor = 8;  // the far prefetch distance, in near distances
 
-#if defined(PAGEDSERVE_SMALL_BATCH_LINEAR)
+// The level's float vector: AVX-512's 16 lanes, or AVX2's 8 (16 registers, not 32: input rows go at most
+// kMaxTileInputs at a time, so that a tile's accumulators and weight rows stay in registers).
+#if defined(__AVX512F__)
+using Vector = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxTileInputs = 5;
 
 // Loads x[offset : offset + 16] (fewer at the K tail, the rest zero).
 inline __m512 load_lanes(const float* source, int64_t count) {
   if (count >= kLanes) return _mm512_loadu_ps(source);
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), source);
 }
+inline __m512 zero_vector() { return _mm512_setzero_ps(); }
+inline __m512 multiply_add(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(__m512 v) { return _mm512_reduce_add_ps(v); }
+#elif defined(PAGEDSERVE_AVX2)
+using Vector = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxTileInputs = 3;
+
+inline __m256 load_lanes(const float* source, int64_t count) {
+  return count >= kLanes ? _mm256_loadu_ps(source) : pagedserve_native::load8_partial(source, count);
+}
+inline __m256 zero_vector() { return _mm256_setzero_ps(); }
+inline __m256 multiply_add(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline float reduce_add(__m256 v) { return pagedserve_native::horizontal_sum8(v); }
+#endif
+
+#if defined(PAGEDSERVE_SMALL_BATCH_LINEAR)
 
 // Columns [row, row + kNumRows) of y for kNumInputs input rows.
 template <int64_t kNumInputs, int64_t kNumRows>
 inline void gemm_tile(const float* x, int64_t x_stride, const float* weight_rows, int64_t k, const float* bias,
                       float* y, int64_t y_stride, int64_t row, int64_t prefetch_bytes) {
-  __m512 acc[kNumRows][kNumInputs];
+  Vector acc[kNumRows][kNumInputs];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < kNumRows; ++r)
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < kNumInputs; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kNumInputs; ++i) acc[r][i] = zero_vector();
   for (int64_t offset = 0; offset < k; offset += kLanes) {
     const int64_t count = k - offset;
-    __m512 w[kNumRows];
+    Vector w[kNumRows];
 #pragma GCC unroll 16
     for (int64_t r = 0; r < kNumRows; ++r) {
       const float* source = weight_rows + r * k + offset;
@@ -85,22 +110,22 @@ inline void gemm_tile(const float* x, int64_t x_stride, const float* weight_rows
     }
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kNumInputs; ++i) {
-      const __m512 input = load_lanes(x + i * x_stride + offset, count);
+      const Vector input = load_lanes(x + i * x_stride + offset, count);
 #pragma GCC unroll 16
-      for (int64_t r = 0; r < kNumRows; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], input, acc[r][i]);
+      for (int64_t r = 0; r < kNumRows; ++r) acc[r][i] = multiply_add(w[r], input, acc[r][i]);
     }
   }
 #pragma GCC unroll 16
   for (int64_t r = 0; r < kNumRows; ++r)
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kNumInputs; ++i) {
-      float value = _mm512_reduce_add_ps(acc[r][i]);
+      float value = reduce_add(acc[r][i]);
       if (bias != nullptr) value += bias[row + r];
       y[i * y_stride + row + r] = value;
     }
 }
 
-// All input rows against weight rows [row, row + kNumRows): input rows in groups of up to 5 (the weight rows
+// All input rows against weight rows [row, row + kNumRows): input rows in groups of up to kMaxTileInputs (the weight rows
 // stay in L1 between groups; only the first group prefetches the stream ahead).
 template <int64_t kNumRows>
 void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight, int64_t k, const float* bias,
@@ -111,13 +136,13 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
     const float* xi = x + input * x_stride;
     float* yi = y + input * n;
     const int64_t prefetch = input == 0 ? prefetch_bytes : 0;
-    if (left >= 5) {
+    if (left >= 5 && kMaxTileInputs >= 5) {
       gemm_tile<5, kNumRows>(xi, x_stride, weight_rows, k, bias, yi, n, row, prefetch);
       input += 5;
-    } else if (left == 4) {
+    } else if (left >= 4 && kMaxTileInputs >= 4) {
       gemm_tile<4, kNumRows>(xi, x_stride, weight_rows, k, bias, yi, n, row, prefetch);
       input += 4;
-    } else if (left == 3) {
+    } else if (left >= 3) {
       gemm_tile<3, kNumRows>(xi, x_stride, weight_rows, k, bias, yi, n, row, prefetch);
       input += 3;
     } else if (left == 2) {
@@ -144,26 +169,26 @@ constexpr int num_streams(int64_t num_inputs) { return num_inputs == 3 ? 4 : kMa
 
 template <int kInputs, int kStreams>
 inline void row_streams(const float* x, int64_t x_stride, const float* const* weight_rows, int64_t k, float* out) {
-  __m512 acc[kStreams][kInputs];
+  Vector acc[kStreams][kInputs];
 #pragma GCC unroll 8
   for (int stream = 0; stream < kStreams; ++stream)
 #pragma GCC unroll 4
-    for (int i = 0; i < kInputs; ++i) acc[stream][i] = _mm512_setzero_ps();
+    for (int i = 0; i < kInputs; ++i) acc[stream][i] = zero_vector();
   for (int64_t offset = 0; offset < k; offset += kLanes) {
-    __m512 inputs[kInputs];
+    Vector inputs[kInputs];
 #pragma GCC unroll 4
     for (int i = 0; i < kInputs; ++i) inputs[i] = load_lanes(x + i * x_stride + offset, k - offset);
 #pragma GCC unroll 8
     for (int stream = 0; stream < kStreams; ++stream) {
-      const __m512 w = load_lanes(weight_rows[stream] + offset, k - offset);
+      const Vector w = load_lanes(weight_rows[stream] + offset, k - offset);
 #pragma GCC unroll 4
-      for (int i = 0; i < kInputs; ++i) acc[stream][i] = _mm512_fmadd_ps(w, inputs[i], acc[stream][i]);
+      for (int i = 0; i < kInputs; ++i) acc[stream][i] = multiply_add(w, inputs[i], acc[stream][i]);
     }
   }
 #pragma GCC unroll 8
   for (int stream = 0; stream < kStreams; ++stream)
 #pragma GCC unroll 4
-    for (int i = 0; i < kInputs; ++i) out[stream * kInputs + i] = _mm512_reduce_add_ps(acc[stream][i]);
+    for (int i = 0; i < kInputs; ++i) out[stream * kInputs + i] = reduce_add(acc[stream][i]);
 }
 
 // Columns [begin, end) of y for kInputs input rows, num_streams(kInputs) stretches at a time.
@@ -249,8 +274,8 @@ SmallBatchLinearCall::SmallBatchLinearCall(const at::Tensor& x, const at::Tensor
   s.y = y.data_ptr<float>();
 #else
   (void)x, (void)weight, (void)bias, (void)y;
-  TORCH_CHECK(false, "small_batch_linear: this build has no AVX-512 kernel (is_small_batch_linear_supported() is "
-              "False here)");
+  TORCH_CHECK(false, "small_batch_linear: this build has no AVX2 or AVX-512 kernel (is_small_batch_linear_supported() "
+              "is False here)");
 #endif
 }
 

@@ -2,7 +2,7 @@
 //
 // pagedserve::paged_decode_attention is: plan the call (this class's constructor: checks, work items), run every
 // item (at::parallel_for over num_items()), then merge the requests with several partitions (at::parallel_for over
-// num_merges()). models/native/decode_stack.cpp runs the same pieces inside the one parallel region of its decode
+// num_merges()). kernels/cpu/decode_stack.cpp runs the same pieces inside the one parallel region of its decode
 // step instead, so the two give the same bits: an item's and a merge's result never depend on which thread runs it
 // or on the other items.
 #pragma once

@@ -1,7 +1,7 @@
 // amx_linear and amx_linear_first_argmax cut into the pieces a caller's own parallel region runs (amx_linear.cpp).
 //
 // pagedserve::amx_linear is: check and plan the product (this class's constructor), then run its work units
-// (at::parallel_for over num_units()). models/native/decode_stack.cpp runs the same units inside the one parallel
+// (at::parallel_for over num_units()). kernels/cpu/decode_stack.cpp runs the same units inside the one parallel
 // region of its decode step, so the two write the same bits: a unit's outputs never depend on which thread runs it
 // or on the other units (amx_linear.cpp, "Work split and numerics").
 #pragma once

@@ -56,7 +56,7 @@
 #include <string>
 #include <vector>
 
-#include "../../layers/native/amx_tiles.h"
+#include "amx_tiles.h"
 
 namespace {
 

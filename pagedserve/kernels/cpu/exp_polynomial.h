@@ -1,5 +1,5 @@
 // e^x, 16 lanes at a time, for the kernels that exponentiate in registers: decode attention's softmax
-// (attention/native/paged_attention.cpp) and SiLU where libtorch does not export Sleef's expf (elementwise.cpp).
+// (kernels/cpu/paged_attention.cpp) and SiLU where libtorch does not export Sleef's expf (elementwise.cpp).
 // Prefill attention's softmax keeps its own 2^f polynomial (prefill_attention.cpp): its inputs are all <= 0 and its
 // tests pin its bits.
 #pragma once

@@ -61,11 +61,11 @@
 #include <utility>
 #include <vector>
 
-#include "../../attention/native/paged_decode_attention.h"
-#include "../../layers/native/amx_linear.h"
-#include "../../layers/native/elementwise.h"
-#include "../../layers/native/small_batch_linear.h"
-#include "../../sample/native/first_argmax.h"
+#include "paged_decode_attention.h"
+#include "amx_linear.h"
+#include "elementwise.h"
+#include "small_batch_linear.h"
+#include "first_argmax.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -785,7 +785,7 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("llama_decode_stack", &llama_decode_stack);
 }
 
-// The library is also a Python module (cpu_native_extension.native_module()): calls that a batch-1 decode step makes
+// The library is also a Python module (cpu_library.native_module()): calls that a batch-1 decode step makes
 // once per token skip the dispatcher (see PlanRegistry). c10 errors become the Python exceptions torch raises for them.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(

@@ -1,4 +1,4 @@
-// The row kernels of elementwise.cpp, for callers that drive the rows themselves (models/native/decode_stack.cpp's
+// The row kernels of elementwise.cpp, for callers that drive the rows themselves (kernels/cpu/decode_stack.cpp's
 // one-region decode step, which has no tensors to allocate and no dispatcher to go through between its products).
 //
 // Each is the arithmetic the corresponding op applies to one row (token), so the results are bitwise the op's:

@@ -1,20 +1,25 @@
-"""Builds and loads the native CPU kernels as torch ops: one library from every source in SOURCES.
+"""Builds, loads and dispatches the native CPU kernels (kernels/cpu/): one library of torch ops per ISA level.
+
+Dispatch happens at start: kernels/cpu_isa.py picks the level this process runs (the CPU's best, lowered by
+PAGEDSERVE_CPU_ISA), and this module builds (at first use) and loads that level's library. Every source in SOURCES
+is compiled with the level's flags only (cpu_isa.compile_flags; the sources choose their code paths with
+`#if defined(__AVX512F__)` and the like), so one machine's build never holds an instruction another CPU of the same
+level lacks, and each level's build is cached apart. A level without a build ('none', or a CPU that is not x86-64)
+loads nothing: the callers keep their plain-PyTorch paths, and the start-up log says why once.
 
 The library is also a Python extension module (`native_module()`): a call from Python that a batch-1 decode step
 makes once per token (the decode stack's decode_rows_greedy) skips torch's dispatcher there.
 
-Sources (paths relative to the `pagedserve` package root): attention/native/paged_attention.cpp (paged decode
-attention, K/V write; used by attention/cpu_native.py) and layers/native/elementwise.cpp (RMSNorm, residual add
-+ RMSNorm, rotary embedding, SiLU-and-mul; used through layers/native_elementwise.py), the prefill attention
-and linear kernels, and models/native/decode_stack.cpp (a decode step's layers in one call, driving the others
-through the dispatcher; models/native_decode_stack.py), and sample/native/first_argmax.cpp (greedy sampling's
-argmax; sample/greedy.py). They are compiled
-together at first use with torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into
-~/.cache/pagedserve/extensions/<key>/, where <key> hashes every source, the compiler flags, the CPU's
-flags and the torch/Python versions: `-march=native` is safe because a build is only reused on the same
-kind of CPU. A later start finds the built library there and just loads it (no compiler needed). Every load marks
-its directory as used (mtime); after a build the cache keeps the new build and the NUM_KEPT_BUILDS - 1 most
-recently used others (other versions or checkouts on the machine) and removes the rest.
+Sources (kernels/cpu/): paged_attention.cpp (paged decode attention, K/V write; attention/cpu_native.py),
+prefill_attention.cpp, elementwise.cpp (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-mul;
+kernels/elementwise.py), small_batch_linear.cpp and amx_linear.cpp (layers/small_batch_linear.py,
+layers/amx_linear.py), decode_stack.cpp (a decode step's layers in one call; models/native_decode_stack.py) and
+first_argmax.cpp (greedy sampling's argmax; sample/greedy.py). They are compiled together at first use with
+torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into ~/.cache/pagedserve/extensions/<key>/, where
+<key> hashes every source, the level's compiler flags, the compiler and the torch/Python versions. A later start
+finds the built library there and just loads it (no compiler needed). Every load marks its directory as used
+(mtime); after a build the cache keeps the new build and the NUM_KEPT_BUILDS - 1 most recently used others (other
+levels, versions or checkouts on the machine) and removes the rest.
 
 `load_native_extension()` raises on failure (for callers that asked for the native backend);
 `is_native_extension_available()` never raises: a failed build logs one warning and returns False (the CPU
@@ -27,7 +32,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import platform as python_platform
 import shutil
 import sys
 import threading
@@ -36,53 +40,51 @@ from typing import Any, Callable
 
 import torch
 
+from pagedserve.kernels import cpu_isa
+
 logger = logging.getLogger(__name__)
 
-# Root of the `pagedserve` package: SOURCES are relative to it (they live next to the code that uses them).
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("attention/native/paged_attention.cpp", "attention/native/prefill_attention.cpp",
-           "layers/native/elementwise.cpp", "layers/native/small_batch_linear.cpp", "layers/native/amx_linear.cpp",
-           "models/native/decode_stack.cpp", "sample/native/first_argmax.cpp")
+# The C++ sources and headers (kernels/cpu/).
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "small_batch_linear.cpp",
+           "amx_linear.cpp", "decode_stack.cpp", "first_argmax.cpp")
 # Headers the sources include: part of the build's key like the sources.
-HEADERS = ("attention/native/paged_decode_attention.h", "layers/native/amx_linear.h", "layers/native/amx_tiles.h",
-           "layers/native/bfloat16_rounding.h", "layers/native/bfloat16_silu_table.h", "layers/native/elementwise.h",
-           "layers/native/exp_polynomial.h", "layers/native/small_batch_linear.h", "models/native/spin_barrier.h",
-           "sample/native/first_argmax.h")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp")
+HEADERS = ("paged_decode_attention.h", "amx_linear.h", "amx_tiles.h", "bfloat16_rounding.h", "bfloat16_silu_table.h",
+           "elementwise.h", "exp_polynomial.h", "small_batch_linear.h", "spin_barrier.h", "first_argmax.h",
+           "vector_avx2.h")
+# Flags of every level's build; cpu_isa.compile_flags(level) adds the level's instruction sets.
+BASE_COMPILE_FLAGS = ("-O3", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 # Overrides the cache root (tests and read-only homes).
 CACHE_DIR_ENV = "PAGEDSERVE_EXTENSION_CACHE"
-# Builds the cache keeps (the current one included): each source change makes a new key, ~2-4 MB each.
-NUM_KEPT_BUILDS = 4
+# Builds the cache keeps (the current one included): each source change or level makes a new key, ~2-4 MB each.
+NUM_KEPT_BUILDS = 6
 KEY_LENGTH = 20
+
+class NativeKernelsUnavailable(RuntimeError):
+    """No native build runs here by design (the ISA level is 'none', or the CPU has no build): not a failure."""
+
 
 _lock = threading.Lock()
 # None: not tried yet; True: loaded in this process; an Exception: the failure, kept so it is reported once.
 _state: bool | BaseException | None = None
 # The library as a Python module, once loaded.
 _module: Any = None
+# The level whose library this process loaded (set once, with _state).
+_loaded_level: str | None = None
 
 
-def _cpu_description() -> str:
-    """The CPU's model and feature flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        model = next((line for line in lines if line.startswith("model name")), "")
-        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
-        return f"{model}\n{flags}"
-    except OSError:
-        return f"{python_platform.machine()} {python_platform.processor()}"
+def compile_flags(level: str) -> tuple[str, ...]:
+    return BASE_COMPILE_FLAGS + cpu_isa.compile_flags(level)
 
 
-def extension_key() -> str:
-    """Hash of everything the built library depends on: every source, flags, CPU, compiler, torch and Python."""
+def extension_key(level: str) -> str:
+    """Hash of everything `level`'s library depends on: every source, its flags, compiler, torch and Python."""
     digest = hashlib.sha256()
     for name in SOURCES + HEADERS:
         digest.update(name.encode())
-        digest.update((PACKAGE_ROOT / name).read_bytes())
-    digest.update(repr((COMPILE_FLAGS, LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())
-    digest.update(_cpu_description().encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(repr((level, compile_flags(level), LINK_FLAGS, os.environ.get("CXX", "c++"))).encode())
     digest.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     return digest.hexdigest()[:KEY_LENGTH]
 
@@ -92,8 +94,8 @@ def cache_root() -> Path:
                                                                 "extensions"))
 
 
-def extension_dir() -> Path:
-    return cache_root() / extension_key()
+def extension_dir(level: str) -> Path:
+    return cache_root() / extension_key(level)
 
 
 def _is_build_directory(path: Path) -> bool:
@@ -114,14 +116,14 @@ def prune_extension_cache(root: Path, current: str, num_kept: int = NUM_KEPT_BUI
     return removed
 
 
-def _library_name() -> str:
+def _library_name(level: str) -> str:
     # The key in the name keeps two builds from ever sharing a name inside one process.
-    return f"pagedserve_cpu_kernels_{extension_key()}"
+    return f"pagedserve_cpu_kernels_{level}_{extension_key(level)}"
 
 
-def _import_library(path: Path) -> Any:
+def _import_library(path: Path, name: str) -> Any:
     """Imports the library at `path` as the Python module it also is (loading it registers its torch ops)."""
-    spec = importlib.util.spec_from_file_location(_library_name(), path)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import the native library {path}")
     module = importlib.util.module_from_spec(spec)
@@ -129,21 +131,23 @@ def _import_library(path: Path) -> Any:
     return module
 
 
-def _build_and_load() -> Any:
-    """Loads the cached library, building it first when it is missing; returns it as a Python module."""
-    directory = extension_dir()
-    library = directory / f"{_library_name()}.so"
+def _build(level: str) -> tuple[Path, Any]:
+    """`level`'s library path, building it when it is missing; the module too when this call built and loaded it."""
+    directory = extension_dir(level)
+    name = _library_name(level)
+    library = directory / f"{name}.so"
     if not library.exists():
         from torch.utils import cpp_extension
 
         build_dir = directory / "build"
         build_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the native CPU kernels into %s (once per CPU and source)", directory)
+        logger.info("building the native CPU kernels for ISA level %s into %s (once per level and source)", level,
+                    directory)
         # Builds into build/ (torch's lock file there serialises concurrent builders), then publishes the
         # library by an atomic rename, so a concurrent process never loads a half-written file.
         module = cpp_extension.load(
-            name=_library_name(), sources=[str(PACKAGE_ROOT / name) for name in SOURCES],
-            extra_cflags=list(COMPILE_FLAGS), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
+            name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
+            extra_cflags=list(compile_flags(level)), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
             is_python_module=True, verbose=False,
         )
         temporary = directory / f"{library.name}.{os.getpid()}.tmp"
@@ -153,8 +157,17 @@ def _build_and_load() -> Any:
         removed = prune_extension_cache(directory.parent, directory.name)
         if removed:
             logger.info("removed %d older native builds from %s", len(removed), directory.parent)
-        return module  # cpp_extension.load already loaded the library it built
-    module = _import_library(library)
+        return library, module  # cpp_extension.load already loaded the library it built
+    return library, None
+
+
+def _build_and_load(level: str) -> Any:
+    """Loads `level`'s cached library, building it first when it is missing; returns it as a Python module."""
+    library, module = _build(level)
+    if module is not None:
+        return module
+    module = _import_library(library, _library_name(level))
+    directory = library.parent
     with contextlib.suppress(OSError):  # a read-only cache still loads
         os.utime(directory)  # used now: pruning keeps the most recently used builds
     return module
@@ -166,12 +179,23 @@ def load_native_extension() -> None:
 
     Raises RuntimeError naming the cause when the extension cannot be built or loaded.
     """
-    global _state, _module
+    global _state, _module, _loaded_level
     with _lock:
         if _state is None:
             try:
-                _module = _build_and_load()
+                level = cpu_isa.selected_level()  # ValueError for an unknown cap
+                reason = cpu_isa.reason_for_no_build()
+                if reason is not None:
+                    raise NativeKernelsUnavailable(reason)
+                _module = _build_and_load(level)
+                _loaded_level = level
                 _state = True
+                logger.info("native CPU kernels: ISA level %s", cpu_isa.describe())
+            except NativeKernelsUnavailable as error:
+                _state = error
+                logger.warning("native CPU kernels not used: %s", error)
+            except ValueError:
+                raise  # a bad PAGEDSERVE_CPU_ISA: an error at start, not a fallback
             except Exception as error:  # a missing compiler/ninja, a compile error, a bad cached file
                 _state = error
                 logger.warning("native CPU kernels unavailable (%s: %s); using the torch_paged attention "
@@ -180,6 +204,11 @@ def load_native_extension() -> None:
             raise RuntimeError(f"attention backend 'cpu_native' is unavailable: the native kernels could not be "
                                f"built or loaded ({type(_state).__name__}: {_state}); install a C++ compiler "
                                f"and ninja, or use attention_backend='torch_paged'") from _state
+
+
+def loaded_level() -> str | None:
+    """The ISA level of the library this process loaded (None before a load, or when none loaded)."""
+    return _loaded_level
 
 
 def native_module() -> Any:

@@ -57,7 +57,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include "../../layers/native/exp_polynomial.h"
+#include "exp_polynomial.h"
 #endif
 
 namespace {

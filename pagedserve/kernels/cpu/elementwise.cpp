@@ -1,5 +1,5 @@
 // Fused elementwise CPU kernels of the decoder layers: RMSNorm, residual add + RMSNorm, neox rotary
-// embedding and SiLU-and-mul, as torch ops in namespace `pagedserve` (Python side: layers/native_elementwise.py).
+// embedding and SiLU-and-mul, as torch ops in namespace `pagedserve` (Python side: kernels/elementwise.py).
 //
 // Ops (inputs are never written; every output is a new contiguous tensor in the input's dtype):
 //   cpu_rms_norm(x [..., hidden], weight [hidden], eps, reduction_lanes) -> out
@@ -55,6 +55,7 @@
 #include "bfloat16_silu_table.h"
 #include "elementwise.h"
 #include "exp_polynomial.h"
+#include "vector_avx2.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -135,6 +136,37 @@ inline void store_vector(c10::BFloat16* pointer, __m512 v, __mmask16 mask) {
 inline __m512 exp16(__m512 x) {
   if (Sleef_expf16_u10 != nullptr) return Sleef_expf16_u10(x);
   return pagedserve_native::cephes_exp16(x, -103.97f, 88.8f);
+}
+#endif
+
+#if defined(PAGEDSERVE_AVX2)
+// The AVX2 level's loads and stores of `count` (<= 8) elements of either dtype (vector_avx2.h), rounding as the
+// dtype does.
+inline const uint16_t* raw_bits(const c10::BFloat16* pointer) { return reinterpret_cast<const uint16_t*>(pointer); }
+inline uint16_t* raw_bits(c10::BFloat16* pointer) { return reinterpret_cast<uint16_t*>(pointer); }
+inline const float* raw_bits(const float* pointer) { return pointer; }
+inline float* raw_bits(float* pointer) { return pointer; }
+
+template <typename scalar_t>
+inline __m256 load_lanes8(const scalar_t* pointer, int64_t count) {
+  return count >= 8 ? pagedserve_native::load8(raw_bits(pointer))
+                    : pagedserve_native::load8_partial(raw_bits(pointer), count);
+}
+
+template <typename scalar_t>
+inline void store_lanes8(scalar_t* pointer, __m256 v, int64_t count) {
+  if (count >= 8)
+    pagedserve_native::store8(raw_bits(pointer), v);
+  else
+    pagedserve_native::store8_partial(raw_bits(pointer), v, count);
+}
+
+template <typename scalar_t>
+inline __m256 round_lanes8(__m256 v) {
+  if constexpr (std::is_same_v<scalar_t, float>)
+    return v;
+  else
+    return pagedserve_native::round_to_bfloat16(v);
 }
 #endif
 
@@ -277,6 +309,13 @@ void normalize_row(const scalar_t* source, const scalar_t* weight, scalar_t* out
     const __m512 normalized = round_vector<scalar_t>(_mm512_mul_ps(load_vector(source + i, mask), rstd_vector));
     store_vector(out + i, _mm512_mul_ps(load_vector(weight + i, mask), normalized), mask);
   }
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 rstd_vector = _mm256_set1_ps(rstd);
+  for (int64_t i = 0; i < size; i += 8) {
+    const int64_t count = std::min<int64_t>(8, size - i);
+    const __m256 normalized = round_lanes8<scalar_t>(_mm256_mul_ps(load_lanes8(source + i, count), rstd_vector));
+    store_lanes8(out + i, _mm256_mul_ps(load_lanes8(weight + i, count), normalized), count);
+  }
 #else
   for (int64_t i = 0; i < size; ++i) {
     const float normalized = Storage<scalar_t>::round(Storage<scalar_t>::load(source + i) * rstd);
@@ -292,6 +331,11 @@ void add_row(const scalar_t* x, const scalar_t* residual, scalar_t* summed, int6
   for (int64_t i = 0; i < size; i += kLanes) {
     const __mmask16 mask = lanes_mask(size - i);
     store_vector(summed + i, _mm512_add_ps(load_vector(x + i, mask), load_vector(residual + i, mask)), mask);
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  for (int64_t i = 0; i < size; i += 8) {
+    const int64_t count = std::min<int64_t>(8, size - i);
+    store_lanes8(summed + i, _mm256_add_ps(load_lanes8(x + i, count), load_lanes8(residual + i, count)), count);
   }
 #else
   for (int64_t i = 0; i < size; ++i)
@@ -465,6 +509,21 @@ inline void rotate_head(const scalar_t* x, scalar_t* out, const float* cos, cons
     store_vector(out + i, _mm512_add_ps(first_cos, negated_second_sin), mask);
     store_vector(out + half + i, _mm512_add_ps(second_cos, first_sin), mask);
   }
+#elif defined(PAGEDSERVE_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < half; i += 8) {
+    const int64_t count = std::min<int64_t>(8, half - i);
+    const __m256 c = load_lanes8(cos + i, count);
+    const __m256 s = load_lanes8(sin + i, count);
+    const __m256 first = load_lanes8(x + i, count);
+    const __m256 second = load_lanes8(x + half + i, count);
+    const __m256 first_cos = round_lanes8<scalar_t>(_mm256_mul_ps(first, c));
+    const __m256 second_cos = round_lanes8<scalar_t>(_mm256_mul_ps(second, c));
+    const __m256 negated_second_sin = round_lanes8<scalar_t>(_mm256_mul_ps(_mm256_xor_ps(second, sign), s));
+    const __m256 first_sin = round_lanes8<scalar_t>(_mm256_mul_ps(first, s));
+    store_lanes8(out + i, _mm256_add_ps(first_cos, negated_second_sin), count);
+    store_lanes8(out + half + i, _mm256_add_ps(second_cos, first_sin), count);
+  }
 #else
   using S = Storage<scalar_t>;
   for (int64_t i = 0; i < half; ++i) {
@@ -619,6 +678,17 @@ inline void silu_and_mul_row(const scalar_t* in, scalar_t* out, int64_t width, c
     const __mmask16 mask = lanes_mask(width - i);
     const __m512 silu = silu_vector<scalar_t>(load_vector(in + i, mask));
     store_vector(out + i, _mm512_mul_ps(silu, load_vector(in + width + i, mask)), mask);
+  }
+#elif defined(PAGEDSERVE_AVX2)
+  // 8 lanes, ATen's AVX2 formula (Sleef_expf8_u10) for every element, the row's tail included.
+  (void)silu_table;
+  for (int64_t i = 0; i < width; i += 8) {
+    const int64_t count = std::min<int64_t>(8, width - i);
+    const __m256 gate = load_lanes8(in + i, count);
+    const __m256 denominator =
+        _mm256_add_ps(_mm256_set1_ps(1.0f), pagedserve_native::exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f))));
+    const __m256 silu = round_lanes8<scalar_t>(_mm256_div_ps(gate, denominator));
+    store_lanes8(out + i, _mm256_mul_ps(silu, load_lanes8(in + width + i, count)), count);
   }
 #else
   (void)silu_table;

@@ -1,7 +1,7 @@
-"""The native fused elementwise CPU kernels (layers/native/elementwise.cpp): RMSNorm, residual add + RMSNorm,
+"""The native fused elementwise CPU kernels (kernels/cpu/elementwise.cpp): RMSNorm, residual add + RMSNorm,
 neox rotary embedding, SiLU-and-mul.
 
-The kernels are compiled into the native CPU library with the attention kernels (attention/cpu_native_extension.py
+The kernels are compiled into the native CPU library with the attention kernels (kernels/cpu_library.py
 builds it at first use). The layers (norm.py, rotary.py, activation.py) call them from `forward_cpu` when
 `qualifies` / `matches` accept the inputs, and keep `forward_native` (the reference) otherwise; a failed build leaves
 `native_elementwise_available()` False (one warning) and every layer on forward_native.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.attention.cpu_native_extension import is_native_extension_available
+from pagedserve.kernels.cpu_library import is_native_extension_available
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 POSITION_DTYPES = (torch.int64, torch.int32)
@@ -79,7 +79,7 @@ def _register_fakes() -> None:
 
 def native_elementwise_available() -> bool:
     """True when the kernels are loaded (building the native library at first use); a failure is warned once
-    (by cpu_native_extension) and leaves the layers on forward_native."""
+    (by kernels/cpu_library.py) and leaves the layers on forward_native."""
     global _available
     if _available is None:
         if is_native_extension_available():

@@ -1,7 +1,7 @@
 // small_batch_linear cut into the pieces a caller's own parallel region runs (small_batch_linear.cpp).
 //
 // pagedserve::small_batch_linear is: check the product (this class's constructor), then run its work units, blocks
-// of four output columns (at::parallel_for over num_units() with grain()). models/native/decode_stack.cpp runs the
+// of four output columns (at::parallel_for over num_units() with grain()). kernels/cpu/decode_stack.cpp runs the
 // same units inside the one parallel region of its decode step: a column's result never depends on which thread
 // computes it or on the other columns (small_batch_linear.cpp, "Work split and numerics"), so the bits are the op's.
 #pragma once

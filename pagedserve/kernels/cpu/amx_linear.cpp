@@ -911,7 +911,7 @@ namespace pagedserve_native {
 
 // Greedy sampling straight from the LM head: out[i] = the first index of the maximum of row i of
 // bf16(x @ W^T + b) over columns [0, num_columns) (a NaN counting as larger than everything, the first NaN winning;
-// a row of -inf gives 0): exactly sample/native/first_argmax.cpp on amx_linear's output narrowed to num_columns,
+// a row of -inf gives 0): exactly kernels/cpu/first_argmax.cpp on amx_linear's output narrowed to num_columns,
 // without writing the [M, n] logits out and reading them back (at 64 rows and SmolLM2's 49152 columns the logits'
 // write and the argmax pass took ~1.7 of ~7.2 ms).
 //
@@ -1064,7 +1064,7 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
 
 // silu(gate) * up straight from the gate_up projection: x [M, K] @ W[2d, K]^T gives gate = columns [0, d) and up =
 // columns [d, 2d), and out [M, d] = round(round(silu(round(gate))) * round(up)), bitwise what amx_linear followed by
-// the SiLU-and-mul kernel (layers/native/elementwise.cpp, bfloat16 table) give, without writing the [M, 2d]
+// the SiLU-and-mul kernel (kernels/cpu/elementwise.cpp, bfloat16 table) give, without writing the [M, 2d]
 // projection out and reading it back. Needs d a multiple of 64 (whole groups) and K of 32.
 //
 // The units are those of amx_linear's paneled path, with a group pair in place of a block: (panel of group pairs,
