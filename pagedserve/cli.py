@@ -49,6 +49,10 @@ def _cmd_features(args: argparse.Namespace) -> int:
     if args.markdown:
         print(render_markdown(), end="")
         return 0
+    from pagedserve.kernels import cpu_isa
+
+    print(f"native CPU kernels: ISA level {cpu_isa.describe()}"
+          + (f"; {cpu_isa.reason_for_no_build()}" if cpu_isa.reason_for_no_build() else ""))
     width = max(len(f.feature) for f in FEATURES)
     for feature in FEATURES:
         print(f"{feature.line:<9} {feature.family:<16} {feature.feature:<{width}}  "

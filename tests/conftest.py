@@ -12,6 +12,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
+# The native kernels' tests (each kernel against its plain reference, and the decode stack against the modules):
+# marked `native_kernels`, so that tests/kernels/test_isa_levels.py runs them once more at every other ISA level the
+# machine supports (PAGEDSERVE_CPU_ISA=<level> in a child pytest).
+NATIVE_KERNEL_TEST_MODULES = (
+    "tests/attention/test_cpu_native.py", "tests/attention/test_native_kv_write.py",
+    "tests/attention/test_prefill_attention.py", "tests/layers/test_amx_gate_up_silu.py",
+    "tests/layers/test_amx_linear.py", "tests/layers/test_native_elementwise.py",
+    "tests/layers/test_small_batch_linear.py", "tests/models/test_native_decode_stack.py",
+    "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if os.path.relpath(str(item.path), _ROOT) in NATIVE_KERNEL_TEST_MODULES:
+            item.add_marker(pytest.mark.native_kernels)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:

@@ -18,6 +18,7 @@ from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
+from pagedserve.kernels import cpu_isa
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ class EngineConfig:
         source = open_model_source(model)
         hf_config = source.hf_config
         platform = current_platform()
+        if platform.device_type == "cpu":
+            cpu_isa.cap_from_environment()  # an unknown PAGEDSERVE_CPU_ISA is an error at start, naming the levels
         parallel_config.validate_for_model(hf_config, num_cpus=os.cpu_count(),
                                            num_devices=_num_devices(platform.device_type))
         torch_dtype = resolve_dtype(dtype, hf_config)

@@ -1,0 +1,64 @@
+"""Every ISA level this machine can run is tested, not only the one the main run selects.
+
+The main pytest run uses the level the CPU and PAGEDSERVE_CPU_ISA select. These tests start a child pytest with
+PAGEDSERVE_CPU_ISA=<level> (each level builds its own library at first use) for:
+- every other supported level: the native kernels' tests (marker `native_kernels`, tests/conftest.py), each kernel
+  against its plain reference, bitwise where it claims bits;
+- the avx2 cap, on machines above it: representative engine tests (HF parity, bfloat16, the decode stack, batch
+  invariance), so the level most CPUs run is tested end to end wherever the suite runs;
+- 'none' (no native kernels, as on aarch64): the engine against transformers on its plain-PyTorch paths.
+ATen runs at the same level in the child (ATEN_CPU_CAPABILITY): the kernels' bitwise claims compare them with ATen's
+vector code of the same width, as on a CPU of that level.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve.kernels import cpu_isa
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENGINE_TESTS_AT_AVX2 = ("tests/e2e/test_hf_parity.py", "tests/e2e/test_batch_invariance.py",
+                        "tests/models/test_native_decode_stack.py")
+ENGINE_TESTS_WITHOUT_KERNELS = ("tests/e2e/test_hf_parity.py",)
+# ATen's CPU capability for each level (ATen has no bf16 or AMX capability of its own).
+ATEN_CAPABILITY = {"none": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
+CHILD_TIMEOUT_S = 1200
+
+
+def _run_pytest_at(level: str, *arguments: str) -> None:
+    environment = dict(os.environ, **{cpu_isa.CAP_ENV: level, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[level]})
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *arguments]
+    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=CHILD_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"pytest at {cpu_isa.CAP_ENV}={level} failed:\n{output[-6000:]}"
+    passed = re.search(r"(\d+) passed", output)
+    assert passed is not None and int(passed.group(1)) > 0, f"nothing ran at {level}:\n{output[-3000:]}"
+
+
+@pytest.mark.parametrize("level", cpu_isa.LEVELS[1:])
+def test_native_kernel_tests_at_every_level(level: str) -> None:
+    if level not in cpu_isa.cpu_levels():
+        pytest.skip(f"this CPU has no {level} (it supports {', '.join(cpu_isa.cpu_levels())})")
+    if level == cpu_isa.selected_level():
+        pytest.skip(f"{level} is the level of this run: the native_kernels tests ran at it here")
+    _run_pytest_at(level, "-m", "native_kernels and not slow", "tests")
+
+
+def test_engine_tests_at_the_avx2_cap() -> None:
+    if "avx2" not in cpu_isa.cpu_levels():
+        pytest.skip("this CPU has no avx2")
+    if cpu_isa.selected_level() == "avx2":
+        pytest.skip("avx2 is the level of this run: these tests ran at it here")
+    _run_pytest_at("avx2", *ENGINE_TESTS_AT_AVX2)
+
+
+def test_engine_without_native_kernels() -> None:
+    if cpu_isa.selected_level() == "none":
+        pytest.skip("this run has no native kernels already")
+    _run_pytest_at("none", *ENGINE_TESTS_WITHOUT_KERNELS)
