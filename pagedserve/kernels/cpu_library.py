@@ -28,6 +28,7 @@ platform then keeps the portable torch_paged backend, and the layers their plain
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -36,7 +37,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -136,15 +137,23 @@ def _build(level: str) -> tuple[Path, Any]:
     directory = extension_dir(level)
     name = _library_name(level)
     library = directory / f"{name}.so"
-    if not library.exists():
+    if library.exists():
+        return library, None
+    build_dir = directory / "build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive_build(build_dir):
+        if library.exists():  # another process built it while this one waited
+            return library, None
         from torch.utils import cpp_extension
 
-        build_dir = directory / "build"
-        build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("building the native CPU kernels for ISA level %s into %s (once per level and source)", level,
                     directory)
-        # Builds into build/ (torch's lock file there serialises concurrent builders), then publishes the
-        # library by an atomic rename, so a concurrent process never loads a half-written file.
+        # Builds into build/, then publishes the library by an atomic rename, so a concurrent process never loads a
+        # half-written file. torch's own lock file there is left behind by a builder that was killed, and makes
+        # every later build wait for it forever: holding the flock, this process is the only builder, so such a
+        # file is stale.
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / "lock").unlink()
         module = cpp_extension.load(
             name=name, sources=[str(SOURCE_DIR / source) for source in SOURCES],
             extra_cflags=list(compile_flags(level)), extra_ldflags=list(LINK_FLAGS), build_directory=str(build_dir),
@@ -158,7 +167,18 @@ def _build(level: str) -> tuple[Path, Any]:
         if removed:
             logger.info("removed %d older native builds from %s", len(removed), directory.parent)
         return library, module  # cpp_extension.load already loaded the library it built
-    return library, None
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path) -> Iterator[None]:
+    """One builder per build directory across processes: an flock, which the kernel releases when its holder exits
+    or is killed (a killed builder never blocks the next one)."""
+    with open(build_dir / "builder.flock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _build_and_load(level: str) -> Any:
