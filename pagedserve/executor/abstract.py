@@ -17,6 +17,15 @@ class FatalExecutorError(RuntimeError):
     """
 
 
+class WorkerStepError(RuntimeError):
+    """A step raised in a worker process or actor ('mp', 'ray'), and every rank still answered it.
+
+    An ordinary step failure, as under 'uni' (where the worker's own exception propagates): only that
+    step's batch fails and the engine goes on. The message holds the worker's traceback (exceptions
+    cross the process boundary as text: nothing is pickled).
+    """
+
+
 class Executor(ABC):
     """Runs steps on the workers.
 

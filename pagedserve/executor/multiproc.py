@@ -8,9 +8,16 @@ output rank — the first TP rank of the last pipeline stage, rank 0 without pip
 back the ModelRunnerOutput (all ranks of that stage hold identical sampled tokens; earlier stages do not
 sample).
 
-Failure: the executor waits on the result pipe together with every worker's process sentinel and pipe,
-so a worker that dies (or reports an exception) turns into FatalExecutorError within milliseconds, and
-the survivors — possibly blocked in a collective — are killed. No worker outlives its executor: normal
+Every rank answers every step (the others with a few-byte StepDone), so the executor knows each rank
+finished it. A step that raises in a worker is answered with StepFailed and held there (worker_messages.py):
+once every rank has answered that step, the failed ranks are resumed and the step's future raises
+WorkerStepError, which fails only that batch — as under 'uni'. A rank that does not answer within
+PEER_STEP_GRACE_S waits in a collective for the failed rank: that, and any failed step with pipeline
+parallelism, is fatal.
+
+Death: the executor waits on the pipes together with every worker's process sentinel, so a worker that
+dies (or cannot go on: WorkerFailure) turns into FatalExecutorError within milliseconds, and the
+survivors — possibly blocked in a collective — are killed. No worker outlives its executor: normal
 shutdown, garbage collection of the LLM and interpreter exit all run the same reaper (weakref.finalize),
 and a worker whose parent vanishes sees its pipe close and exits.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 import weakref
 from collections import deque
@@ -33,9 +41,11 @@ from pagedserve.config.engine import EngineConfig
 from pagedserve.config.parallel import ParallelConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.worker_init import free_loopback_port
-from pagedserve.executor.abstract import Executor, FatalExecutorError
-from pagedserve.executor.worker_messages import (ExecuteModel, ShutdownWorker, StepResult, WorkerCodec,
-                                                 WorkerFailure, WorkerReady)
+from pagedserve.executor.abstract import Executor, FatalExecutorError, WorkerStepError
+from pagedserve.executor.worker_messages import (PIPELINE_STEP_FAILURE_IS_FATAL, STEP_DONE, ExecuteModel,
+                                                 ResumeSteps, ShutdownWorker, StepDone, StepFailed,
+                                                 StepResult, WorkerCodec, WorkerFailure, WorkerReady,
+                                                 answer_step, describe_step_failures)
 from pagedserve.worker.worker import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,10 @@ logger = logging.getLogger(__name__)
 # noticed through the sentinels, not through this timeout).
 STARTUP_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0
+# After a rank answers a step with StepFailed, how long the other ranks may take to answer that step.
+# What is left of a step without the failed rank is collective-free (milliseconds); a rank still
+# without an answer after this waits in a collective for the failed rank, and never will answer.
+PEER_STEP_GRACE_S = 30.0
 # A step sent while earlier steps are in flight must fit in the pipe's socket buffer (Linux: ~200 KiB).
 MAX_STEP_BYTES_AHEAD = 64 * 1024
 
@@ -89,13 +103,25 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
             attention_backend=info.attention_backend, weight_bytes_read=bytes_read(),
             num_parameters=sum(p.numel() for p in parameters),
             parameter_bytes=sum(p.numel() * p.element_size() for p in parameters))))
+        step_done = codec.encode(STEP_DONE)  # the same bytes answer every step a non-output rank finishes
+        is_held = False  # after a StepFailed, until ResumeSteps: run nothing (a peer may be in a collective)
+        held_steps: deque[ExecuteModel] = deque()  # steps that arrived while held, in order
         while True:
-            message = codec.decode_to_worker(conn.recv_bytes())
+            if held_steps and not is_held:
+                message = held_steps.popleft()
+            else:
+                message = codec.decode_to_worker(conn.recv_bytes())
             if isinstance(message, ShutdownWorker):
                 break
-            output = worker.execute_model(message.scheduler_output)
-            if is_output_rank:
-                conn.send_bytes(codec.encode(StepResult(output=output)))
+            if isinstance(message, ResumeSteps):
+                is_held = False
+                continue
+            if is_held:
+                held_steps.append(message)
+                continue
+            answer = answer_step(worker, message.scheduler_output, rank, is_output_rank)
+            is_held = isinstance(answer, StepFailed)
+            conn.send_bytes(step_done if answer is STEP_DONE else codec.encode(answer))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the executor is gone: nothing to report to
     except BaseException:
@@ -141,7 +167,8 @@ class MultiprocExecutor(Executor):
         self.output_rank = output_rank(config.parallel_config)
         self.codec = WorkerCodec()
         self.is_dead = False
-        self._pending: dict[int, list[Any]] = {}
+        # Messages read from each rank and not consumed yet, oldest first (ranks answer steps in order).
+        self._pending: dict[int, deque[Any]] = {rank: deque() for rank in range(self.world_size)}
         # Futures of steps sent but not read back yet (execute_model_async), oldest first.
         self._unresolved_steps: deque[_StepFuture] = deque()
         context = torch.multiprocessing.get_context("spawn")
@@ -158,6 +185,7 @@ class MultiprocExecutor(Executor):
             child_end.close()  # only the child holds it now: its death closes the pipe
             self.processes.append(process)
             self.conns.append(parent_end)
+        self._rank_of_conn = {id(conn): rank for rank, conn in enumerate(self.conns)}
         try:
             ready = [self._receive(rank, STARTUP_TIMEOUT_S) for rank in range(self.world_size)]
         except BaseException:
@@ -176,18 +204,8 @@ class MultiprocExecutor(Executor):
                                         attention_backend=ready[0].attention_backend)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.is_dead:
-            raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
-        data = self.codec.encode(ExecuteModel(scheduler_output=scheduler_output))
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                self._fail(f"worker rank {rank} is gone (its pipe is closed)")
-        message = self._receive(self.output_rank, None)
-        if not isinstance(message, StepResult):
-            self._fail(f"worker rank {self.output_rank} sent {type(message).__name__} instead of a step result")
-        return message.output  # type: ignore[union-attr]
+        """Run one step (after any still in flight); a step that raised in a worker raises WorkerStepError."""
+        return self.execute_model_async(scheduler_output).result()
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -197,8 +215,9 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
         """Send the step to every worker now; its future resolves when the output rank's StepResult is
-        read. Workers run messages in order, so results arrive in submission order; they are read by
-        whoever waits on a future (no reader thread), oldest first."""
+        read. Workers run messages in order, so answers arrive in submission order; they are read by
+        whoever waits on a future (no reader thread), oldest first. A step that raised in a worker fails
+        its own future only (WorkerStepError); a fatal failure fails every future in flight."""
         if self.is_dead:
             raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
         data = self.codec.encode(ExecuteModel(scheduler_output=scheduler_output))
@@ -220,46 +239,97 @@ class MultiprocExecutor(Executor):
         try:
             if self.is_dead:
                 raise FatalExecutorError("the multiprocess executor is shut down after a worker failure")
-            message = self._receive(self.output_rank, None)
-            if not isinstance(message, StepResult):
-                self._fail(f"worker rank {self.output_rank} sent {type(message).__name__} instead of a step result")
+            output = self._collect_step()
+        except WorkerStepError as error:  # this step's batch only: the steps after it run on
+            self._unresolved_steps.popleft().set_exception(error)
+            return
         except BaseException as error:  # the workers are gone: every step in flight fails with it
             while self._unresolved_steps:
                 self._unresolved_steps.popleft().set_exception(error)
             return
-        self._unresolved_steps.popleft().set_result(message.output)  # type: ignore[union-attr]
+        self._unresolved_steps.popleft().set_result(output)
+
+    def _collect_step(self) -> ModelRunnerOutput:
+        """Every rank's answer to the oldest step not collected yet; the output rank's ModelRunnerOutput.
+
+        After a StepFailed the other ranks get PEER_STEP_GRACE_S to answer the same step; when all have,
+        the failed ranks are resumed and WorkerStepError is raised (only this step's batch fails).
+        """
+        answers: list[Any] = [None] * self.world_size
+        failures: list[StepFailed] = []
+        deadline: float | None = None
+        while True:
+            for rank in range(self.world_size):
+                if answers[rank] is None and self._pending[rank]:
+                    answer = answers[rank] = self._pending[rank].popleft()
+                    if isinstance(answer, StepFailed):
+                        failures.append(answer)
+                        if deadline is None:
+                            deadline = time.monotonic() + PEER_STEP_GRACE_S
+                    elif not isinstance(answer, (StepResult, StepDone)):
+                        self._fail(f"worker rank {rank} sent {type(answer).__name__} instead of a step answer")
+            missing = [rank for rank, answer in enumerate(answers) if answer is None]
+            if not missing:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                self._fail(f"worker rank(s) {missing} did not finish the step within {PEER_STEP_GRACE_S:.0f} s "
+                           f"after it failed elsewhere (they wait in a collective for a failed rank): the "
+                           f"workers are out of step, the engine cannot continue\n"
+                           f"{describe_step_failures(failures, self.world_size)}")
+            self._read_messages(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if failures:
+            self._step_failed(failures)
+        result = answers[self.output_rank]
+        if not isinstance(result, StepResult):
+            self._fail(f"worker rank {self.output_rank} sent {type(result).__name__} instead of a step result")
+        return result.output
+
+    def _step_failed(self, failures: list[StepFailed]) -> None:
+        """Every rank answered a step that failed on some: resume the held ranks, raise WorkerStepError."""
+        message = describe_step_failures(failures, self.world_size)
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            self._fail(f"{message}\n{PIPELINE_STEP_FAILURE_IS_FATAL}")
+        resume = self.codec.encode(ResumeSteps())
+        for failure in failures:
+            try:
+                self.conns[failure.rank].send_bytes(resume)
+            except OSError:
+                self._fail(self._death_message(failure.rank))
+        raise WorkerStepError(message)
 
     def _receive(self, rank: int, timeout: float | None) -> Any:
-        """The next message from worker `rank`, watching every worker for death or failure meanwhile.
-
-        Messages other ranks send meanwhile (start-up reports arrive in any order) are kept for later.
-        """
-        if self._pending.get(rank):
-            return self._pending[rank].pop(0)
-        sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
-        pipes = {id(conn): index for index, conn in enumerate(self.conns)}
-        while True:
-            ready = wait([*self.conns, *sentinels], timeout)
-            if not ready:
+        """The next message from worker `rank` (start-up), watching every worker for death or failure
+        meanwhile; messages other ranks send meanwhile (start-up reports arrive in any order) are kept."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending[rank]:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._read_messages(remaining):
                 self._fail(f"worker rank {rank} did not answer within {timeout:.0f} s")
-            for item in ready:
-                if isinstance(item, Connection):
-                    index = pipes[id(item)]
-                    try:
-                        message = self.codec.decode_from_worker(item.recv_bytes())
-                    except (EOFError, OSError):
-                        self._fail(self._death_message(index))
-                    if isinstance(message, WorkerFailure):
-                        self._fail(self._failure_message(message))
-                    self._pending.setdefault(index, []).append(message)
-            if self._pending.get(rank):
-                return self._pending[rank].pop(0)
-            for item in ready:
-                if not isinstance(item, Connection):
-                    index = sentinels[item]
-                    if self.conns[index].poll():
-                        continue  # read its last words on the next pass
+        return self._pending[rank].popleft()
+
+    def _read_messages(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds (None: as long as it takes) for any worker's messages or death, and
+        queue the messages per rank. False when nothing happened in time. A death, or a WorkerFailure, is
+        fatal at once (after the dead worker's last messages are read)."""
+        sentinels = {process.sentinel: index for index, process in enumerate(self.processes)}
+        ready = wait([*self.conns, *sentinels], timeout)
+        for item in ready:
+            if isinstance(item, Connection):
+                index = self._rank_of_conn[id(item)]
+                try:
+                    message = self.codec.decode_from_worker(item.recv_bytes())
+                except (EOFError, OSError):
                     self._fail(self._death_message(index))
+                if isinstance(message, WorkerFailure):
+                    self._fail(self._failure_message(message))
+                self._pending[index].append(message)
+        for item in ready:
+            if not isinstance(item, Connection):
+                index = sentinels[item]
+                if self.conns[index].poll():
+                    continue  # read its last words on the next pass
+                self._fail(self._death_message(index))
+        return bool(ready)
 
     def _failure_message(self, failure: WorkerFailure) -> str:
         """A rank's exception is often only the echo of a peer's death (its collective broke): name the

@@ -11,14 +11,22 @@ world and reports WorkerReady. Torch threads per actor: the node's cores over th
 Per step: the SchedulerOutput is msgpack-encoded once by the WorkerCodec (the same bytes as 'mp'; the
 step data is never a pickled Python object) and every actor's `execute_model` receives the same bytes
 (inline in the call when small, else put in the object store once); the output rank (the first rank of the last pipeline stage)
-returns the encoded StepResult. Actor tasks from one caller run in submission order, so several steps
-may be in flight (`execute_model_async`).
+returns the encoded StepResult, the other ranks None. Actor tasks from one caller run in submission order,
+so several steps may be in flight (`execute_model_async`).
 
-Failure: the executor waits on every rank's result with `ray.wait` in a poll loop (never an unbounded
-`ray.get`): an actor that dies (RayActorError) or raises (RayTaskError) turns into FatalExecutorError as
-soon as Ray reports it, the dead peer named first, and every actor is killed. Shutdown (normal, garbage
-collection or interpreter exit, through one weakref.finalize) kills every actor, removes the placement
-group and ends the Ray session if this module started it and no other executor still uses it.
+A step that raises in an actor is answered with an encoded StepFailed and the actor is held: its next
+step waits until the executor calls `resume_steps` (a method of its own concurrency group, so it runs
+while a step waits; see worker_messages.py). Once every rank has answered that step, the failed actors
+are resumed and the step raises WorkerStepError, which fails only that batch — as under 'uni'. A rank that
+does not answer within PEER_STEP_GRACE_S waits in a collective for the failed rank: that, and any failed
+step with pipeline parallelism, is fatal.
+
+Death: the executor waits on every rank's result with `ray.wait` in a poll loop (never an unbounded
+`ray.get`): an actor that dies (RayActorError) or raises past the step (RayTaskError: a broken collective,
+start-up) turns into FatalExecutorError as soon as Ray reports it, the dead peer named first, and every
+actor is killed. Shutdown (normal, garbage collection or interpreter exit, through one weakref.finalize)
+kills every actor, removes the placement group and ends the Ray session if this module started it and no
+other executor still uses it.
 """
 from __future__ import annotations
 
@@ -40,9 +48,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedserve.executor.abstract import Executor, FatalExecutorError
+from pagedserve.executor.abstract import Executor, FatalExecutorError, WorkerStepError
 from pagedserve.executor.multiproc import output_rank
-from pagedserve.executor.worker_messages import ExecuteModel, StepResult, WorkerCodec, WorkerReady
+from pagedserve.executor.worker_messages import (PIPELINE_STEP_FAILURE_IS_FATAL, STEP_DONE, ExecuteModel,
+                                                 StepFailed, StepResult, WorkerCodec, WorkerReady, answer_step,
+                                                 describe_step_failures)
 from pagedserve.platforms import current_platform
 from pagedserve.worker.worker import RuntimeInfo
 
@@ -57,6 +67,10 @@ PLACEMENT_TIMEOUT_S = 60.0
 POLL_INTERVAL_S = 0.5
 # After one rank fails, how long to look for a dead peer (its death is usually the cause).
 PEER_DEATH_GRACE_S = 1.0
+# After a rank answers a step with StepFailed, how long the other ranks may take to answer that step.
+# What is left of a step without the failed rank is collective-free (milliseconds); a rank still
+# without an answer after this waits in a collective for the failed rank, and never will answer.
+PEER_STEP_GRACE_S = 30.0
 # How long shutdown waits for killed actor processes on this node to disappear.
 SHUTDOWN_GRACE_S = 10.0
 # Step bytes up to this size travel inline in each actor call (cheapest); larger ones are put in the
@@ -126,6 +140,11 @@ class RaySession:
 
 # ---- the actor ----------------------------------------------------------------------------------------
 
+# `resume_steps` runs in a concurrency group of its own (one thread) so that it can release a step that
+# waits for it; every other method stays in the default group: one thread, calls in submission order.
+CONTROL_CONCURRENCY_GROUP = "control"
+
+
 class RayWorkerActor:
     """One rank: a Worker in a Ray actor. Control-plane calls (start-up) take Python arguments; each step
     arrives as WorkerCodec bytes and the output rank answers with WorkerCodec bytes."""
@@ -133,7 +152,11 @@ class RayWorkerActor:
     def __init__(self) -> None:
         self.codec = WorkerCodec()
         self.worker: Any = None
+        self.rank = 0
         self.is_output_rank = False
+        # Cleared while this rank is held after a StepFailed answer; set again by resume_steps.
+        self.resumed = threading.Event()
+        self.resumed.set()
 
     def placement(self) -> tuple[str, str, int, int]:
         """(node id, node IP, pid, cores of the node) of this actor."""
@@ -153,6 +176,7 @@ class RayWorkerActor:
         from pagedserve.worker.worker import Worker
 
         torch.set_num_threads(num_threads)
+        self.rank = rank
         self.is_output_rank = is_output_rank
         self.worker = Worker(config, rank=rank, distributed_init_method=init_method)
         info = self.worker.runtime_info
@@ -164,11 +188,25 @@ class RayWorkerActor:
             parameter_bytes=sum(p.numel() * p.element_size() for p in parameters)))
 
     def execute_model(self, data: bytes) -> bytes | None:
+        """One step: the encoded StepResult on the output rank, None on the others, an encoded StepFailed
+        where the step raised (then every later step waits for `resume_steps`)."""
+        # Held after a failed step: a peer may still be in a collective of that step, which this step's
+        # first collective would join. The executor resumes this rank once every rank answered it.
+        self.resumed.wait()
         message = self.codec.decode_to_worker(data)
         if not isinstance(message, ExecuteModel):
             raise TypeError(f"expected an ExecuteModel message, got {type(message).__name__}")
-        output = self.worker.execute_model(message.scheduler_output)
-        return self.codec.encode(StepResult(output=output)) if self.is_output_rank else None
+        answer = answer_step(self.worker, message.scheduler_output, self.rank, self.is_output_rank)
+        if answer is STEP_DONE:
+            return None
+        if isinstance(answer, StepFailed):
+            self.resumed.clear()
+        return self.codec.encode(answer)
+
+    @ray.method(concurrency_group=CONTROL_CONCURRENCY_GROUP)
+    def resume_steps(self) -> None:
+        """Release the steps held after this rank's StepFailed (every rank answered the failed step)."""
+        self.resumed.set()
 
 
 # ---- the executor ---------------------------------------------------------------------------------------
@@ -258,7 +296,7 @@ class RayExecutor(Executor):
                 f"pipeline_parallel_size = {self.world_size} bundles of {bundle} could not be placed within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} s (free in the cluster now: "
                 f"{_resource_summary(ray.available_resources())})")
-        actor_class = ray.remote(RayWorkerActor)
+        actor_class = ray.remote(concurrency_groups={CONTROL_CONCURRENCY_GROUP: 1})(RayWorkerActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
             resources.actors.append(actor_class.options(
@@ -333,14 +371,26 @@ class RayExecutor(Executor):
         return [actor.execute_model.remote(argument) for actor in self._resources.actors]
 
     def _collect(self, refs: list[Any]) -> ModelRunnerOutput:
-        """Wait for one submitted step on every rank; the output rank's ModelRunnerOutput."""
+        """Wait for one submitted step on every rank; the output rank's ModelRunnerOutput.
+
+        After a StepFailed answer the other ranks get PEER_STEP_GRACE_S to answer the same step; when all
+        have, the failed ranks are resumed and WorkerStepError is raised (only this step's batch fails).
+        """
         if self.is_dead:  # a step still in flight when an earlier one failed fatally
             raise FatalExecutorError("the Ray executor is shut down after a worker failure")
-        results = self._wait_all(refs, None, "step")
-        message = self.codec.decode_from_worker(results[self.output_rank])
-        if not isinstance(message, StepResult):
-            self._fail(f"Ray worker rank {self.output_rank} sent {type(message).__name__} instead of a step result")
-        return message.output  # type: ignore[union-attr]
+        answers = _StepAnswers(self.codec, self.output_rank, self.world_size)
+        self._wait_all(refs, None, "step", answers)
+        if answers.failures:
+            message = answers.describe_failures()
+            if self.config.parallel_config.pipeline_parallel_size > 1:
+                self._fail(f"{message}\n{PIPELINE_STEP_FAILURE_IS_FATAL}")
+            for failure in answers.failures:
+                # Not waited for: the rank's next step waits for it, and a dead actor shows there.
+                self._resources.actors[failure.rank].resume_steps.remote()
+            raise WorkerStepError(message)
+        if answers.result is None:
+            self._fail(f"Ray worker rank {self.output_rank} sent no step result")
+        return answers.result.output
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._collect(self._submit(scheduler_output))
@@ -352,25 +402,44 @@ class RayExecutor(Executor):
         refs = self._submit(scheduler_output)
         return _RayStepFuture(self, refs)
 
-    def _wait_all(self, refs: list[Any], timeout: float | None, phase: str) -> list[Any]:
-        """Every ref's value (refs in rank order), watching all ranks: the first failure becomes
-        FatalExecutorError (after a short look for a dead peer, who is usually the cause)."""
+    def _wait_all(self, refs: list[Any], timeout: float | None, phase: str,
+                  step_answers: "_StepAnswers | None" = None) -> list[Any]:
+        """Every ref's value (refs in rank order), watching all ranks: the first Ray error becomes
+        FatalExecutorError (after a short look for a dead peer, who is usually the cause).
+
+        A step's `step_answers` takes each value as it arrives; once a rank answered with StepFailed,
+        ranks still without an answer PEER_STEP_GRACE_S later are out of step: fatal too.
+        """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
+            grace_deadline = None if step_answers is None else step_answers.grace_deadline
             wait_s = POLL_INTERVAL_S
-            if deadline is not None:
-                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
+            for limit in (deadline, grace_deadline):
+                if limit is not None:
+                    wait_s = max(0.0, min(wait_s, limit - time.monotonic()))
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             for ref in ready:
-                failure = self._value_or_failure(ref, rank_of[ref], results)
+                rank = rank_of[ref]
+                failure = self._value_or_failure(ref, rank, results)
                 if failure is not None:
                     self._fail(self._explain_failure(failure, pending, rank_of))
-            if deadline is not None and pending and time.monotonic() >= deadline:
+                if step_answers is not None and not step_answers.add(rank, results[rank]):
+                    self._fail(f"Ray worker rank {rank} sent an unexpected answer to a step")
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
                 ranks = sorted(rank_of[ref] for ref in pending)
                 self._fail(f"Ray worker rank(s) {ranks} did not finish {phase} within {timeout:.0f} s")
+            grace_deadline = None if step_answers is None else step_answers.grace_deadline
+            if grace_deadline is not None and time.monotonic() >= grace_deadline:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                self._fail(f"Ray worker rank(s) {ranks} did not finish the step within {PEER_STEP_GRACE_S:.0f} s "
+                           f"after it failed elsewhere (they wait in a collective for a failed rank): the "
+                           f"workers are out of step, the engine cannot continue\n"
+                           f"{step_answers.describe_failures()}")  # type: ignore[union-attr]
         return results
 
     def _value_or_failure(self, ref: Any, rank: int, results: list[Any]) -> "tuple[int, BaseException] | None":
@@ -412,6 +481,38 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+class _StepAnswers:
+    """The ranks' answers to one step as they arrive: the output rank's StepResult, the StepFailed ones, and
+    from the first StepFailed on, the deadline for the other ranks' answers."""
+
+    def __init__(self, codec: WorkerCodec, output_rank: int, world_size: int) -> None:
+        self._codec = codec
+        self._output_rank = output_rank
+        self._world_size = world_size
+        self.result: StepResult | None = None
+        self.failures: list[StepFailed] = []
+        self.grace_deadline: float | None = None
+
+    def add(self, rank: int, value: bytes | None) -> bool:
+        """Take rank `rank`'s answer (None: a rank other than the output rank finished the step); False
+        when it is not a valid answer."""
+        if value is None:
+            return rank != self._output_rank
+        message = self._codec.decode_from_worker(value)
+        if isinstance(message, StepFailed):
+            self.failures.append(message)
+            if self.grace_deadline is None:
+                self.grace_deadline = time.monotonic() + PEER_STEP_GRACE_S
+            return True
+        if isinstance(message, StepResult) and rank == self._output_rank:
+            self.result = message
+            return True
+        return False
+
+    def describe_failures(self) -> str:
+        return describe_step_failures(self.failures, self._world_size)
 
 
 class _RayStepFuture(Future):

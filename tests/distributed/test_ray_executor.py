@@ -1,5 +1,7 @@
 """The 'ray' executor: TP=2 as two Ray actors on a local Ray cluster equals one process, token for token;
-a killed or failing actor raises FatalExecutorError promptly; nothing of ours is left behind.
+a step that raises in the actors fails only its batch (finish_reason 'error') and the engine goes on, as
+under 'uni'; a killed actor, or a step failing on one rank while the other waits for it in a collective,
+raises FatalExecutorError promptly; nothing of ours is left behind.
 
 Ray is a required test dependency here: no importorskip. One Ray session serves the whole module: the
 `ray_session` fixture starts it the way a user would (ray.init before building the engine) with 4 logical
@@ -21,8 +23,10 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.core.scheduler_output import CachedRequestData, SchedulerOutput
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.executor import ray_executor
-from pagedserve.executor.abstract import FatalExecutorError
+from pagedserve.executor.abstract import FatalExecutorError, WorkerStepError
 from pagedserve.executor.ray_executor import RayExecutor
+from generation_helpers import generated_token_ids, random_prompts
+from step_failure_injection import FailedBatches, assert_only_the_failed_batch_fails, failing_actor_class
 from worker_death_checks import kill_worker_mid_generation, pids_still_running
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -102,8 +106,8 @@ def test_killed_actor_raises_promptly_and_leaves_nothing(ray_tp2: LLM, reference
     assert _tokens(ray_tp2, short) == _tokens(reference, short)
 
 
-def test_async_scheduling_equals_single_process_then_a_failing_actor_is_fatal(ray_tp2: LLM, reference: LLM,
-                                                                              folder: str) -> None:
+def test_async_scheduling_equals_single_process_then_a_failing_step_fails_alone(ray_tp2: LLM, reference: LLM,
+                                                                                 folder: str) -> None:
     llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True,
               **ENGINE_KWARGS)
     engine = llm.llm_engine
@@ -112,20 +116,61 @@ def test_async_scheduling_equals_single_process_then_a_failing_actor_is_fatal(ra
     assert engine.engine_core.batch_queue is not None and executor.max_concurrent_batches == 2
     assert _tokens(llm) == _tokens(reference)
     pids = list(executor.worker_pids)
-    # A step for a request no worker holds: every rank raises inside execute_model.
+    # A step for a request no worker holds: every rank raises inside execute_model, before any collective.
     bogus = SchedulerOutput(scheduled_new_requests=[],
                             scheduled_cached_requests=CachedRequestData(request_ids=["missing"],
                                                                         new_block_ids=[[]],
                                                                         num_computed_tokens=[1]),
                             num_scheduled_tokens={"missing": 1}, total_num_scheduled_tokens=1)
     try:
-        with pytest.raises(FatalExecutorError, match=r"Ray worker rank [01] \(pid \d+, node .*\) failed"):
+        with pytest.raises(WorkerStepError, match=r"(?s)raised on worker ranks \[0, 1\].*KeyError: 'missing'"):
             executor.execute_model(bogus)
-        with pytest.raises(FatalExecutorError, match="shut down after a worker failure"):
-            executor.execute_model(bogus)
+        # Both ranks were resumed: the executor goes on.
+        assert _tokens(llm) == _tokens(reference)
     finally:
         engine.shutdown()
     assert pids_still_running(pids) == []
+
+
+FAILURE_ENGINE_KWARGS = dict(ENGINE_KWARGS, max_num_seqs=2)  # two seats: later requests start after the failure
+FAILURE_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_failed_step_fails_only_its_batch(ray_tp2: LLM, reference: LLM, folder: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # As tests/engine/test_async_scheduling.py does under 'uni': the fifth model step raises, here on both
+    # actors; with async scheduling the next step is already queued on them and waits for resume_steps.
+    prompts = random_prompts(6, 3, 70, seed=6)
+    expected = [list(tokens) for tokens in generated_token_ids(reference, prompts, FAILURE_PARAMS)]
+    monkeypatch.setattr(ray_executor, "RayWorkerActor", failing_actor_class(fail_on_call=5, fail_ranks=(0, 1)))
+    llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True,
+              **FAILURE_ENGINE_KWARGS)
+    pids = list(llm.llm_engine.engine_core.executor.worker_pids)
+    try:
+        failed_batches = FailedBatches(llm.llm_engine.engine_core.executor, monkeypatch)
+        assert_only_the_failed_batch_fails(llm, prompts, FAILURE_PARAMS, expected, failed_batches)
+    finally:
+        llm.llm_engine.shutdown()
+    assert pids_still_running(pids) == []
+
+
+def test_step_failing_on_one_rank_only_is_fatal(ray_tp2: LLM, folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 fails its fifth model step; rank 0 runs it and waits in its first collective for rank 1, which is
+    # held: rank 0 never answers, so the actors are out of step.
+    monkeypatch.setattr(ray_executor, "RayWorkerActor", failing_actor_class(fail_on_call=5, fail_ranks=(1,)))
+    monkeypatch.setattr(ray_executor, "PEER_STEP_GRACE_S", 2.0)
+    llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray", **FAILURE_ENGINE_KWARGS)
+    executor = llm.llm_engine.engine_core.executor
+    pids, group = list(executor.worker_pids), executor.placement_group
+    try:
+        with pytest.raises(FatalExecutorError, match=r"(?s)Ray worker rank\(s\) \[0\] did not finish the step "
+                                                     r"within 2 s.*out of step.*raised on worker rank 1 .*"
+                                                     r"injected step failure"):
+            generated_token_ids(llm, random_prompts(6, 3, 70, seed=6), FAILURE_PARAMS)
+    finally:
+        llm.llm_engine.shutdown()
+    assert pids_still_running(pids) == []
+    assert placement_group_table(group)["state"] == "REMOVED"
 
 
 def test_pipeline_parallel_under_ray_equals_single_process(ray_tp2: LLM, reference: LLM, folder: str) -> None:
