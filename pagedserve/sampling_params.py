@@ -7,6 +7,10 @@ from enum import IntEnum
 # Greedy sampling is temperature below this (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# The seeds the sampler takes: torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] (a negative seed is
+# read as its 64-bit two's complement), and so do the msgpack messages that carry it to the engine process.
+MIN_SEED = -(2 ** 63)
+MAX_SEED = 2 ** 64 - 1
 
 
 class SamplingType(IntEnum):
@@ -88,6 +92,13 @@ class SamplingParams:
             require(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
                     f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}]")
         require(self.seed is None or isinstance(self.seed, int), f"seed={self.seed!r} must be an integer")
+        # Sample i of n uses seed + i (parallel_sampling.py), so every one of them must be a seed the sampler takes.
+        max_seed = MAX_SEED - (self.n - 1)
+        require(self.seed is None or MIN_SEED <= self.seed <= max_seed,
+                f"seed={self.seed!r} must be in [{MIN_SEED}, {MAX_SEED}], the sampler's seed range"
+                if self.n == 1 else
+                f"seed={self.seed!r} with n={self.n} must be in [{MIN_SEED}, {max_seed}]: sample i uses seed + i, "
+                f"and the sampler's seed range is [{MIN_SEED}, {MAX_SEED}]")
         require(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")

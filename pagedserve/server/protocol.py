@@ -3,16 +3,23 @@
 Requests accept what the official openai client sends; fields OpenAI defines but pagedserve does not
 implement (logit_bias, suffix, tools, best_of != n) are rejected with a 400 rather than ignored, so a
 client never silently gets something other than what it asked for. Unknown extra fields are ignored,
-like OpenAI's server does.
+like OpenAI's server does. Numbers the engine cannot take (an integer beyond 64 bits, NaN or Infinity,
+which Python's JSON parser reads although JSON has neither) are a 400 naming the field, value and limit.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Integer request fields go to the engine as 64-bit signed integers (msgpack messages, int64 tensors).
+# seed has its own range, the sampler's (SamplingParams checks it).
+MIN_REQUEST_INT = -(2 ** 63)
+MAX_REQUEST_INT = 2 ** 63 - 1
 
 
 class OpenAIModel(BaseModel):
@@ -66,6 +73,19 @@ class SamplingFields(OpenAIModel):
     # vLLM extension: also return the generated token ids (choices[].token_ids).
     return_token_ids: bool = False
 
+    def check_numbers(self) -> None:
+        """ValueError naming the field, value and limit for an integer beyond 64 bits or a float that is not
+        finite (NaN, Infinity, or a literal such as 1e999 that overflows to Infinity)."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, bool) or name == "seed":
+                continue
+            if isinstance(value, int) and not MIN_REQUEST_INT <= value <= MAX_REQUEST_INT:
+                raise ValueError(f"{name}={value} is outside [{MIN_REQUEST_INT}, {MAX_REQUEST_INT}], the range of "
+                                 "64-bit integers this server takes")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name}={value} must be a finite number")
+
     def check_unsupported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
@@ -77,6 +97,7 @@ class SamplingFields(OpenAIModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams of this request (ValueError names any bad field and its range)."""
+        self.check_numbers()
         self.check_unsupported()
         values: dict[str, Any] = dict(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
@@ -126,6 +147,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tools are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        # These reach SamplingParams under other names (logprobs, max_tokens): name the field the client sent.
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs} must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"max_completion_tokens={self.max_completion_tokens} must be an integer >= 1")
 
     def effective_max_tokens(self) -> int | None:
         """max_completion_tokens (the newer name) wins over max_tokens; None means 'fill the context'."""
@@ -133,6 +159,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: content parts of type 'text' joined into one string."""
+        if not self.messages:
+            raise ValueError("messages=[] is empty: give at least one message")
         messages: list[dict[str, Any]] = []
         for index, message in enumerate(self.messages):
             content = message.content
