@@ -4,8 +4,9 @@
 around one ServerState; the launcher (launcher.py) owns the engine process and uvicorn.
 
 Error mapping (all bodies OpenAI-style, see errors.py): ValueError from validation -> 400, malformed
-JSON -> 400, a body that does not fit the schema -> 422, unknown route -> 404, unknown model -> 404,
-missing/wrong key -> 401, too large -> 413, overloaded -> 429, engine dead or shutting down -> 503.
+JSON or a body that is not valid UTF-8 text (request_text.py) -> 400, a body that does not fit the
+schema -> 422, unknown route -> 404, unknown model -> 404, missing/wrong key -> 401, too large -> 413,
+overloaded -> 429, engine dead or shutting down -> 503.
 """
 from __future__ import annotations
 
@@ -27,12 +28,26 @@ from pagedserve.server.serve_args import DEFAULT_MAX_BODY_BYTES
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
+from pagedserve.server.request_text import TextCheckedRoute
 from pagedserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
+# The longest repr of a rejected value that a 422 message quotes.
+MAX_QUOTED_VALUE_CHARS = 60
+
+
+def _quoted_value(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED_VALUE_CHARS else text[:MAX_QUOTED_VALUE_CHARS - 3] + "..."
+
 
 def _validation_message(error: RequestValidationError) -> tuple[int, str, str | None]:
+    """(status, message, param) for a body FastAPI could not parse (400) or validate (422).
+
+    Each of the first five problems reads `field=value: what was expected`; the value is left out for
+    a missing field and for the body as a whole.
+    """
     details = error.errors()
     if any(detail.get("type") == "json_invalid" for detail in details):
         return 400, "the request body is not valid JSON", None
@@ -41,7 +56,9 @@ def _validation_message(error: RequestValidationError) -> tuple[int, str, str | 
     for detail in details[:5]:
         location = ".".join(str(item) for item in detail.get("loc", ()) if item != "body")
         param = param or location or None
-        parts.append(f"{location or 'body'}: {detail.get('msg')}")
+        value = f"={_quoted_value(detail['input'])}" if location and detail.get(
+            "type") != "missing" and "input" in detail else ""
+        parts.append(f"{location or 'body'}{value}: {detail.get('msg')}")
     return 422, "; ".join(parts), param
 
 
@@ -77,6 +94,8 @@ def build_app(state: ServerState, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    # Before any route is added: every route checks that its body is valid UTF-8 text before parsing it.
+    app.router.route_class = TextCheckedRoute
     app.state.server = state
     engine = state.engine
     completions = CompletionHandler(state)
