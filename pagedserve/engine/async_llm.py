@@ -217,6 +217,11 @@ class AsyncLLM:
         except EngineUnreachableError as error:
             self.abort(request_id)
             raise EngineDeadError(str(error)) from None
+        except BaseException:
+            # Whatever failed the send (a value the message encoder rejects, a cancelled caller), the request was
+            # registered above: undo it, or its admission slots stay counted and later requests see a full server.
+            self.abort(request_id)
+            raise
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,

@@ -14,7 +14,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.engine.async_llm import EngineDeadError, RequestStream
 from pagedserve.outputs import CompletionOutput
-from pagedserve.server.completions import add_engine_request
 from pagedserve.server.disconnect import run_until_disconnected
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import chat_logprobs
@@ -62,8 +61,8 @@ class ChatHandler:
         prompt_token_ids = self.prompt_token_ids(body)
         self.state.admit(params.n)
         request_id = new_request_id("chatcmpl")
-        stream = await add_engine_request(self.engine, request_id, {"prompt_token_ids": prompt_token_ids}, params,
-                                          body.priority)
+        stream = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
+                                               priority=body.priority)
         created = int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(body, request_id, model_name, created, stream),

@@ -39,24 +39,6 @@ def completion_prompts(prompt: Any) -> list[PromptType]:
     raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
-async def add_engine_request(engine: AsyncLLM, request_id: str, prompt: PromptType, params: Any,
-                             priority: int) -> RequestStream:
-    """`engine.add_request`, and when it fails, forget the request in the server's engine client too.
-
-    add_request registers the request (its admission slots included) before it sends it to the engine
-    process; if sending fails for any reason other than a dead engine, the registration would otherwise
-    stay, and enough such failures would make every later request a 429. Aborting an id that was never
-    registered does nothing; an id that was already in flight before this call is left alone.
-    """
-    was_in_flight = request_id in engine.streams
-    try:
-        return await engine.add_request(request_id, prompt, params, priority=priority)
-    except BaseException:
-        if not was_in_flight:
-            engine.abort(request_id)
-        raise
-
-
 async def add_streams(engine: AsyncLLM, request_id: str, prompts: list[PromptType], params: Any,
                       priority: int) -> list[RequestStream]:
     """Add one engine request per prompt; on a bad prompt nothing stays queued (ValueError names it)."""
@@ -64,7 +46,7 @@ async def add_streams(engine: AsyncLLM, request_id: str, prompts: list[PromptTyp
     try:
         for index, prompt in enumerate(prompts):
             try:
-                streams.append(await add_engine_request(engine, f"{request_id}-{index}", prompt, params, priority))
+                streams.append(await engine.add_request(f"{request_id}-{index}", prompt, params, priority=priority))
             except ValueError as error:
                 raise ValueError(f"prompt[{index}]: {error}" if len(prompts) > 1 else str(error)) from None
     except BaseException:

@@ -252,7 +252,7 @@ def test_build_failure_falls_back_to_torch_paged(monkeypatch, caplog) -> None:
     """No compiler (simulated): the CPU default is torch_paged, one warning; asking for cpu_native raises."""
     from pagedserve.platforms.cpu import CpuPlatform
 
-    def failing_build() -> None:
+    def failing_build(level: str) -> None:
         raise RuntimeError("simulated: no C++ compiler")
 
     monkeypatch.setattr(cpu_native_extension, "_build_and_load", failing_build)

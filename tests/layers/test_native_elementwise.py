@@ -296,7 +296,7 @@ def test_inputs_that_do_not_qualify_take_forward_native(monkeypatch) -> None:
 
 def test_build_failure_falls_back_to_forward_native(monkeypatch, caplog) -> None:
     """No compiler (simulated): one warning, the layers run forward_native, results unchanged."""
-    def failing_build() -> None:
+    def failing_build(level: str) -> None:
         raise RuntimeError("simulated: no C++ compiler")
 
     monkeypatch.setattr(cpu_native_extension, "_build_and_load", failing_build)
