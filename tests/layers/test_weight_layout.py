@@ -17,6 +17,10 @@ from pagedserve.layers.weight_layout import (PREPACKED_LINEAR_METHOD, apply_weig
                                              resolve_weight_layout, restore_plain_layout, weight_layout_of)
 
 pytestmark = pytest.mark.skipif(not can_prepack_on_cpu(), reason="this torch build has no oneDNN")
+# oneDNN packs bf16 weights only with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU refuses them).
+NEEDS_BFLOAT16_PREPACKING = pytest.mark.skipif(not can_prepack_on_cpu(torch.bfloat16),
+                                               reason="oneDNN cannot pack bfloat16 weights on this CPU")
+PREPACKED_DTYPES = [pytest.param(torch.bfloat16, marks=NEEDS_BFLOAT16_PREPACKING), torch.float32]
 
 HIDDEN = 64
 
@@ -40,7 +44,7 @@ def _fill(layer: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", PREPACKED_DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_prepacked_linear_equals_plain(dtype: torch.dtype, bias: bool) -> None:
     for index, layer in enumerate(_layers(bias, dtype)):
@@ -68,6 +72,7 @@ def test_prepacked_linear_equals_plain(dtype: torch.dtype, bias: bool) -> None:
         assert torch.equal(layer(inputs[2]), expected[2])
 
 
+@NEEDS_BFLOAT16_PREPACKING
 def test_unpacked_layer_loads_weights_again() -> None:
     layer = MergedColumnParallelLinear(HIDDEN, [32, 32], bias=False, params_dtype=torch.bfloat16, tp_rank=0,
                                        tp_size=1)
@@ -79,6 +84,7 @@ def test_unpacked_layer_loads_weights_again() -> None:
     assert torch.equal(layer.weight[:32], gate)
 
 
+@NEEDS_BFLOAT16_PREPACKING
 def test_layers_whose_weight_is_read_elsewhere_stay_plain() -> None:
     model = torch.nn.Sequential(ReplicatedLinear(HIDDEN, 32, bias=False, params_dtype=torch.bfloat16),
                                 ReplicatedLinear(32, 16, bias=False, params_dtype=torch.bfloat16))
@@ -89,9 +95,9 @@ def test_layers_whose_weight_is_read_elsewhere_stay_plain() -> None:
 
 
 def test_resolve_weight_layout_per_platform_dtype_and_mode() -> None:
-    # amx_packed where the CPU has AMX (tests/layers/test_amx_linear.py), else prepacked.
-    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == ("amx_packed" if amx_linear_available()
-                                                                     else "prepacked")
+    # amx_packed where its kernel runs (tests/layers/test_amx_linear.py), else prepacked where oneDNN packs bf16.
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) == (
+        "amx_packed" if amx_linear_available() else "prepacked" if can_prepack_on_cpu(torch.bfloat16) else "plain")
     assert resolve_weight_layout("auto", "cpu", torch.float32) in ("plain", "plain_native")  # native: own tests
     assert resolve_weight_layout("auto", "cuda", torch.bfloat16) == "plain"
     assert resolve_weight_layout("auto", "cpu", torch.bfloat16, batch_invariant=True) == "plain"
@@ -103,12 +109,34 @@ def test_resolve_weight_layout_per_platform_dtype_and_mode() -> None:
         resolve_weight_layout("prepacked", "cpu", torch.bfloat16, batch_invariant=True)
 
 
+def test_prepacking_is_probed_per_dtype() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype), None)
+            runs = True
+        except RuntimeError:
+            runs = False
+        assert can_prepack_on_cpu(dtype) is runs
+
+
+def test_a_layout_the_cpu_cannot_run_names_the_isa_and_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.layers import weight_layout
+
+    monkeypatch.setitem(weight_layout._prepack_probes, torch.bfloat16, False)  # as on an AVX2-only CPU
+    with pytest.raises(ValueError) as error:
+        resolve_weight_layout("prepacked", "cpu", torch.bfloat16)
+    message = str(error.value)
+    assert "weight_layout='prepacked'" in message and "CPU ISA" in message and "layouts it can run: ['plain'" in message
+    assert resolve_weight_layout("auto", "cpu", torch.bfloat16) != "prepacked"
+
+
 def test_engine_config_rejects_prepacked_with_batch_invariant(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="weight_layout='prepacked' with batch_invariant=True"):
         EngineConfig.create(tiny_model_dir("llama"), max_model_len=64, num_kv_blocks=8, weight_layout="prepacked",
                             batch_invariant=True)
 
 
+@NEEDS_BFLOAT16_PREPACKING
 def test_prepacked_linear_compiles_with_inductor() -> None:
     torch._dynamo.reset()
     layer = QKVParallelLinear(HIDDEN, 16, 4, 2, bias=True, params_dtype=torch.bfloat16, tp_rank=0, tp_size=1)
@@ -152,6 +180,7 @@ def test_float32_prepacked_greedy_equals_plain(tiny_model_dir) -> None:
     assert [tokens for tokens, _ in packed] == [tokens for tokens, _ in plain]
 
 
+@NEEDS_BFLOAT16_PREPACKING
 def test_bfloat16_prepacked_logprobs_close_to_plain(tiny_model_dir) -> None:
     from logprobs_check import assert_top_logprobs_close, check_logprobs_close
 
@@ -197,7 +226,7 @@ def _lm_head(vocab: int, dtype: torch.dtype, bias: bool = False):  # type: ignor
     return head
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", PREPACKED_DTYPES)
 @pytest.mark.parametrize("tied", [True, False])
 def test_prepacked_lm_head_equals_plain_and_restores(dtype: torch.dtype, tied: bool) -> None:
     from pagedserve.layers.embedding import VocabParallelEmbedding
@@ -236,6 +265,8 @@ def test_prepacked_lm_head_equals_plain_and_restores(dtype: torch.dtype, tied: b
         assert torch.equal(head.weight[:1000], table)
 
 
+@pytest.mark.skipif(not (amx_linear_available() or can_prepack_on_cpu(torch.bfloat16)),
+                    reason="no packed bfloat16 layout runs on this CPU")
 def test_engine_lm_head_is_prepacked_in_bfloat16_only(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama-tied", dtype=torch.bfloat16)
     for dtype, packed in (("bfloat16", True), ("float32", False)):
