@@ -87,7 +87,8 @@ FEATURES: tuple[Feature, ...] = (
         docs="docs/params-05-parallel.md",
         tests=("tests/distributed/test_tensor_parallel.py", "tests/distributed/test_worker_death.py",
                "tests/distributed/test_parallel_config.py", "tests/distributed/test_ray_executor.py",
-               "tests/distributed/test_ray_session.py"),
+               "tests/distributed/test_ray_session.py", "tests/distributed/test_ray_multi_node.py",
+               "tests/distributed/test_step_failure.py"),
     ),
     Feature(
         line="model", family="parallel", feature="pipeline parallel: layers split over stages (each builds, "
