@@ -252,7 +252,7 @@ def test_build_failure_falls_back_to_torch_paged(monkeypatch, caplog) -> None:
     """No compiler (simulated): the CPU default is torch_paged, one warning; asking for cpu_native raises."""
     from pagedserve.platforms.cpu import CpuPlatform
 
-    def failing_build() -> None:
+    def failing_build(level: str) -> None:
         raise RuntimeError("simulated: no C++ compiler")
 
     monkeypatch.setattr(cpu_native_extension, "_build_and_load", failing_build)
@@ -275,7 +275,8 @@ def test_default_backend_is_cpu_native_when_built() -> None:
 
 def test_second_start_loads_the_cached_library_without_building() -> None:
     """A fresh process finds the library in the cache: cpp_extension.load (the compiler) is never called."""
-    assert any(path.suffix == ".so" for path in cpu_native_extension.extension_dir().iterdir())
+    directory = cpu_native_extension.extension_dir(cpu_native_extension.loaded_level())
+    assert any(path.suffix == ".so" for path in directory.iterdir())
     code = (
         "import torch.utils.cpp_extension as c\n"
         "def no_build(*a, **k): raise AssertionError('rebuilt')\n"
@@ -359,7 +360,7 @@ def test_prune_extension_cache_keeps_the_most_recently_used(tmp_path) -> None:
 
 
 def test_loading_marks_the_build_as_used() -> None:
-    directory = cpu_native_extension.extension_dir()
+    directory = cpu_native_extension.extension_dir(cpu_native_extension.loaded_level())
     os.utime(directory, (1_000_000, 1_000_000))
     code = "from pagedserve.kernels import cpu_library as e\ne.load_native_extension()\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),

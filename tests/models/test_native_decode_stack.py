@@ -22,12 +22,19 @@ from pagedserve.kernels.cpu_library import is_native_extension_available
 from pagedserve.config.engine import EngineConfig
 from pagedserve.layers.amx_linear import amx_linear_available
 from pagedserve.layers.small_batch_linear import small_batch_linear_available
+from pagedserve.layers.weight_layout import can_prepack_on_cpu
 from pagedserve.models.native_decode_stack import NativeDecodeForward, native_decode_stack_plan
 
 pytestmark = pytest.mark.skipif(not is_native_extension_available(),
                                 reason="the native CPU kernels do not build here (no compiler)")
 
 NUM_STEPS = 40
+
+
+def _skip_without_prepack(dtype: str) -> None:
+    """'prepacked' needs a oneDNN GEMM of the dtype on this CPU (none in bfloat16 on an AVX2-only CPU)."""
+    if not can_prepack_on_cpu(getattr(torch, dtype)):
+        pytest.skip(f"oneDNN runs no {dtype} GEMM on this CPU: weight_layout='prepacked' is not available")
 
 
 def _llm(folder: str, **options) -> LLM:
@@ -66,6 +73,8 @@ CASES = [
 
 @pytest.mark.parametrize("kind,dtype,weight_layout,num_prompts", CASES)
 def test_on_off_bitwise_equal(tiny_model_dir, kind: str, dtype: str, weight_layout: str, num_prompts: int) -> None:
+    if weight_layout == "prepacked":
+        _skip_without_prepack(dtype)
     folder = tiny_model_dir(kind)
     prompts = random_prompts(num_prompts, 5, 40, seed=num_prompts)
     results = []
@@ -115,6 +124,7 @@ def test_plain_native_large_batches_follow_the_vendor(tiny_model_dir, monkeypatc
 
 
 def test_prepacked_layout_takes_the_stack(tiny_model_dir) -> None:
+    _skip_without_prepack("bfloat16")
     llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="prepacked")
     _generate(llm, random_prompts(2, 5, 40, seed=8))
     assert _forward(llm).plan.linear_kind == 3
