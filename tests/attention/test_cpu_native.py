@@ -275,7 +275,8 @@ def test_default_backend_is_cpu_native_when_built() -> None:
 
 def test_second_start_loads_the_cached_library_without_building() -> None:
     """A fresh process finds the library in the cache: cpp_extension.load (the compiler) is never called."""
-    assert any(path.suffix == ".so" for path in cpu_native_extension.extension_dir(cpu_native_extension.loaded_level()).iterdir())
+    directory = cpu_native_extension.extension_dir(cpu_native_extension.loaded_level())
+    assert any(path.suffix == ".so" for path in directory.iterdir())
     code = (
         "import torch.utils.cpp_extension as c\n"
         "def no_build(*a, **k): raise AssertionError('rebuilt')\n"

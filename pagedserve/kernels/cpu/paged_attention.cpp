@@ -27,6 +27,10 @@
 //   widened without shuffles) so that it hides under the misses. With a bf16 query and cache (head_dim 64 or
 //   128) both products run on VDPBF16PS instead (attend_partition_bf16: half the instructions per key, P rounded
 //   to bf16 for the value product).
+// - Levels: the vector paths are written once on float_vector.h's FloatVector, 16 lanes on AVX-512 and 8 on AVX2
+//   (FMA; bf16 widened by a shift, exp by the same Cephes polynomial with the same flush to 0 below ln(FLT_MIN)); a
+//   build without either runs scalar loops (std::exp). A level's lane count fixes its summation trees, so two
+//   levels' results differ in the last bits; within a level every invariant above holds.
 //
 // Op: pagedserve::reshape_and_cache(key [num_tokens, num_kv_heads, head_dim],
 //       value [num_tokens, num_kv_heads, head_dim], kv_cache (mutated), slot_mapping [num_tokens] int64)
@@ -52,6 +56,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "float_vector.h"
 #include "paged_decode_attention.h"
 
 #if defined(__AVX512F__)
@@ -68,19 +73,22 @@ inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
 template <typename scalar_t>
 inline scalar_t from_float(float value) { return static_cast<scalar_t>(value); }
 
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+// The vector paths are written once on the build's float vector (float_vector.h): 16 lanes on AVX-512, 8 on AVX2.
+using Vec = pagedserve_native::FloatVector;
+constexpr int kLanes = Vec::kLanes;
+
+// e^x of s - max(s) <= 0: Cephes' polynomial to ~1 ulp (exp_polynomial.h, vector_avx2.h), below ln(FLT_MIN) flushed
+// to exactly 0 on both levels (no probability is subnormal).
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-
-inline __m512 load16(const float* pointer) { return _mm512_loadu_ps(pointer); }
-
-inline __m512 load16(const c10::BFloat16* pointer) {
-  // bf16 is the upper half of an fp32: widen to 32 bits and shift into place (exact).
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pointer));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+inline __m512 probability_exp(__m512 x) {
+  return pagedserve_native::cephes_exp16(x, -87.33654475f, 88.3762626647949f);
 }
-
-// e^x of s - max(s) <= 0 (exp_polynomial.h); below ln(FLT_MIN) flushed to 0.
-inline __m512 exp16(__m512 x) { return pagedserve_native::cephes_exp16(x, -87.33654475f, 88.3762626647949f); }
+#else
+inline __m256 probability_exp(__m256 x) {
+  return pagedserve_native::cephes_exp8(x, -87.33654475f, 88.3762626647949f);
+}
+#endif
 #endif
 
 // One (request, kv_head, partition) item's geometry.
@@ -206,22 +214,21 @@ inline void partition_softmax(const Geometry& g, int64_t num_tokens, float* scor
     float* row = scores + j * g.partition_size;
     float maximum = -std::numeric_limits<float>::infinity();
     float total = 0.f;
-#if defined(__AVX512F__)
-    __m512 maxima = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+    Vec::Type maxima = Vec::set1(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
-    for (; t + kLanes <= num_tokens; t += kLanes) maxima = _mm512_max_ps(maxima, _mm512_loadu_ps(row + t));
-    maximum = _mm512_reduce_max_ps(maxima);
+    for (; t + kLanes <= num_tokens; t += kLanes) maxima = Vec::max(maxima, Vec::load(row + t));
+    maximum = Vec::reduce_max(maxima);
     for (; t < num_tokens; ++t) maximum = std::max(maximum, row[t]);
-    const __m512 shift = _mm512_set1_ps(maximum);
-    __m512 totals = _mm512_setzero_ps();
+    const Vec::Type shift = Vec::set1(maximum);
+    Vec::Type totals = Vec::zero();
     for (t = 0; t < num_tokens; t += kLanes) {
-      const __mmask16 mask = num_tokens - t >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                                                      : static_cast<__mmask16>((1u << (num_tokens - t)) - 1);
-      const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), shift));
-      _mm512_mask_storeu_ps(row + t, mask, p);
-      totals = _mm512_add_ps(totals, _mm512_maskz_mov_ps(mask, p));
+      const int64_t count = num_tokens - t;  // lanes past it are neither read, written nor summed
+      const Vec::Type p = probability_exp(Vec::sub(Vec::load_first(row + t, count), shift));
+      Vec::store_first(row + t, p, count);
+      totals = Vec::add(totals, Vec::keep_first(p, count));
     }
-    total = _mm512_reduce_add_ps(totals);
+    total = Vec::reduce_add(totals);
 #else
     for (int64_t t = 0; t < num_tokens; ++t) maximum = std::max(maximum, row[t]);
     for (int64_t t = 0; t < num_tokens; ++t) {
@@ -236,7 +243,8 @@ inline void partition_softmax(const Geometry& g, int64_t num_tokens, float* scor
 
 // Computes one item's unnormalised partial result: acc [group, head_dim], max [group], sum [group].
 // `scores` holds group * partition_size floats of scratch, `query_scaled` group * head_dim.
-// The generic path: any group size and head_dim (AVX-512 when head_dim is a multiple of 16, else scalar).
+// The generic path: any group size and head_dim (vectors when head_dim is a multiple of the lane count: 16 on
+// AVX-512, 8 on AVX2; else scalar).
 template <typename query_t, typename cache_t>
 void attend_partition_generic(const WorkItem& item, const Geometry& g, const query_t* query, const cache_t* cache,
                               const int32_t* block_table, float scale, float* query_scaled, float* scores,
@@ -248,7 +256,7 @@ void attend_partition_generic(const WorkItem& item, const Geometry& g, const que
   const int64_t score_stride = g.partition_size;
   stage_query(item, g, query, scale, query_scaled);
   const int32_t* table_row = block_table + item.request * g.table_stride;
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
   const bool vectorized = head_dim % kLanes == 0;
 #else
   const bool vectorized = false;
@@ -257,12 +265,12 @@ void attend_partition_generic(const WorkItem& item, const Geometry& g, const que
   for_each_row(g, table_row, item.kv_head, item.token_begin, item.token_end, cache, [&](int64_t t, int64_t offset) {
     const cache_t* key = cache + offset;
     if (vectorized) {
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
       for (int64_t j = 0; j < group; ++j) {
-        __m512 sum = _mm512_setzero_ps();
+        Vec::Type sum = Vec::zero();
         for (int64_t d = 0; d < head_dim; d += kLanes)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(query_scaled + j * head_dim + d), load16(key + d), sum);
-        scores[j * score_stride + t] = _mm512_reduce_add_ps(sum);
+          sum = Vec::fmadd(Vec::load(query_scaled + j * head_dim + d), Vec::load(key + d), sum);
+        scores[j * score_stride + t] = Vec::reduce_add(sum);
       }
 #endif
     } else {
@@ -285,9 +293,9 @@ void attend_partition_generic(const WorkItem& item, const Geometry& g, const que
       const float p = scores[j * score_stride + t];
       float* out = acc + j * head_dim;
       if (vectorized) {
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
         for (int64_t d = 0; d < head_dim; d += kLanes)
-          _mm512_storeu_ps(out + d, _mm512_fmadd_ps(_mm512_set1_ps(p), load16(value + d), _mm512_loadu_ps(out + d)));
+          Vec::store(out + d, Vec::fmadd(Vec::set1(p), Vec::load(value + d), Vec::load(out + d)));
 #endif
       } else {
         for (int64_t d = 0; d < head_dim; ++d) out[d] += p * to_float(value[d]);
@@ -296,12 +304,12 @@ void attend_partition_generic(const WorkItem& item, const Geometry& g, const que
   });
 }
 
-#if defined(__AVX512F__)
-// Lane layout of the fast path. A float32 row is read as is: vector c holds dimensions [16c, 16c + 16). A
-// bfloat16 row is read 32 dimensions (one 64-byte load) at a time and widened without a shuffle: the even
-// dimensions are the low halves of the 32-bit lanes (shift left by 16), the odd ones the high halves (mask),
-// so vector 2p holds dimensions 32p + 2i and vector 2p + 1 dimensions 32p + 2i + 1 (i = lane). The staged
-// query and the value accumulators use the same layout; the accumulators are put back in order per item.
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+// Lane layout of the fast path (L = kLanes: 16 on AVX-512, 8 on AVX2). A float32 row is read as is: vector c holds
+// dimensions [Lc, Lc + L). A bfloat16 row is read 2L dimensions (one full-width load) at a time and widened without
+// a shuffle: the even dimensions are the low halves of the 32-bit lanes (shift left by 16), the odd ones the high
+// halves (mask), so vector 2p holds dimensions 2Lp + 2i and vector 2p + 1 dimensions 2Lp + 2i + 1 (i = lane). The
+// staged query and the value accumulators use the same layout; the accumulators are put back in order per item.
 template <typename cache_t>
 struct RowLayout;
 
@@ -309,36 +317,25 @@ template <>
 struct RowLayout<float> {
   static constexpr int kChunksPerLoad = 1;
   static constexpr int64_t lane_of(int64_t dimension) { return dimension; }
-  // Vectors [0, count) of `out` from `row` (vector c = elements [16c, 16c + 16)); count <= kCount.
-  template <int kCount>
-  static inline void load(const float* row, __m512 (&out)[kCount], int count) {
-    for (int c = 0; c < kCount; ++c)
-      if (c < count) out[c] = _mm512_loadu_ps(row + c * kLanes);
-  }
+  // Vectors [c, c + kChunksPerLoad) of `row` into out[0, kChunksPerLoad) (c a multiple of kChunksPerLoad).
+  static inline void load(const float* row, int c, Vec::Type* out) { out[0] = Vec::load(row + c * kLanes); }
 };
 
 template <>
 struct RowLayout<c10::BFloat16> {
   static constexpr int kChunksPerLoad = 2;
   static constexpr int64_t lane_of(int64_t dimension) {
-    return dimension / 32 * 32 + dimension % 2 * 16 + dimension % 32 / 2;
+    return dimension / (2 * kLanes) * (2 * kLanes) + dimension % 2 * kLanes + dimension % (2 * kLanes) / 2;
   }
-  template <int kCount>
-  static inline void load(const c10::BFloat16* row, __m512 (&out)[kCount], int count) {
-    static_assert(kCount % 2 == 0, "bfloat16 rows are read 32 dimensions at a time");
-    const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (int pair = 0; pair < kCount / 2; ++pair) {
-      if (2 * pair >= count) break;
-      const __m512i bits = _mm512_loadu_si512(row + pair * 2 * kLanes);
-      out[2 * pair] = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-      out[2 * pair + 1] = _mm512_castsi512_ps(_mm512_and_si512(bits, high_halves));
-    }
+  static inline void load(const c10::BFloat16* row, int c, Vec::Type* out) {
+    Vec::load_split(row + c * kLanes, out[0], out[1]);
   }
 };
 
-// Lane t (< 4) of the result: the sum of the 16 lanes of the t-th argument, in a fixed tree order (in each
-// 128-bit quarter lanes 2 apart, then the two pair sums; then quarters 2 apart, then the two pair sums). One
-// tree serves four keys: about a third of the instructions of four separate reductions.
+// Lane t (< 4) of the result: the sum of the lanes of the t-th argument, in a fixed tree order (in each 128-bit
+// quarter lanes 2 apart, then the two pair sums; then the quarters, pairwise). One tree serves four keys: about a
+// third of the instructions of four separate reductions.
+#if defined(__AVX512F__)
 inline __m128 sum_lanes_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
   const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
@@ -349,6 +346,16 @@ inline __m128 sum_lanes_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quarters), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
+#else
+inline __m128 sum_lanes_of_4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256d ab = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)));
+  const __m256d cd = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d)));
+  // Each 128-bit half now holds [a, b, c, d] summed over that half.
+  const __m256 halves = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)),
+                                      _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+#endif
 
 // Stores the scores of four consecutive keys, or of the first `count` (< 4) at a partition's end.
 inline void store_scores(__m128 sums, float* destination, int64_t count) {
@@ -381,18 +388,28 @@ inline void prefetch_row_to_l2(const void* row, int64_t row_bytes) {
 // on prefetch instructions at GQA group 3), then to L1 this many positions ahead of the value pass.
 constexpr int64_t kValuePrefetchPositions = 16;
 
-// The fast path for a compile-time group size kGroup and head_dim = 16 * kChunks: the partition's row
+// Register blocks of the fast path, sized by the level's vector registers (32 on AVX-512, 16 on AVX2):
+// - the key pass holds kKeys scores of up to kMaxHeadsPerSweep heads, plus one load of a key row and a query vector
+//   (4 x 4 + 3 of 32; 3 x 4 + 3 of 16);
+// - the value pass holds three quarters of the registers in accumulators (24; 12), the rest for one load of a
+//   value row and the broadcast probability.
+constexpr int kMaxHeadsPerSweep = Vec::kRegisters >= 32 ? 4 : 3;
+constexpr int kValueAccumulators = Vec::kRegisters * 3 / 4;
+
+// The fast path for a compile-time group size kGroup and head_dim = kLanes * kChunks: the partition's row
 // offsets are resolved first, scores are computed four keys at a time (each key row loaded once for up to
-// four heads, one horizontal-sum tree per four keys), and the value accumulators stay in registers.
+// kMaxHeadsPerSweep heads, one horizontal-sum tree per four keys), and the value accumulators stay in registers.
 template <typename query_t, typename cache_t, int kGroup, int kChunks>
 void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query_t* query, const cache_t* cache,
                             const int32_t* block_table, float scale, float* query_scaled, float* scores,
                             int64_t* row_offsets, float* acc, float* max_out, float* sum_out,
                             NextItemKeys& next_keys) {
   using Layout = RowLayout<cache_t>;
+  constexpr int kLoad = Layout::kChunksPerLoad;
+  static_assert(kChunks % kLoad == 0, "bfloat16 rows are read 2 * kLanes dimensions at a time");
   constexpr int kHeadDim = kChunks * kLanes;
   constexpr int kKeys = 4;  // keys per horizontal-sum tree
-  constexpr int kHeadsPerSweep = kGroup < 4 ? kGroup : 4;
+  constexpr int kHeadsPerSweep = kGroup < kMaxHeadsPerSweep ? kGroup : kMaxHeadsPerSweep;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t score_stride = g.partition_size;
   const int64_t row_bytes = kHeadDim * static_cast<int64_t>(sizeof(cache_t));
@@ -416,17 +433,27 @@ void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query
       prefetch_row(values + row_offsets[t], row_bytes);
     }
     for (int j0 = 0; j0 < kGroup; j0 += kHeadsPerSweep) {
-      __m512 dots[kHeadsPerSweep][kKeys];
+      // Fully unrolled (pragmas: GCC's size limits left the key loop rolled, and `dots` in memory, for fp32 rows):
+      // every dot stays in a register.
+      Vec::Type dots[kHeadsPerSweep][kKeys];
+#pragma GCC unroll 4
       for (int t = 0; t < kKeys; ++t) {
         // Past the partition's end the last row is read again; those scores are not stored.
-        __m512 key[kChunks];
-        Layout::template load<kChunks>(cache + row_offsets[t0 + std::min<int64_t>(t, count - 1)], key, kChunks);
-        for (int j = 0; j < kHeadsPerSweep; ++j) {
-          if (j0 + j >= kGroup) break;
-          const float* q = query_scaled + (j0 + j) * kHeadDim;
-          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q), key[0]);
-          for (int c = 1; c < kChunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * kLanes), key[c], dot);
-          dots[j][t] = dot;
+        const cache_t* key_row = cache + row_offsets[t0 + std::min<int64_t>(t, count - 1)];
+#pragma GCC unroll 16
+        for (int c0 = 0; c0 < kChunks; c0 += kLoad) {
+          Vec::Type key[kLoad];
+          Layout::load(key_row, c0, key);
+#pragma GCC unroll 4
+          for (int j = 0; j < kHeadsPerSweep; ++j) {
+            if (j0 + j >= kGroup) break;
+            const float* q = query_scaled + (j0 + j) * kHeadDim;
+#pragma GCC unroll 2
+            for (int c = 0; c < kLoad; ++c) {
+              const Vec::Type q_chunk = Vec::load(q + (c0 + c) * kLanes);
+              dots[j][t] = c0 + c == 0 ? Vec::mul(q_chunk, key[c]) : Vec::fmadd(q_chunk, key[c], dots[j][t]);
+            }
+          }
         }
       }
       for (int j = 0; j < kHeadsPerSweep; ++j) {
@@ -439,27 +466,33 @@ void attend_partition_fixed(const WorkItem& item, const Geometry& g, const query
   partition_softmax(g, num_tokens, scores, max_out, sum_out);
 
   // 2. acc[j] = sum_t p[j][t] * v_t, kChunksPerPass vectors of every head in registers over the partition.
-  constexpr int kFit = 24 / kGroup > 0 ? 24 / kGroup : 1;
-  constexpr int kFitLoads = kFit / Layout::kChunksPerLoad * Layout::kChunksPerLoad;
-  constexpr int kChunksPerPass = kChunks <= kFit ? kChunks : (kFitLoads > 0 ? kFitLoads : Layout::kChunksPerLoad);
+  constexpr int kFit = kValueAccumulators / kGroup > 0 ? kValueAccumulators / kGroup : 1;
+  constexpr int kFitLoads = kFit / kLoad * kLoad;
+  constexpr int kChunksPerPass = kChunks <= kFit ? kChunks : (kFitLoads > 0 ? kFitLoads : kLoad);
   alignas(64) float laned[kGroup * kHeadDim];
   for (int c0 = 0; c0 < kChunks; c0 += kChunksPerPass) {
-    __m512 sums[kGroup][kChunksPerPass];
+    Vec::Type sums[kGroup][kChunksPerPass];
     for (int j = 0; j < kGroup; ++j)
-      for (int c = 0; c < kChunksPerPass; ++c) sums[j][c] = _mm512_setzero_ps();
+      for (int c = 0; c < kChunksPerPass; ++c) sums[j][c] = Vec::zero();
     for (int64_t t = 0; t < num_tokens; ++t) {
       if (c0 == 0) next_keys.advance(t, num_tokens);
-      __m512 v[kChunksPerPass];
-      Layout::template load<kChunksPerPass>(values + row_offsets[t] + c0 * kLanes, v, kChunks - c0);
-      for (int j = 0; j < kGroup; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * score_stride + t]);
-        for (int c = 0; c < kChunksPerPass; ++c)
-          if (c0 + c < kChunks) sums[j][c] = _mm512_fmadd_ps(p, v[c], sums[j][c]);
+      const cache_t* value_row = values + row_offsets[t];
+#pragma GCC unroll 16
+      for (int c1 = 0; c1 < kChunksPerPass; c1 += kLoad) {
+        if (c0 + c1 >= kChunks) break;
+        Vec::Type v[kLoad];
+        Layout::load(value_row, c0 + c1, v);
+#pragma GCC unroll 8
+        for (int j = 0; j < kGroup; ++j) {
+          const Vec::Type p = Vec::set1(scores[j * score_stride + t]);
+#pragma GCC unroll 2
+          for (int c = 0; c < kLoad; ++c) sums[j][c1 + c] = Vec::fmadd(p, v[c], sums[j][c1 + c]);
+        }
       }
     }
     for (int j = 0; j < kGroup; ++j)
       for (int c = 0; c < kChunksPerPass; ++c)
-        if (c0 + c < kChunks) _mm512_store_ps(laned + j * kHeadDim + (c0 + c) * kLanes, sums[j][c]);
+        if (c0 + c < kChunks) Vec::store(laned + j * kHeadDim + (c0 + c) * kLanes, sums[j][c]);
   }
   for (int j = 0; j < kGroup; ++j)
     for (int64_t d = 0; d < kHeadDim; ++d) acc[j * kHeadDim + d] = laned[j * kHeadDim + Layout::lane_of(d)];
@@ -627,7 +660,7 @@ AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) 
 #undef PAGEDSERVE_BF16_GROUP_CASES
   }
 #endif
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
 #define PAGEDSERVE_GROUP_CASES(CHUNKS)                                                   \
   switch (group) {                                                                       \
     case 1: return &attend_partition_fixed<query_t, cache_t, 1, CHUNKS>;                 \
@@ -640,8 +673,8 @@ AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) 
     case 8: return &attend_partition_fixed<query_t, cache_t, 8, CHUNKS>;                 \
     default: break;                                                                      \
   }
-  if (head_dim == 64) { PAGEDSERVE_GROUP_CASES(4) }
-  if (head_dim == 128) { PAGEDSERVE_GROUP_CASES(8) }
+  if (head_dim == 64) { PAGEDSERVE_GROUP_CASES(64 / kLanes) }
+  if (head_dim == 128) { PAGEDSERVE_GROUP_CASES(128 / kLanes) }
 #undef PAGEDSERVE_GROUP_CASES
 #endif
   return &attend_partition_generic<query_t, cache_t>;
@@ -884,14 +917,25 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
 #if defined(__AVX512F__)
 // Round-to-nearest-even float32 -> bfloat16 for 16 lanes: ATen's vectorised conversion (vec512_bfloat16.h
 // cvtfp32_bf16), so the bits equal Tensor.to(torch.bfloat16)'s. NaN lanes become 0xffff (a NaN), as there.
-inline __m256i float16_lanes_to_bfloat16(__m512 source) {
+inline void store_bfloat16_lanes(c10::BFloat16* destination, __m512 source) {
   const __m512i bits = _mm512_castps_si512(source);
   const __mmask16 ordered = _mm512_cmp_ps_mask(source, source, _CMP_ORD_Q);
   __m512i rounded = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));  // lsb of the result
   rounded = _mm512_add_epi32(rounded, _mm512_set1_epi32(0x7fff));                          // + rounding bias
   rounded = _mm512_srli_epi32(_mm512_add_epi32(rounded, bits), 16);
   rounded = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xffff), rounded);
-  return _mm512_cvtusepi32_epi16(rounded);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(destination), _mm512_cvtusepi32_epi16(rounded));
+}
+#elif defined(PAGEDSERVE_AVX2)
+// The same for 8 lanes: ATen's AVX2 conversion (vec256_16bit_float.h cvtfp32_bf16), NaN lanes 0xffff.
+inline void store_bfloat16_lanes(c10::BFloat16* destination, __m256 source) {
+  const __m256i bits = _mm256_castps_si256(source);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(source, source, _CMP_ORD_Q));
+  __m256i rounded = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));  // lsb of the result
+  rounded = _mm256_add_epi32(rounded, _mm256_set1_epi32(0x7fff));                          // + rounding bias
+  rounded = _mm256_srli_epi32(_mm256_add_epi32(rounded, bits), 16);
+  rounded = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), rounded, ordered);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(destination), pagedserve_native::pack_bfloat16(rounded));
 }
 #endif
 
@@ -902,13 +946,12 @@ inline void convert_row(const source_t* source, destination_t* destination, int6
     std::memcpy(destination, source, count * sizeof(source_t));
   } else {
     int64_t index = 0;
-#if defined(__AVX512F__)
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
     if constexpr (std::is_same_v<source_t, float> && std::is_same_v<destination_t, c10::BFloat16>) {
       for (; index + kLanes <= count; index += kLanes)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(destination + index),
-                            float16_lanes_to_bfloat16(_mm512_loadu_ps(source + index)));
+        store_bfloat16_lanes(destination + index, Vec::load(source + index));
     } else {
-      for (; index + kLanes <= count; index += kLanes) _mm512_storeu_ps(destination + index, load16(source + index));
+      for (; index + kLanes <= count; index += kLanes) Vec::store(destination + index, Vec::load(source + index));
     }
 #endif
     // c10's scalar conversions: round to nearest even / exact widening.
