@@ -1,13 +1,15 @@
-// bfloat16 linear on AMX tiles or AVX512-BF16 dot products: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight in
-// a tile-blocked layout.
+// bfloat16 linear on AMX tiles, AVX512-BF16 dot products or AVX2 FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the
+// weight in a tile-blocked layout.
 //
 // Python side: layers/amx_linear.py; the fused MLP pass (amx_linear_silu_and_mul) layers/amx_gate_up_silu.py; greedy
 // sampling in the LM head's epilogue (amx_linear_first_argmax) sample/fused_greedy_head.py. amx_linear and
 // amx_linear_first_argmax run the same work units (run_units) and differ only in their epilogue.
 //
-// Ops take `products`: "amx", "avx512_bf16" or "auto" (AMX where the process may use it, else AVX512-BF16);
-// amx_linear_products() lists what this build and process can run. The two units read the same packed tiles and
-// fill the same fp32 unit results; only the inner products differ (AmxProducts, DotProducts).
+// Ops take `products`: "amx", "avx512_bf16", "avx2" or "auto" (the first of amx_linear_products(), which lists what
+// this build and process can run, preferred first). An AVX512-BF16 build (kernels/cpu_isa.py levels avx512_bf16 and
+// amx) has "amx" (where Linux grants the tile state) and "avx512_bf16"; an AVX2 build has "avx2" alone; the avx512
+// level (AVX-512 without BF16) has none. The units read the same packed tiles and fill the same fp32 unit results;
+// only the inner products differ (AmxProducts, DotProducts, Fma8Products).
 //
 // A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed only 13-19 GB/s at M = 1..16 on an
 // Intel Sapphire Rapids VM. AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16]
@@ -15,7 +17,8 @@
 // loop serves prefill sizes (there oneDNN's blocking is still ahead for some shapes: benchmarks/amx_linear.py).
 // Without AMX (an AMD Zen 4 VM), VDPBF16PS against broadcast x pairs in register blocks of up to 24 accumulators
 // streams the same layout at 23-24 GB/s at one row (oneDNN 17) and keeps up with oneDNN's compute up to prefill sizes
-// (see DotProducts).
+// (see DotProducts). Without AVX-512 (AVX2 + FMA), the weights are widened to fp32 in registers and multiplied by
+// fp32 FMA (Fma8Products), where torch's own bf16 GEMM runs 4-5x slower than its fp32 one.
 //
 // Packed layout (`amx_pack_weight`): N is cut into blocks of 16 output columns and K into steps of 32 (both
 // zero-padded). A block's step is one B tile: 16 rows of K pairs, each row the 16 columns' (w[n][k], w[n][k+1])
@@ -28,23 +31,26 @@
 //   columns are split evenly between torch's intra-op threads; each thread configures its own tiles.
 // - On AMX, rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C
 //   tiles), then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows.
-//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block).
+//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block); AVX2 FMA
+//   in blocks of 5 rows against one block (one row against a whole group, two rows against two blocks).
 //   Beyond one row block the weights are read from L2 again for every row block, so each row block also
 //   prefetches a share of the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows),
 //   into L2: the next group (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1,
 //   the 30 layers' linears ran 1.02-1.10x slower at 24-64 rows, interleaved).
 // - Above 256 rows (prefill chunks) the weight is cut into panels of whole groups, up to kPanelWeightBytes each
 //   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1; 36 rows, six register blocks,
-//   for the dot products); the units (panel, chunk, block) run panel-major, split evenly between the threads,
-//   and nothing is prefetched (the panel is in L2). A chunk's row pair then reads its A tiles from L1 and the
-//   panel's B tiles from L2 instead of both from L2.
+//   for the dot products; 35, seven, for AVX2); the units (panel, chunk, block) run panel-major, split evenly
+//   between the threads, and nothing is prefetched (the panel is in L2). A chunk's row pair then reads its A tiles
+//   from L1 and the panel's B tiles from L2 instead of both from L2.
 //   The 30 layers of SmolLM2-135M at 2048 rows, interleaved with the 256-row chunking: 1.01-1.13x (median of
 //   per-round ratios over seven runs, 1.04x); gate_up alone 1.27x in a fast phase. At 257-511 rows the 256-row
 //   chunking also left one thread a short chunk: 320 rows ran 1.33x faster.
 // - One output element: TDPBF16PS (or VDPBF16PS, per lane) over the K steps in order into fp32, + bias in fp32,
-//   rounded to bf16 once. A row's result depends only on K and the weight: it is the same whatever M, the other
-//   rows or the thread count (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation
-//   order).
+//   rounded to bf16 once. On AVX2 it is one fp32 FMA chain over k in order (each pair's even k, then its odd k),
+//   + bias in fp32, rounded to bf16 once as c10::BFloat16 rounds: ties to even, subnormal results kept (the
+//   AVX-512 units' VCVTNEPS2BF16 flushes them to zero). A row's result depends only on K and the weight: it is the
+//   same whatever M, the other rows or the thread count (batch invariant), though not bitwise equal to oneDNN's
+//   GEMM (another summation order) nor across units.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -62,6 +68,7 @@
 #include "amx_tiles.h"
 #include "bfloat16_rounding.h"
 #include "bfloat16_silu_table.h"
+#include "vector_avx2.h"
 
 namespace {
 
@@ -74,7 +81,10 @@ constexpr int64_t kTileRows = 16;                                // rows of x pe
 constexpr int64_t kChunkRows = 256;                              // rows of x per task (L2-resident)
 constexpr int64_t kPanelChunkRows = 32;                          // rows of x per task above kChunkRows rows (AMX)
 constexpr int64_t kDotPanelChunkRows = 36;  // the same for the dot-product unit (see panel_chunk_rows)
+constexpr int64_t kFmaPanelChunkRows = 35;  // the same for the AVX2 unit (see panel_chunk_rows)
+constexpr int64_t kMaxPanelChunkRows = std::max({kPanelChunkRows, kDotPanelChunkRows, kFmaPanelChunkRows});
 constexpr int64_t kPanelWeightBytes = 576 * 1024;                // weight bytes per panel above kChunkRows rows
+constexpr int64_t kArgmaxLanes = 16;  // running maxima per row of amx_linear_first_argmax (16 columns' lanes)
 constexpr int64_t kFarPrefetchBytes = 32 * 1024;                // see group_product (AMX)
 // The dot-product unit's distance (dot_rows). Each of its threads also prefetches the first this many bytes of its
 // share when it starts a streaming product (run_units), where the far prefetch of the steps has not reached yet.
@@ -88,9 +98,17 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_DPBF16 1
 #endif
+// The FMA unit's gate is vector_avx2.h's PAGEDSERVE_AVX2 (AVX2 + FMA, no AVX-512), so a build has the AVX-512
+// units or the AVX2 one, never both. PAGEDSERVE_PACKED_LINEAR: some unit exists, and with it the shared unit walk
+// (run_units) and the epilogues, each in the form of its build's vectors.
+#if defined(PAGEDSERVE_DPBF16) || defined(PAGEDSERVE_AVX2)
+#define PAGEDSERVE_PACKED_LINEAR 1
+#endif
 
 constexpr const char* kAmxProducts = "amx";
 constexpr const char* kDotProducts = "avx512_bf16";
+constexpr const char* kFmaProducts = "avx2";
+constexpr const char* kNoUnitMessage = ": this build has no product unit (AMX, AVX512-BF16 or AVX2)";
 
 // The product units this build and process can run, preferred first.
 std::vector<std::string> amx_linear_products() {
@@ -99,22 +117,24 @@ std::vector<std::string> amx_linear_products() {
 #if defined(PAGEDSERVE_DPBF16)
   units.emplace_back(kDotProducts);
 #endif
+#if defined(PAGEDSERVE_AVX2)
+  units.emplace_back(kFmaProducts);
+#endif
   return units;
 }
 
 bool is_amx_linear_supported() { return !amx_linear_products().empty(); }
 
 void check_supported(const char* op) {
-  TORCH_CHECK(is_amx_linear_supported(), op, ": this build has neither AMX nor AVX512-BF16 (is_amx_linear_supported() "
-              "is False here)");
+  TORCH_CHECK(is_amx_linear_supported(), op, kNoUnitMessage, " (is_amx_linear_supported() is False here)");
 }
 
 // The unit `products` names ('auto': the first of amx_linear_products()), checked against what is available.
 std::string resolve_products(const char* op, c10::string_view products) {
-  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts, op,
-              ": products must be 'auto', 'amx' or 'avx512_bf16', got '", products, "'");
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts || products == kFmaProducts,
+              op, ": products must be 'auto', 'amx', 'avx512_bf16' or 'avx2', got '", products, "'");
   const std::vector<std::string> units = amx_linear_products();
-  TORCH_CHECK(!units.empty(), op, ": this build has neither AMX nor AVX512-BF16");
+  TORCH_CHECK(!units.empty(), op, kNoUnitMessage);
   const std::string unit = products == "auto" ? units.front() : std::string(products);
   TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), op, ": products='", products,
               "' is not available in this build or process (amx_linear_products() lists what is)");
@@ -123,9 +143,11 @@ std::string resolve_products(const char* op, c10::string_view products) {
 
 // Rows of x per task above kChunkRows rows for the unit `kind`: AMX takes them as one row pair (two A tiles); the
 // dot-product unit as six blocks of 6 rows (with 32 rows its last block of 2 rows ran 1.5x slower per row: over
-// SmolLM2-135M's 30 layers at 2048 rows, 383 against 405 GFLOP/s with 36, oneDNN 413).
+// SmolLM2-135M's 30 layers at 2048 rows, 383 against 405 GFLOP/s with 36, oneDNN 413); the AVX2 unit as seven
+// blocks of 5 rows (Fma8Products).
 int64_t panel_chunk_rows(const std::string& kind) {
-  return kind == kAmxProducts ? kPanelChunkRows : kDotPanelChunkRows;
+  if (kind == kAmxProducts) return kPanelChunkRows;
+  return kind == kDotProducts ? kDotPanelChunkRows : kFmaPanelChunkRows;
 }
 
 // A partial group streamed beside whole ones (DotProducts::stream_groups at one row): its first `num_blocks` blocks
@@ -553,6 +575,204 @@ struct DotProducts {
   void finish() {}
 };
 
+#endif  // PAGEDSERVE_DPBF16
+
+#if defined(PAGEDSERVE_AVX2)
+
+// The AVX2 unit (AVX2 + FMA, no bf16 instructions): the same packed tiles read as 256-bit vectors and widened to
+// fp32 in registers. A B tile row (one K pair of 16 columns, 64 bytes) is two vectors, each 8 columns' (w[n][k],
+// w[n][k + 1]) pairs with the even k in the low half of each 32-bit lane: `pairs << 16` is the 8 even-k weights as
+// floats, `pairs & 0xFFFF0000` the 8 odd-k ones (both exact: a bf16 is a float's upper half). Each is multiplied by
+// x[k] (or x[k + 1]) broadcast from a row of x widened to fp32 beforehand (widen_rows), FMA'd into one accumulator
+// per row and 8 columns: per lane, the k of the unit in order (a pair's even k, then its odd k), as one chain.
+// A bf16 x bf16 product is exact in fp32 (8-bit significands), so each FMA rounds only the running sum.
+//
+// AVX2 has 16 ymm registers, so a register block holds at most 10 accumulators beside the weights and broadcasts:
+// one row takes a whole group (8 accumulators), two rows two blocks (8), and kFmaRows = 5 rows one block (10
+// accumulators, a block row's two vectors widened to four, and a row's two broadcasts: 16). Every accumulator takes
+// two dependent FMAs per K pair, so 10 of them keep 20 FMAs in flight per 10 cycles of latency: what two FMA pipes
+// of 4-5 cycles' latency (Haswell to Zen 3) need, where 8 would leave them 20% idle. On this AMD EPYC VM (AVX2,
+// about 30 GFLOP/s of fp32 FMA per core) the register blocks of 3-6 rows all ran within 5% of that in L2 (one thread,
+// 216 KiB of weights), one row at 24 and two at 28. A row block reads the group's weights once per set of blocks it
+// takes (a pass, num_passes): from memory for the first row block, from L2 for the others. x is widened to fp32 per
+// row block (L1-resident at the K of small models).
+constexpr int kFmaRows = 5;
+// The far prefetch distance of a one-row pass over the weights (see fma_rows). One thread streaming 128 MiB of
+// weights at one row on this VM: 16 KiB 1.15-1.3x none, 8 KiB slower than none, 32 KiB between.
+constexpr int64_t kFmaFarPrefetchBytes = 16 * 1024;
+
+// The even-k and odd-k weights of one 256-bit load of a B tile row (see above).
+inline __m256 even_k_weights(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_k_weights(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// Blocks of a group one register block of `rows` (<= kFmaRows) rows takes at once (see Fma8Products).
+constexpr int fma_blocks_per_pass(int64_t rows) { return rows == 1 ? 4 : (rows == 2 ? 2 : 1); }
+
+// kRows rows of fp32 x (rows x_stride floats apart, zero-padded to whole steps) against kBlocks consecutive blocks
+// (b_first, step_stride as in group_product), over all K steps: out[i * kGroupColumns + c] for row i and column c of
+// the blocks. A step goes K pair by K pair, each pair's row of every block in turn: every accumulator takes two
+// dependent FMAs per pair, so the pair's 2 * kRows * kBlocks FMAs must be independent chains to hide the FMA
+// latency (block by block, one row would keep 2 chains in flight: 3.9 GMAC/s on one core here, L2-resident).
+// Prefetches as group_product; `is_streaming` (one pass over the weights from memory) also prefetches each step's
+// bytes kFmaFarPrefetchBytes further on.
+template <int kRows, int kBlocks>
+inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t step_stride,
+                     int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines, bool is_streaming) {
+  constexpr int kHalves = kBlockColumns / 8;  // 8-column vectors per block
+  __m256 acc[kRows][kBlocks * kHalves];
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < kBlocks * kHalves; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t step = 0; step < num_steps; ++step) {
+    const at::BFloat16* b = b_first + step * step_stride;
+    for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
+    prefetch += prefetch_lines * 64;
+    if (is_streaming) {
+      const char* far = reinterpret_cast<const char*>(b) + kFmaFarPrefetchBytes;
+      for (int64_t line = 0; line < kBlocks * kTileElements * 2 / 64; ++line)
+        _mm_prefetch(far + line * 64, _MM_HINT_T2);
+    }
+    const float* x_step = x + step * kStepDepth;
+#pragma GCC unroll 16
+    for (int pair = 0; pair < kStepDepth / 2; ++pair) {
+#pragma GCC unroll 4
+      for (int block = 0; block < kBlocks; ++block) {
+        const at::BFloat16* row = b + block * kTileElements + pair * 2 * kBlockColumns;
+        __m256 even[kHalves], odd[kHalves];
+#pragma GCC unroll 2
+        for (int half = 0; half < kHalves; ++half) {
+          const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + half * 16));
+          even[half] = even_k_weights(pairs);
+          odd[half] = odd_k_weights(pairs);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < kRows; ++i) {
+          const __m256 x_even = _mm256_broadcast_ss(x_step + i * x_stride + 2 * pair);
+          const __m256 x_odd = _mm256_broadcast_ss(x_step + i * x_stride + 2 * pair + 1);
+#pragma GCC unroll 2
+          for (int half = 0; half < kHalves; ++half) {
+            __m256& sum = acc[i][block * kHalves + half];
+            sum = _mm256_fmadd_ps(even[half], x_even, sum);
+            sum = _mm256_fmadd_ps(odd[half], x_odd, sum);
+          }
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < kBlocks * kHalves; ++v) _mm256_storeu_ps(out + i * kGroupColumns + v * 8, acc[i][v]);
+}
+
+// kRows rows of fp32 x against the num_blocks blocks of a group, fma_blocks_per_pass(kRows) blocks at a time.
+template <int kRows>
+inline void fma_group(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t num_blocks,
+                      int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
+                      int64_t prefetch_lines, bool is_streaming) {
+  constexpr int kBlocks = fma_blocks_per_pass(kRows);
+  int64_t block = 0;
+  for (; num_blocks - block >= kBlocks; block += kBlocks)
+    fma_rows<kRows, kBlocks>(x, x_stride, b_first + block * kTileElements, step_stride, num_steps,
+                             out + block * kBlockColumns, prefetch, prefetch_lines, is_streaming);
+  const int64_t rest = num_blocks - block;  // < kBlocks <= 4
+  if constexpr (kBlocks > 1) {
+    const at::BFloat16* b = b_first + block * kTileElements;
+    float* rest_out = out + block * kBlockColumns;
+    if (rest == 3)
+      fma_rows<kRows, (kBlocks > 3 ? 3 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+                                             prefetch_lines, is_streaming);
+    else if (rest == 2)
+      fma_rows<kRows, (kBlocks > 2 ? 2 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+                                             prefetch_lines, is_streaming);
+    else if (rest == 1)
+      fma_rows<kRows, 1>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch, prefetch_lines, is_streaming);
+  }
+}
+
+// The last `rows` (< kRows) rows of a product, one register block of that many rows.
+template <int kRows>
+inline void fma_tail(const float* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+                     int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines,
+                     bool is_streaming) {
+  if constexpr (kRows > 0) {
+    if (rows == kRows)
+      fma_group<kRows>(x, x_stride, b_first, num_blocks, step_stride, num_steps, out, prefetch, prefetch_lines,
+                       is_streaming);
+    else
+      fma_tail<kRows - 1>(x, x_stride, rows, b_first, num_blocks, step_stride, num_steps, out, prefetch,
+                          prefetch_lines, is_streaming);
+  }
+}
+
+struct Fma8Products {
+  // The passes over a unit's weights (see AmxProducts): per register block of rows, one per set of blocks it takes
+  // at once (a pass of one block over the steps prefetches a share of the next group per step like a whole one).
+  static int64_t num_passes(int64_t rows) {
+    const int64_t tail = rows % kFmaRows;
+    return rows / kFmaRows * ceil_div(kGroupBlocks, fma_blocks_per_pass(kFmaRows)) +
+           (tail == 0 ? 0 : ceil_div(kGroupBlocks, fma_blocks_per_pass(tail)));
+  }
+  static constexpr int64_t kStartPrefetchBytes = kFmaFarPrefetchBytes;  // see run_unit_range
+  // No weight streams yet: products of few rows run group by group (run_unit_range).
+  static constexpr int kMaxStreams = 0;
+  static constexpr int num_streams(int64_t) { return 0; }
+  void stream_groups(const at::BFloat16*, int64_t, int64_t, const at::BFloat16* const*, int, int64_t, float*,
+                     const PartialStream&) {}
+
+  // As AmxProducts::product, in register blocks of kFmaRows rows and a shorter last one.
+  void product(const at::BFloat16* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+               int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines) {
+    const bool is_streaming = prefetch_lines == 0 && rows <= kFmaRows;
+    const int64_t depth = num_steps * kStepDepth;
+    for (int64_t row = 0; row < rows; row += kFmaRows) {
+      const int64_t block_rows = std::min<int64_t>(kFmaRows, rows - row);
+      const float* widened = widen_rows(x + row * x_stride, x_stride, block_rows, depth);
+      float* block_out = out + row * kGroupColumns;
+      if (block_rows == kFmaRows)
+        fma_group<kFmaRows>(widened, depth, b_first, num_blocks, step_stride, num_steps, block_out, prefetch,
+                            prefetch_lines, is_streaming);
+      else
+        fma_tail<kFmaRows - 1>(widened, depth, block_rows, b_first, num_blocks, step_stride, num_steps, block_out,
+                               prefetch, prefetch_lines, is_streaming);
+    }
+  }
+
+  void finish() {}
+
+ private:
+  // Rows [0, rows) of bf16 x (x_stride apart, `depth` elements each) widened to fp32 into `widened_`, rows `depth`
+  // floats apart. The rows widened last are kept: a product of one row block (decode sizes) widens its rows once for
+  // all its groups (x does not change while a unit runs its units).
+  const float* widen_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t depth) {
+    if (x == widened_x_ && x_stride == widened_stride_ && rows == widened_rows_ && depth == widened_depth_)
+      return widened_.data();
+    if (static_cast<int64_t>(widened_.size()) < rows * depth) widened_.resize(rows * depth);
+    widened_x_ = x;
+    widened_stride_ = x_stride;
+    widened_rows_ = rows;
+    widened_depth_ = depth;
+    for (int64_t row = 0; row < rows; ++row) {
+      const uint16_t* source = reinterpret_cast<const uint16_t*>(x + row * x_stride);
+      float* target = widened_.data() + row * depth;
+      for (int64_t k = 0; k < depth; k += 8)
+        pagedserve_native::store8(target + k, pagedserve_native::load8(source + k));
+    }
+    return widened_.data();
+  }
+
+  std::vector<float> widened_;  // up to kFmaRows rows of x in fp32
+  const at::BFloat16* widened_x_ = nullptr;  // the rows in widened_
+  int64_t widened_stride_ = 0, widened_rows_ = 0, widened_depth_ = 0;
+};
+
+#endif  // PAGEDSERVE_AVX2
+
+#if defined(PAGEDSERVE_PACKED_LINEAR)
+
 // Runs `body(products)` with a fresh unit of the kind `kind` names (resolve_products' answer).
 template <typename Body>
 void with_products(const std::string& kind, Body&& body) {
@@ -564,18 +784,26 @@ void with_products(const std::string& kind, Body&& body) {
     return;
   }
 #endif
+#if defined(PAGEDSERVE_DPBF16)
   DotProducts products;
+#else
+  (void)kind;
+  Fma8Products products;
+#endif
   body(products);
 }
 
-// y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
-// does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
-// becomes 0 where at::BFloat16 would keep a subnormal.
+// ---- Epilogues, in the build's vectors: AVX-512 (16 columns at a time) or AVX2 (8).
+#if defined(PAGEDSERVE_DPBF16)
+
 // The lanes of a 16-column piece that hold one of the `remaining` columns left.
 inline __mmask16 columns_mask(int64_t remaining) {
   return remaining >= kBlockColumns ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
+// y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
+// does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
+// becomes 0 where at::BFloat16 would keep a subnormal.
 inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
   for (int64_t column = 0; column < count; column += kBlockColumns) {
     const __mmask16 mask = columns_mask(count - column);
@@ -586,7 +814,147 @@ inline void store_row(const float* values, const float* bias, int64_t count, at:
   }
 }
 
-#endif  // PAGEDSERVE_DPBF16
+// amx_linear_first_argmax's running maxima of one row (AmxFirstArgmaxCall::State): the `count` columns of `values`
+// (+ bias), rounded to bf16 as store_row rounds them, folded into `lane_max` / `lane_index` (16 lanes, lane l taking
+// the columns first_column + l + 16 j) and `first_nan`.
+inline void update_lane_maxima(const float* values, const float* bias, int64_t first_column, int64_t count,
+                               float* lane_max, int32_t* lane_index, int32_t& first_nan) {
+  const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 best = _mm512_loadu_ps(lane_max);
+  __m512i best_index = _mm512_loadu_si512(lane_index);
+  for (int64_t column = 0; column < count; column += kBlockColumns) {
+    const __mmask16 mask = columns_mask(count - column);
+    __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
+    if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
+    // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
+    value = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value))), 16));
+    const __m512i column_index =
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
+    const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
+    if (is_nan != 0)
+      first_nan = std::min(first_nan, static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan)));
+    // is_better per lane (units come in any order): greater, or equal at a lower column.
+    const __mmask16 is_taken = _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ) |
+                               (_mm512_mask_cmp_ps_mask(mask, value, best, _CMP_EQ_OQ) &
+                                _mm512_cmplt_epi32_mask(column_index, best_index));
+    best = _mm512_mask_mov_ps(best, is_taken, value);
+    best_index = _mm512_mask_mov_epi32(best_index, is_taken, column_index);
+  }
+  _mm512_storeu_ps(lane_max, best);
+  _mm512_storeu_si512(lane_index, best_index);
+}
+
+// amx_linear_silu_and_mul's outputs of one row and group pair: out[0:64] = round(round(silu(round(gate))) *
+// round(up)) for gate / up = the 64 fp32 products (+ bias), with `silu_table` (bfloat16_silu_table()).
+inline void store_silu_and_mul_row(const float* gate_values, const float* up_values, const float* gate_bias,
+                                   const float* up_bias, uint16_t* out, const uint16_t* silu_table) {
+  const int* table = reinterpret_cast<const int*>(silu_table);
+  for (int64_t column = 0; column < kGroupColumns; column += kBlockColumns) {
+    __m512 gate = _mm512_load_ps(gate_values + column);
+    __m512 up = _mm512_load_ps(up_values + column);
+    if (gate_bias != nullptr) {
+      gate = _mm512_add_ps(gate, _mm512_loadu_ps(gate_bias + column));
+      up = _mm512_add_ps(up, _mm512_loadu_ps(up_bias + column));
+    }
+    // The projection's rounding (store_row's), then the SiLU kernel's table and product, rounded as
+    // at::BFloat16 (ties to even, NaN -> 0x7FC0, subnormals kept).
+    const __m512i gate_bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(gate)));
+    const __m512 up_rounded = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
+    const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, table, 2), 16));
+    const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + column), _mm512_cvtepi32_epi16(rounded));
+  }
+}
+
+// The SiLU table store_silu_and_mul_row takes (elementwise.cpp's, which the unfused SiLU-and-mul gathers from).
+inline const uint16_t* silu_table_of_build() { return pagedserve_native::bfloat16_silu_table(); }
+
+#else  // PAGEDSERVE_AVX2
+
+// y[0:count] = bf16(values + bias), 8 columns at a time, rounded as c10::BFloat16 rounds (ties to even, NaN ->
+// 0x7FC0, subnormals kept: unlike the AVX-512 form, a result below ~1.2e-38 in magnitude stays a subnormal).
+inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
+  uint16_t* target = reinterpret_cast<uint16_t*>(y);
+  for (int64_t column = 0; column < count; column += 8) {
+    const int64_t left = count - column;
+    __m256 value = pagedserve_native::load8_first(values + column, left);
+    if (bias != nullptr) value = _mm256_add_ps(value, pagedserve_native::load8_first(bias + column, left));
+    pagedserve_native::store8_first(target + column, value, left);
+  }
+}
+
+// As the AVX-512 form (same lanes: lane l takes the columns first_column + l + 16 j), 8 columns at a time: a
+// 16-column piece's first 8 columns go to lanes 0-7, the others to lanes 8-15 (first_column is a multiple of 16).
+// The logits are rounded as this build's store_row rounds them.
+inline void update_lane_maxima(const float* values, const float* bias, int64_t first_column, int64_t count,
+                               float* lane_max, int32_t* lane_index, int32_t& first_nan) {
+  const __m256i lane_offsets = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  constexpr int kHalves = kArgmaxLanes / 8;
+  __m256 best[kHalves];
+  __m256i best_index[kHalves];
+  for (int half = 0; half < kHalves; ++half) {
+    best[half] = _mm256_loadu_ps(lane_max + 8 * half);
+    best_index[half] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_index + 8 * half));
+  }
+  for (int64_t piece = 0; piece < count; piece += kArgmaxLanes) {
+    for (int half = 0; half < kHalves; ++half) {
+      const int64_t column = piece + 8 * half, left = count - column;
+      if (left <= 0) break;
+      __m256 value = pagedserve_native::load8_first(values + column, left);
+      if (bias != nullptr) value = _mm256_add_ps(value, pagedserve_native::load8_first(bias + column, left));
+      value = pagedserve_native::round_to_bfloat16(value);  // the logit amx_linear would store
+      const __m256 valid = _mm256_castsi256_ps(pagedserve_native::first_lanes_mask(std::min<int64_t>(left, 8)));
+      const __m256i column_index =
+          _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
+      const int is_nan = _mm256_movemask_ps(_mm256_and_ps(valid, _mm256_cmp_ps(value, value, _CMP_UNORD_Q)));
+      if (is_nan != 0)
+        first_nan = std::min(first_nan, static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan)));
+      // is_better per lane (units come in any order): greater, or equal at a lower column.
+      const __m256 is_lower_column = _mm256_castsi256_ps(_mm256_cmpgt_epi32(best_index[half], column_index));
+      const __m256 is_taken =
+          _mm256_and_ps(valid, _mm256_or_ps(_mm256_cmp_ps(value, best[half], _CMP_GT_OQ),
+                                            _mm256_and_ps(_mm256_cmp_ps(value, best[half], _CMP_EQ_OQ),
+                                                          is_lower_column)));
+      best[half] = _mm256_blendv_ps(best[half], value, is_taken);
+      best_index[half] = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(best_index[half]), _mm256_castsi256_ps(column_index), is_taken));
+    }
+  }
+  for (int half = 0; half < kHalves; ++half) {
+    _mm256_storeu_ps(lane_max + 8 * half, best[half]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane_index + 8 * half), best_index[half]);
+  }
+}
+
+// As the AVX-512 form, by elementwise.cpp's AVX2 formula instead of a table (its AVX2 build has none): silu(g) =
+// round(g / (1 + exp8(-g))) of the rounded gate g, exp8 the same function (vector_avx2.h), so the result is bitwise
+// amx_linear followed by the native SiLU-and-mul kernel of this build.
+inline void store_silu_and_mul_row(const float* gate_values, const float* up_values, const float* gate_bias,
+                                   const float* up_bias, uint16_t* out, const uint16_t* silu_table) {
+  (void)silu_table;
+  using pagedserve_native::round_to_bfloat16;
+  for (int64_t column = 0; column < kGroupColumns; column += 8) {
+    __m256 gate = _mm256_load_ps(gate_values + column);
+    __m256 up = _mm256_load_ps(up_values + column);
+    if (gate_bias != nullptr) {
+      gate = _mm256_add_ps(gate, _mm256_loadu_ps(gate_bias + column));
+      up = _mm256_add_ps(up, _mm256_loadu_ps(up_bias + column));
+    }
+    gate = round_to_bfloat16(gate);  // the projection's rounding (store_row's)
+    const __m256 denominator =
+        _mm256_add_ps(_mm256_set1_ps(1.0f), pagedserve_native::exp8(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f))));
+    const __m256 silu = round_to_bfloat16(_mm256_div_ps(gate, denominator));
+    pagedserve_native::store8(out + column, _mm256_mul_ps(silu, round_to_bfloat16(up)));
+  }
+}
+
+inline const uint16_t* silu_table_of_build() { return nullptr; }
+
+#endif  // PAGEDSERVE_DPBF16 / PAGEDSERVE_AVX2
+
+#endif  // PAGEDSERVE_PACKED_LINEAR
 
 int64_t packed_numel(int64_t n, int64_t k) { return ceil_div(n, kBlockColumns) * ceil_div(k, kStepDepth) * kTileElements; }
 
@@ -694,7 +1062,7 @@ int64_t num_units(const PackedProduct& p) {
   return ceil_div(p.m, p.m > kChunkRows ? p.panel_chunk_rows : kChunkRows) * ceil_div(p.n, kBlockColumns);
 }
 
-#if defined(PAGEDSERVE_DPBF16)
+#if defined(PAGEDSERVE_PACKED_LINEAR)
 
 // Units [begin, end) of `p` one at a time (run_units).
 template <typename Products, typename Epilogue>
@@ -836,7 +1204,7 @@ void run_units(Products& products, const PackedProduct& p, int64_t begin, int64_
   run_unit_range(products, p, begin, end, epilogue);
 }
 
-#endif  // PAGEDSERVE_DPBF16
+#endif  // PAGEDSERVE_PACKED_LINEAR
 
 }  // namespace
 
@@ -871,7 +1239,7 @@ int64_t AmxLinearCall::num_units() const {
 }
 
 void AmxLinearCall::run_units(int64_t begin, int64_t end) const {
-#if defined(PAGEDSERVE_DPBF16)
+#if defined(PAGEDSERVE_PACKED_LINEAR)
   const State& s = *state_;
   const int64_t n = s.product.n;
   const float* bias_data = s.bias_float.defined() ? s.bias_float.data_ptr<float>() : nullptr;
@@ -953,8 +1321,8 @@ AmxFirstArgmaxCall::AmxFirstArgmaxCall(const at::Tensor& x, const at::Tensor& pa
   s.num_columns = num_columns;
   s.num_slots = num_slots;
   const int64_t m = s.product.m;
-  s.lane_max.assign(num_slots * m * 16, -std::numeric_limits<float>::infinity());
-  s.lane_index.assign(num_slots * m * 16, kNoColumn);
+  s.lane_max.assign(num_slots * m * kArgmaxLanes, -std::numeric_limits<float>::infinity());
+  s.lane_index.assign(num_slots * m * kArgmaxLanes, kNoColumn);
   s.first_nan.assign(num_slots * m, kNoColumn);
 }
 
@@ -968,46 +1336,22 @@ int64_t AmxFirstArgmaxCall::num_units() const {
 }
 
 void AmxFirstArgmaxCall::run_units(int64_t begin, int64_t end, int64_t slot) const {
-#if defined(PAGEDSERVE_DPBF16)
+#if defined(PAGEDSERVE_PACKED_LINEAR)
   const State& s = *state_;
   const int64_t m = s.product.m, num_columns = s.num_columns;
   const float* bias_data = s.bias_float.defined() ? s.bias_float.data_ptr<float>() : nullptr;
-  float* const lane_max = const_cast<float*>(s.lane_max.data()) + slot * m * 16;
-  int32_t* const lane_index = const_cast<int32_t*>(s.lane_index.data()) + slot * m * 16;
+  float* const lane_max = const_cast<float*>(s.lane_max.data()) + slot * m * kArgmaxLanes;
+  int32_t* const lane_index = const_cast<int32_t*>(s.lane_index.data()) + slot * m * kArgmaxLanes;
   int32_t* const first_nan = const_cast<int32_t*>(s.first_nan.data()) + slot * m;
-  const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   with_products(s.kind, [&](auto& products) {
     ::run_units(products, s.product, begin, end,
                 [&](const float* values, int64_t first_row, int64_t num_rows, int64_t first_column, int64_t count) {
                   count = std::min(count, num_columns - first_column);
                   for (int64_t row = 0; row < num_rows; ++row) {
                     const int64_t r = first_row + row;
-                    __m512 best = _mm512_loadu_ps(lane_max + r * 16);
-                    __m512i best_index = _mm512_loadu_si512(lane_index + r * 16);
-                    for (int64_t column = 0; column < count; column += kBlockColumns) {
-                      const __mmask16 mask = columns_mask(count - column);
-                      __m512 value = _mm512_maskz_loadu_ps(mask, values + row * kGroupColumns + column);
-                      if (bias_data != nullptr)
-                        value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias_data + first_column + column));
-                      // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
-                      value = _mm512_castsi512_ps(_mm512_slli_epi32(
-                          _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value))), 16));
-                      const __m512i column_index = _mm512_add_epi32(
-                          _mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
-                      const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
-                      if (is_nan != 0)
-                        first_nan[r] = std::min(first_nan[r],
-                                                static_cast<int32_t>(first_column + column + __builtin_ctz(is_nan)));
-                      // is_better per lane (units come in any order): greater, or equal at a lower column.
-                      const __mmask16 is_taken =
-                          _mm512_mask_cmp_ps_mask(mask, value, best, _CMP_GT_OQ) |
-                          (_mm512_mask_cmp_ps_mask(mask, value, best, _CMP_EQ_OQ) &
-                           _mm512_cmplt_epi32_mask(column_index, best_index));
-                      best = _mm512_mask_mov_ps(best, is_taken, value);
-                      best_index = _mm512_mask_mov_epi32(best_index, is_taken, column_index);
-                    }
-                    _mm512_storeu_ps(lane_max + r * 16, best);
-                    _mm512_storeu_si512(lane_index + r * 16, best_index);
+                    update_lane_maxima(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
+                                       first_column, count, lane_max + r * kArgmaxLanes,
+                                       lane_index + r * kArgmaxLanes, first_nan[r]);
                   }
                 });
   });
@@ -1026,8 +1370,8 @@ void AmxFirstArgmaxCall::finish(int64_t* out) const {
     int32_t index = kNoColumn, nan_index = kNoColumn;
     for (int64_t slot = 0; slot < s.num_slots; ++slot) {
       nan_index = std::min(nan_index, s.first_nan[slot * m + row]);
-      for (int64_t lane = 0; lane < 16; ++lane) {
-        const int64_t at = (slot * m + row) * 16 + lane;
+      for (int64_t lane = 0; lane < kArgmaxLanes; ++lane) {
+        const int64_t at = (slot * m + row) * kArgmaxLanes + lane;
         if (is_better(s.lane_max[at], s.lane_index[at], maximum, index)) {
           maximum = s.lane_max[at];
           index = s.lane_index[at];
@@ -1064,8 +1408,9 @@ at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed
 
 // silu(gate) * up straight from the gate_up projection: x [M, K] @ W[2d, K]^T gives gate = columns [0, d) and up =
 // columns [d, 2d), and out [M, d] = round(round(silu(round(gate))) * round(up)), bitwise what amx_linear followed by
-// the SiLU-and-mul kernel (kernels/cpu/elementwise.cpp, bfloat16 table) give, without writing the [M, 2d]
-// projection out and reading it back. Needs d a multiple of 64 (whole groups) and K of 32.
+// the SiLU-and-mul kernel (kernels/cpu/elementwise.cpp: its bfloat16 table on AVX-512, its formula on AVX2) give,
+// without writing the [M, 2d] projection out and reading it back. Needs d a multiple of 64 (whole groups) and K of
+// 32.
 //
 // The units are those of amx_linear's paneled path, with a group pair in place of a block: (panel of group pairs,
 // chunk of 32 rows, gate group p and its up group p + d / 64), panel-major, split evenly between the threads. A
@@ -1091,14 +1436,14 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
   }
   at::Tensor out = at::empty({m, d}, x.options());
   if (m == 0 || d == 0) return out;
-#if defined(PAGEDSERVE_DPBF16)
+#if defined(PAGEDSERVE_PACKED_LINEAR)
   const int64_t num_steps = k / kStepDepth;
   const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
   const int64_t x_stride = x.stride(0);
   const at::BFloat16* weight = packed.data_ptr<at::BFloat16>();
   const float* bias_data = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   uint16_t* out_data = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int* silu_table = reinterpret_cast<const int*>(pagedserve_native::bfloat16_silu_table());
+  const uint16_t* silu_table = silu_table_of_build();
   const int64_t num_pairs = d / kGroupColumns;
   const int64_t group_elements = kGroupBlocks * num_steps * kTileElements;
   const int64_t group_bytes = group_elements * static_cast<int64_t>(sizeof(at::BFloat16));
@@ -1108,7 +1453,7 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
   const int64_t units_per_panel = num_chunks * panel_pairs;  // the last panel may hold fewer pairs
   at::parallel_for(0, num_chunks * num_pairs, 1, [&](int64_t begin, int64_t end) {
     with_products(kind, [&](auto& products) {
-      alignas(64) float results[2][kDotPanelChunkRows * kGroupColumns];  // gate, up (for up to 36 rows)
+      alignas(64) float results[2][kMaxPanelChunkRows * kGroupColumns];  // gate, up
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t panel = unit / units_per_panel, in_panel = unit % units_per_panel;
         const int64_t first_pair = panel * panel_pairs;
@@ -1127,26 +1472,9 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
         }
         const float* gate_bias = bias_data ? bias_data + pair * kGroupColumns : nullptr;
         const float* up_bias = bias_data ? bias_data + d + pair * kGroupColumns : nullptr;
-        for (int64_t row = 0; row < chunk_rows; ++row) {
-          uint16_t* target = out_data + (chunk_begin + row) * d + pair * kGroupColumns;
-          for (int64_t column = 0; column < kGroupColumns; column += kBlockColumns) {
-            __m512 gate = _mm512_load_ps(results[0] + row * kGroupColumns + column);
-            __m512 up = _mm512_load_ps(results[1] + row * kGroupColumns + column);
-            if (bias_data != nullptr) {
-              gate = _mm512_add_ps(gate, _mm512_loadu_ps(gate_bias + column));
-              up = _mm512_add_ps(up, _mm512_loadu_ps(up_bias + column));
-            }
-            // The projection's rounding (store_row's), then the SiLU kernel's table and product, rounded as
-            // at::BFloat16 (ties to even, NaN -> 0x7FC0, subnormals kept).
-            const __m512i gate_bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(gate)));
-            const __m512 up_rounded = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
-            const __m512 silu =
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, silu_table, 2), 16));
-            const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(target + column), _mm512_cvtepi32_epi16(rounded));
-          }
-        }
+        for (int64_t row = 0; row < chunk_rows; ++row)
+          store_silu_and_mul_row(results[0] + row * kGroupColumns, results[1] + row * kGroupColumns, gate_bias,
+                                 up_bias, out_data + (chunk_begin + row) * d + pair * kGroupColumns, silu_table);
       }
     });
   });

@@ -81,6 +81,19 @@ inline void store8_partial(uint16_t* bfloat16, __m256 v, int64_t count) {
   std::memcpy(bfloat16, lanes, static_cast<size_t>(count) * sizeof(uint16_t));
 }
 
+// The first min(count, 8) elements (count >= 1), the other lanes zero: a full load when 8 are left.
+inline __m256 load8_first(const float* pointer, int64_t count) {
+  return count >= 8 ? load8(pointer) : load8_partial(pointer, count);
+}
+
+// The first min(count, 8) lanes of v (count >= 1) stored as bf16, rounded as bfloat16_bits8 rounds.
+inline void store8_first(uint16_t* bfloat16, __m256 v, int64_t count) {
+  if (count >= 8)
+    store8(bfloat16, v);
+  else
+    store8_partial(bfloat16, v, count);
+}
+
 inline float horizontal_sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
