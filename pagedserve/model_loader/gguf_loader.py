@@ -1,7 +1,7 @@
 """Load a GGUF file as an HF-shaped model: a transformers config, HF-named weights and a tokenizer.
 
     model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", torch.bfloat16)
-    model.hf_config        # LlamaConfig / Qwen2Config / Qwen3Config
+    model.hf_config        # LlamaConfig / Qwen2Config / Qwen3Config (with the cache, maybe a snapshot of one)
     model.weights()        # iterator of (HF parameter name, tensor) in the model dtype
     model.tokenizer        # transformers PreTrainedTokenizerFast
 
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.model_loader import gguf_dequant
+from pagedserve.model_loader import gguf_dequant, hf_config_snapshot
 from pagedserve.model_loader.gguf_cache import MetadataCache, WeightCache
 
 logger = logging.getLogger(__name__)
@@ -192,11 +192,10 @@ def _rope_parameters(metadata: dict[str, Any], arch: str, path: str) -> dict[str
     )
 
 
-def build_hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], path: str) -> Any:
-    """The transformers config described by the GGUF metadata (and the tensor table, for biases,
-    tied embeddings and a vocab size the metadata omits)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
+def hf_config_fields(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                     path: str) -> tuple[str, dict[str, Any]]:
+    """(transformers config class name, constructor fields) of the config described by the GGUF metadata (and
+    the tensor table, for biases, tied embeddings and a vocab size the metadata omits)."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -244,12 +243,17 @@ def build_hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int
     if arch == "llama":
         fields["attention_bias"] = has_attention_bias
         fields["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
-        return LlamaConfig(**fields)
+        return "LlamaConfig", fields
     if arch == "qwen2":
         # Qwen2 always has Q/K/V biases; there is no flag for it in Qwen2Config.
-        return Qwen2Config(**fields)
+        return "Qwen2Config", fields
     fields["attention_bias"] = has_attention_bias
-    return Qwen3Config(**fields)
+    return "Qwen3Config", fields
+
+
+def build_hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], path: str) -> Any:
+    """The transformers config described by the GGUF metadata (LlamaConfig / Qwen2Config / Qwen3Config)."""
+    return hf_config_snapshot.build_config(*hf_config_fields(metadata, tensor_shapes, path))
 
 
 class GGUFModel:
@@ -271,7 +275,11 @@ class GGUFModel:
         self.tensors = tensors
         self._reader = reader  # opened on first dequantization when the metadata came from the cache
         self.architecture = str(metadata.get("general.architecture"))
-        self.hf_config = build_hf_config(metadata, {tensor.name: tensor.shape for tensor in tensors}, path)
+        shapes = {tensor.name: tensor.shape for tensor in tensors}
+        # With the cache, a recorded snapshot of the config when there is one (importing the transformers config
+        # class costs seconds; model_loader/hf_config_snapshot.py); it reads exactly like the real config.
+        self.hf_config = hf_config_snapshot.load_config(*hf_config_fields(metadata, shapes, path)) if use_cache \
+            else build_hf_config(metadata, shapes, path)
         self._check_tensors()
 
     def _check_tensors(self) -> None:
