@@ -8,10 +8,35 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+
+
+class _BackgroundCall:
+    """`function(*args)` running on a daemon thread; `result()` waits for it, then returns or raises what it did."""
+
+    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
+        self._outcome: tuple[bool, Any] | None = None
+        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True,
+                                        name="pagedserve-tokenizer-load")
+        self._thread.start()
+
+    def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._outcome = (True, function(*args))
+        except BaseException as error:  # handed to the thread that asks for the result
+            self._outcome = (False, error)
+
+    def result(self) -> Any:
+        self._thread.join()
+        assert self._outcome is not None
+        succeeded, value = self._outcome
+        if not succeeded:
+            raise value
+        return value
 
 
 @dataclass
@@ -23,17 +48,43 @@ class ModelSource:
     # Yields (name, tensor) pairs in HF naming for the given dtype.
     weight_stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] | None = field(
         default=None, repr=False)
-    tokenizer: Any = field(default=None, repr=False)
+    # Builds the tokenizer shipped inside the model file (GGUF metadata); called once, on first use, so a
+    # process that never needs it (an engine core or worker process) never pays for it. None for an HF
+    # folder, whose tokenizer files load with AutoTokenizer.
+    tokenizer_builder: Callable[[], Any] | None = field(default=None, repr=False)
+    _built_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _build_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _pending_tokenizers: dict[str | None, _BackgroundCall] = field(default_factory=dict, init=False, repr=False,
+                                                                   compare=False)
 
     def weights(self, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]] | None:
         """The weight stream, or None when the default safetensors loader reads `path` itself."""
         return None if self.weight_stream is None else self.weight_stream(dtype)
 
+    def start_loading_tokenizer(self, tokenizer_path: str | None = None) -> None:
+        """Start `load_tokenizer(tokenizer_path)` on a background thread, so that it overlaps with what the
+        caller does next (loading the model: weight copies and page faults that leave the GIL free); the next
+        `load_tokenizer(tokenizer_path)` waits for it and returns its tokenizer, or raises its error."""
+        with self._lock:
+            if tokenizer_path not in self._pending_tokenizers:
+                self._pending_tokenizers[tokenizer_path] = _BackgroundCall(self._load_tokenizer, tokenizer_path)
+
     def load_tokenizer(self, tokenizer_path: str | None = None) -> Any:
         """The tokenizer: an explicit folder wins; else the one shipped with the model."""
+        with self._lock:
+            pending = self._pending_tokenizers.pop(tokenizer_path, None)
+        if pending is not None:
+            return pending.result()
+        return self._load_tokenizer(tokenizer_path)
+
+    def _load_tokenizer(self, tokenizer_path: str | None) -> Any:
         if tokenizer_path is None or tokenizer_path == self.tokenizer_path:
-            if self.tokenizer is not None:
-                return self.tokenizer
+            if self.tokenizer_builder is not None:
+                with self._build_lock:
+                    if self._built_tokenizer is None:
+                        self._built_tokenizer = self.tokenizer_builder()
+                    return self._built_tokenizer
             tokenizer_path = self.tokenizer_path
         if not os.path.isdir(tokenizer_path):
             raise ValueError(f"tokenizer={tokenizer_path!r}: no such folder")
@@ -102,5 +153,5 @@ def _open_gguf_file(path: str) -> ModelSource:
         tokenizer_path=path,
         kind="gguf",
         weight_stream=gguf_model.weights,
-        tokenizer=gguf_model.tokenizer,
+        tokenizer_builder=lambda: gguf_model.tokenizer,
     )
