@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -192,3 +193,36 @@ def test_fingerprint_depends_on_content(tmp_path) -> None:
         f.write(b"x" * 999 + b"y")
     assert gguf_cache.source_fingerprint(first) != gguf_cache.source_fingerprint(second)
     assert gguf_cache.source_fingerprint(first) == gguf_cache.source_fingerprint(first)
+
+
+def test_fingerprint_is_recorded_and_rechecked_by_stat(cache_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gguf_cache, "_RECORDED_FINGERPRINT_MIN_BYTES", 0)
+    path = os.path.join(tmp_path, "model.gguf")
+    with open(path, "wb") as f:
+        f.write(b"x" * 1000)
+    first = gguf_cache.source_fingerprint(path)
+    assert os.path.isfile(os.path.join(cache_dir, "fingerprints.json"))
+
+    def no_hashing(*args, **kwargs):
+        raise AssertionError("a recorded fingerprint must not hash the file again")
+
+    monkeypatch.setattr(gguf_cache, "_fingerprint_memo", {})  # a new process
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_cache.hashlib, "sha256", no_hashing)
+        assert gguf_cache.source_fingerprint(path) == first
+    # Same size, same mtime, other content: the ctime moved, so the file is hashed again.
+    stat = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(b"y")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    monkeypatch.setattr(gguf_cache, "_fingerprint_memo", {})
+    assert gguf_cache.source_fingerprint(path) != first
+
+
+def test_small_files_are_not_recorded(cache_dir, tmp_path) -> None:
+    path = os.path.join(tmp_path, "small.gguf")
+    with open(path, "wb") as f:
+        f.write(b"x" * 1000)
+    gguf_cache.source_fingerprint(path)
+    assert not os.path.exists(os.path.join(cache_dir, "fingerprints.json"))
