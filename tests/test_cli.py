@@ -53,3 +53,27 @@ def test_chat_rejects_an_empty_message(tiny_model_dir) -> None:
                   stdin="   ")
     assert result.returncode == 2
     assert "empty" in result.stderr
+
+
+def test_parsing_the_command_line_imports_no_torch() -> None:
+    code = ("import sys, pagedserve, pagedserve.cli; pagedserve.cli.build_parser().parse_args(['chat']); "
+            "assert 'torch' not in sys.modules; from pagedserve import LLM, SamplingParams, EngineConfig; "
+            "from pagedserve.config import ModelConfig; assert 'torch' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_start_up_pauses_the_collector_then_freezes_what_it_made() -> None:
+    import gc
+
+    from pagedserve.cli import _start_up
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with _start_up():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+    finally:
+        gc.unfreeze()
