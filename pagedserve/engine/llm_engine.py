@@ -29,15 +29,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         source = open_model_source(config.model_config.model)
-        # The tokenizer loads on a second thread while the engine core loads the model (start-up: importing
-        # transformers and building a GGUF tokenizer overlap with weight copies and page faults).
-        source.start_loading_tokenizer(config.model_config.tokenizer)
+        self.tokenizer = source.load_tokenizer(config.model_config.tokenizer)
         self.engine_core = create_engine_core(config)
-        try:
-            self.tokenizer = source.load_tokenizer(config.model_config.tokenizer)
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
             vocab_size=config.model_config.vocab_size,

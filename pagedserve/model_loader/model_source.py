@@ -15,30 +15,6 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 
-class _BackgroundCall:
-    """`function(*args)` running on a daemon thread; `result()` waits for it, then returns or raises what it did."""
-
-    def __init__(self, function: Callable[..., Any], *args: Any) -> None:
-        self._outcome: tuple[bool, Any] | None = None
-        self._thread = threading.Thread(target=self._run, args=(function, args), daemon=True,
-                                        name="pagedserve-tokenizer-load")
-        self._thread.start()
-
-    def _run(self, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            self._outcome = (True, function(*args))
-        except BaseException as error:  # handed to the thread that asks for the result
-            self._outcome = (False, error)
-
-    def result(self) -> Any:
-        self._thread.join()
-        assert self._outcome is not None
-        succeeded, value = self._outcome
-        if not succeeded:
-            raise value
-        return value
-
-
 @dataclass
 class ModelSource:
     path: str
@@ -53,32 +29,14 @@ class ModelSource:
     # folder, whose tokenizer files load with AutoTokenizer.
     tokenizer_builder: Callable[[], Any] | None = field(default=None, repr=False)
     _built_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _build_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
-    _pending_tokenizers: dict[str | None, _BackgroundCall] = field(default_factory=dict, init=False, repr=False,
-                                                                   compare=False)
 
     def weights(self, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]] | None:
         """The weight stream, or None when the default safetensors loader reads `path` itself."""
         return None if self.weight_stream is None else self.weight_stream(dtype)
 
-    def start_loading_tokenizer(self, tokenizer_path: str | None = None) -> None:
-        """Start `load_tokenizer(tokenizer_path)` on a background thread, so that it overlaps with what the
-        caller does next (loading the model: weight copies and page faults that leave the GIL free); the next
-        `load_tokenizer(tokenizer_path)` waits for it and returns its tokenizer, or raises its error."""
-        with self._lock:
-            if tokenizer_path not in self._pending_tokenizers:
-                self._pending_tokenizers[tokenizer_path] = _BackgroundCall(self._load_tokenizer, tokenizer_path)
-
     def load_tokenizer(self, tokenizer_path: str | None = None) -> Any:
-        """The tokenizer: an explicit folder wins; else the one shipped with the model."""
-        with self._lock:
-            pending = self._pending_tokenizers.pop(tokenizer_path, None)
-        if pending is not None:
-            return pending.result()
-        return self._load_tokenizer(tokenizer_path)
-
-    def _load_tokenizer(self, tokenizer_path: str | None) -> Any:
+        """The tokenizer: an explicit folder wins; else the one shipped with the model (built once)."""
         if tokenizer_path is None or tokenizer_path == self.tokenizer_path:
             if self.tokenizer_builder is not None:
                 with self._build_lock:

@@ -1,10 +1,8 @@
-"""ModelSource's tokenizer: built on first use, optionally on a background thread that the next load joins."""
+"""ModelSource's tokenizer: the one a GGUF file ships is built on first use, once."""
 from __future__ import annotations
 
 import os
-import threading
 
-import pytest
 from gguf import GGMLQuantizationType
 from test_gguf_tiny_files import write_tiny_gguf
 
@@ -25,35 +23,6 @@ def test_built_once_on_first_use() -> None:
     assert source.load_tokenizer() is first and source.load_tokenizer("model.gguf") is first and calls == [1]
 
 
-def test_background_load_is_joined_by_the_next_load() -> None:
-    started, release = threading.Event(), threading.Event()
-    threads = []
-
-    def builder() -> object:
-        threads.append(threading.current_thread())
-        started.set()
-        release.wait(10)
-        return "tokenizer"
-
-    source = _source(builder)
-    source.start_loading_tokenizer()
-    source.start_loading_tokenizer()  # a second start while one runs starts nothing
-    assert started.wait(10) and threads[0] is not threading.main_thread()
-    release.set()
-    assert source.load_tokenizer() == "tokenizer"
-    assert source.load_tokenizer() == "tokenizer" and len(threads) == 1
-
-
-def test_background_error_is_raised_by_the_next_load() -> None:
-    def builder() -> object:
-        raise ValueError("bad tokenizer metadata")
-
-    source = _source(builder)
-    source.start_loading_tokenizer()
-    with pytest.raises(ValueError, match="bad tokenizer metadata"):
-        source.load_tokenizer()
-
-
 def test_gguf_source_builds_its_tokenizer_only_when_asked(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", os.path.join(tmp_path, "cache"))
     path = os.path.join(tmp_path, "tiny.gguf")
@@ -68,7 +37,6 @@ def test_gguf_source_builds_its_tokenizer_only_when_asked(tmp_path, monkeypatch)
     monkeypatch.setattr(gguf_loader.GGUFModel, "tokenizer", property(counting_build))
     source = _open_gguf_file.__wrapped__(path)
     assert not built
-    source.start_loading_tokenizer()
     tokenizer = source.load_tokenizer()
     assert built == [path] and tokenizer("hello").input_ids == tokenizer.encode("hello")
     assert source.load_tokenizer() is tokenizer and built == [path]
