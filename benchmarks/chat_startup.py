@@ -42,11 +42,12 @@ STAGES = (
     ("  GGUF metadata cache read", "pagedserve.model_loader.gguf_cache", "MetadataCache.read"),
     ("  HF config (transformers config class)", "pagedserve.model_loader.gguf_loader", "build_hf_config"),
     ("  HF config (snapshot or transformers class)", "pagedserve.model_loader.hf_config_snapshot", "load_config"),
-    ("  tokenizer from GGUF metadata", "pagedserve.model_loader.gguf_tokenizer", "build_tokenizer"),
-    ("  tokenizer wait", "pagedserve.model_loader.model_source", "ModelSource.load_tokenizer"),
     ("  native library load", "pagedserve.kernels.cpu_library", "load_native_extension"),
     ("  native library load", "pagedserve.attention.cpu_native_extension", "load_native_extension"),
     ("LLMEngine()", "pagedserve.engine.llm_engine", "LLMEngine.__init__"),
+    ("  tokenizer load", "pagedserve.model_loader.model_source", "ModelSource.load_tokenizer"),
+    ("    tokenizer from GGUF metadata (imports transformers)", "pagedserve.model_loader.gguf_tokenizer",
+     "build_tokenizer"),
     ("  Worker()", "pagedserve.worker.worker", "Worker.__init__"),
     ("    load_model", "pagedserve.model_loader.model_factory", "load_model"),
     ("      model construction", "pagedserve.models.llama", "LlamaForCausalLM.__init__"),
@@ -181,7 +182,8 @@ def breakdown(repeats: int) -> None:
         print(f"  {name:<40} at {wall:6.2f} s  (+{wall - previous[0]:5.2f} wall, +{cpu - previous[1]:5.2f} cpu)")
         previous = (wall, cpu)
     print(f"  {'process exit (parent view)':<40} at {statistics.median(run['total'] for run in runs):6.2f} s")
-    print("stages (inclusive; indented stages run inside the one above):")
+    print("stages (inclusive; indented stages run inside the one above in this checkout's code, older code may "
+          "call them elsewhere):")
     seen = []
     for label, _, _ in STAGES:
         if label not in seen and any(label in run["records"] for run in runs):
@@ -189,7 +191,7 @@ def breakdown(repeats: int) -> None:
     for label in seen:
         rows = [run["records"][label] for run in runs if label in run["records"]]
         calls = int(statistics.median(row[0] for row in rows))
-        print(f"  {label:<44} {statistics.median(row[1] for row in rows):6.2f} wall "
+        print(f"  {label:<56} {statistics.median(row[1] for row in rows):6.2f} wall "
               f"{statistics.median(row[2] for row in rows):6.2f} cpu  ({calls} call{'s' if calls != 1 else ''})")
     print("answer:", runs[-1]["answer"])
 
