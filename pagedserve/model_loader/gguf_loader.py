@@ -13,6 +13,7 @@ Q and K permuted per head into its rotary layout; both are undone here so the te
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.model_loader import gguf_dequant, hf_config_snapshot
-from pagedserve.model_loader.gguf_cache import MetadataCache, WeightCache
+from pagedserve.model_loader.gguf_cache import MetadataCache, WeightCache, cache_root, source_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -342,10 +343,21 @@ class GGUFModel:
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        """The transformers fast tokenizer described by the file's tokenizer.ggml.* metadata."""
-        from pagedserve.model_loader.gguf_tokenizer import build_tokenizer
+        """The transformers fast tokenizer described by the file's tokenizer.ggml.* metadata (with the cache,
+        its `tokenizers` pipeline is kept under tokenizers/ in the cache folder, named after the file's
+        fingerprint, the building code and the tokenizers version)."""
+        from pagedserve.model_loader import gguf_tokenizer
 
-        return build_tokenizer(self.metadata, source=self.path)
+        cache_path = None
+        if self.use_cache:
+            import tokenizers
+
+            with open(gguf_tokenizer.__file__, "rb") as f:
+                builder = hashlib.sha256(f.read() + tokenizers.__version__.encode()).hexdigest()[:16]
+            stem = os.path.splitext(os.path.basename(self.path))[0]
+            cache_path = os.path.join(cache_root(), "tokenizers",
+                                      f"{stem}-{source_fingerprint(self.path)[:24]}-{builder}.json")
+        return gguf_tokenizer.build_tokenizer(self.metadata, source=self.path, cache_path=cache_path)
 
 
 def load_gguf(path: str, dtype: torch.dtype | None = None, use_cache: bool = True) -> GGUFModel:

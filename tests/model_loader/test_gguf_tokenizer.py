@@ -92,3 +92,52 @@ def test_missing_or_unsupported_tokenizer_metadata_is_a_value_error() -> None:
         build_tokenizer(dict(metadata, **{"tokenizer.ggml.merges": ["a c"]}), source="x.gguf")
     with pytest.raises(ValueError, match="merges\\[0\\]='abc' is not two tokens"):
         build_tokenizer(dict(metadata, **{"tokenizer.ggml.merges": ["abc"]}), source="x.gguf")
+
+
+@pytest.fixture(scope="module")
+def cached_tokenizers(smollm2_path: str, tmp_path_factory):
+    """The default model's tokenizer built with the cache (cold: it writes the pipeline) and read back (warm)."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("tokenizer-cache")))
+    try:
+        cold = load_gguf(smollm2_path).tokenizer
+        warm = load_gguf(smollm2_path).tokenizer
+    finally:
+        monkeypatch.undo()
+    return cold, warm
+
+
+def test_cached_pipeline_gives_the_same_tokenizer(cached_tokenizers, our_tokenizer) -> None:
+    cold, warm = cached_tokenizers
+    assert warm.backend_tokenizer.to_str() == cold.backend_tokenizer.to_str() == \
+        our_tokenizer.backend_tokenizer.to_str()
+    for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
+                      "all_special_ids", "chat_template", "clean_up_tokenization_spaces"):
+        assert getattr(warm, attribute) == getattr(our_tokenizer, attribute), attribute
+    assert len(warm) == len(our_tokenizer)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert warm.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        our_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for text in TEXTS:
+        ids = our_tokenizer(text).input_ids
+        assert warm(text).input_ids == ids and warm.encode(text, add_special_tokens=False) == \
+            our_tokenizer.encode(text, add_special_tokens=False)
+        assert warm.decode(ids) == our_tokenizer.decode(ids)
+        assert warm.decode(ids, skip_special_tokens=True) == our_tokenizer.decode(ids, skip_special_tokens=True)
+        assert warm.convert_ids_to_tokens(ids) == our_tokenizer.convert_ids_to_tokens(ids)
+
+
+def test_bad_cached_pipeline_is_rebuilt(tmp_path, monkeypatch) -> None:
+    import glob
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = os.path.join(tmp_path, "tiny.gguf")
+    write_tiny_gguf(path, "llama")
+    expected = load_gguf(path).tokenizer.backend_tokenizer.to_str()
+    [entry] = glob.glob(str(tmp_path / "cache" / "tokenizers" / "*.json"))
+    with open(entry, "w") as f:
+        f.write("{not json")
+    assert load_gguf(path).tokenizer.backend_tokenizer.to_str() == expected
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(entry)  # written again, whole
