@@ -13,7 +13,13 @@ from pagedserve.engine.input_processor import apply_chat_template
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 
-HISTORY_FILE = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "chat_history")
+
+
+def history_file() -> str:
+    """The readline history of `pagedserve chat`, in the pagedserve cache folder."""
+    from pagedserve.cache_directory import cache_root
+
+    return os.path.join(cache_root(), "chat_history")
 
 
 class ChatSession:
@@ -73,9 +79,10 @@ def run_chat(engine: LLMEngine, params: SamplingParams, system_prompt: str | Non
         return 0
     import readline
 
-    os.makedirs(os.path.dirname(HISTORY_FILE), exist_ok=True)
+    history = history_file()
+    os.makedirs(os.path.dirname(history), exist_ok=True)
     try:
-        readline.read_history_file(HISTORY_FILE)
+        readline.read_history_file(history)
     except OSError:
         pass
     print("pagedserve chat — /reset forgets the conversation, /exit quits.")
@@ -105,5 +112,5 @@ def run_chat(engine: LLMEngine, params: SamplingParams, system_prompt: str | Non
                 continue
             _write("\n")
     finally:
-        readline.write_history_file(HISTORY_FILE)
+        readline.write_history_file(history)
     return 0

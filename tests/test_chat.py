@@ -40,7 +40,13 @@ def test_interactive_terminal_session(tiny_model_dir, tmp_path) -> None:
     import time
 
     leader, follower = pty.openpty()
-    env = dict(os.environ, HOME=str(tmp_path))  # readline history goes to a scratch home
+    from pagedserve.kernels import cpu_library
+
+    # readline history goes to a scratch home; the native kernels already built stay where they are (a fresh
+    # cache would make the chat build them first: minutes on 2 cores)
+    env = dict(os.environ, HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / ".cache"),
+               **{cpu_library.CACHE_DIR_ENV: str(cpu_library.cache_root())})
+    env.pop("PAGEDSERVE_CACHE_DIR", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "chat", "--model", tiny_model_dir("llama"), "--num-kv-blocks", "64",
          "--max-model-len", "256", "--temperature", "0", "--max-tokens", "5", "--ignore-eos"],
@@ -69,6 +75,7 @@ def test_interactive_terminal_session(tiny_model_dir, tmp_path) -> None:
         read_until(b"(conversation reset)")
         os.write(leader, b"/exit\n")
         assert process.wait(timeout=60) == 0
+        assert (tmp_path / ".cache" / "pagedserve" / "chat_history").read_text().splitlines()[-1] == "/exit"
     finally:
         if process.poll() is None:
             process.kill()

@@ -35,7 +35,9 @@ def default_capture_sizes(max_size: int) -> tuple[int, ...]:
 
 
 def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "compile")
+    from pagedserve.cache_directory import cache_root
+
+    return os.path.join(cache_root(), "compile")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from pagedserve import cache_directory
 from pagedserve.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,7 @@ def extension_key(level: str) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve",
-                                                                "extensions"))
+    return Path(os.environ.get(CACHE_DIR_ENV) or os.path.join(cache_directory.cache_root(), "extensions"))
 
 
 def extension_dir(level: str) -> Path:
@@ -146,8 +146,8 @@ def _build(level: str) -> tuple[Path, Any]:
             return library, None
         from torch.utils import cpp_extension
 
-        logger.info("building the native CPU kernels for ISA level %s into %s (once per level and source)", level,
-                    directory)
+        logger.warning("building the native CPU kernels for ISA level %s into %s (once per level and source; a few "
+                       "minutes)", level, directory)
         # Builds into build/, then publishes the library by an atomic rename, so a concurrent process never loads a
         # half-written file. torch's own lock file there is left behind by a builder that was killed, and makes
         # every later build wait for it forever: holding the flock, this process is the only builder, so such a

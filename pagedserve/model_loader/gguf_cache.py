@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.cache_directory import cache_root
+
 logger = logging.getLogger(__name__)
 
 # Bump when the cached content for the same source and dtype changes (name mapping, permutation,
@@ -52,16 +54,6 @@ _fingerprint_memo: dict[tuple[str, int, int], str] = {}
 # Files this big get their fingerprint recorded across processes (smaller ones hash in a few ms).
 _RECORDED_FINGERPRINT_MIN_BYTES = 16 << 20
 _NUM_FINGERPRINT_RECORDS = 64
-
-
-def cache_root() -> str:
-    """The pagedserve cache folder: $PAGEDSERVE_CACHE_DIR, $XDG_CACHE_HOME/pagedserve or ~/.cache/pagedserve."""
-    explicit = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    if explicit:
-        return os.path.abspath(os.path.expanduser(explicit))
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(os.path.abspath(base), "pagedserve")
 
 
 def _stat_identity(stat: os.stat_result) -> list[int]:
