@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from pagedserve.config.engine import EngineConfig
 from pagedserve.engine.input_processor import apply_chat_template
 from pagedserve.engine.llm_engine import LLMEngine, PromptType
+from pagedserve.engine.metrics_reader import Metric, scheduler_stats_to_metrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -88,6 +89,14 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now, with vLLM's names (vLLM's LLM.get_metrics): running and
+        waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions, and the speculative
+        decoding counters (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, and the
+        Vector vllm:spec_decode_num_accepted_tokens_per_pos)."""
+        return scheduler_stats_to_metrics(self.llm_engine.engine_core.make_stats(),
+                                          self.llm_engine.config.model_config.model)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block, so later prompts are computed afresh (as vLLM's LLM does); returns

@@ -71,6 +71,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument("--native-decode-stack", action=argparse.BooleanOptionalAction, default=True,
                            help="run decode-only steps of Llama-family models on the CPU in one native call "
                                 "(on by default where the model qualifies; --no-native-decode-stack: the modules)")
+    speculative = parser.add_argument_group("speculative decoding")
+    speculative.add_argument("--speculative-config", default=None,
+                             help='speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
+                                  '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     add_load_args(parser)
 
 
@@ -119,7 +123,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 enforce_eager=getattr(args, "enforce_eager", False),
                 attention_backend=getattr(args, "attention_backend", None),
                 batch_invariant=getattr(args, "batch_invariant", False),
-                native_decode_stack=getattr(args, "native_decode_stack", True))
+                native_decode_stack=getattr(args, "native_decode_stack", True),
+                speculative_config=getattr(args, "speculative_config", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
+from pagedserve.config.speculative import SpeculativeConfig
 from pagedserve.kernels import cpu_isa
 
 
@@ -45,6 +46,8 @@ class EngineConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     # Decode-only steps of qualifying Llama-family models in one native call (models/native_decode_stack.py).
     native_decode_stack: bool = True
+    # Speculative decoding (config/speculative.py, spec_decode/); off unless a method is set.
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @staticmethod
     def create(
@@ -90,6 +93,7 @@ class EngineConfig:
         weight_layout: str = "auto",
         huge_page_weights: bool = True,
         native_decode_stack: bool = True,
+        speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -180,6 +184,10 @@ class EngineConfig:
                              f"{parallel_config.pipeline_parallel_size} (stages before the last learn sampled "
                              f"tokens from the scheduler); pipeline micro-batches already overlap steps: "
                              f"set async_scheduling=False or pipeline_parallel_size=1")
+        speculative = SpeculativeConfig.parse(speculative_config)
+        speculative.check_engine(async_scheduling=async_scheduling,
+                                 pipeline_parallel_size=parallel_config.pipeline_parallel_size,
+                                 enable_reduce_sample=enable_reduce_sample)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             device_type=platform.device_type)
@@ -212,6 +220,7 @@ class EngineConfig:
             batch_invariant=batch_invariant,
             load_config=load_config,
             native_decode_stack=native_decode_stack,
+            speculative_config=speculative,
         )
 
 

@@ -36,3 +36,9 @@ class SchedulerStats:
     eplb_num_rebalances: int = 0
     eplb_imbalance_before: list[float] = field(default_factory=list)
     eplb_imbalance_after: list[float] = field(default_factory=list)
+    # Speculative decoding (cumulative, vLLM's spec_decode counters): verification steps with drafts, drafts
+    # verified, drafts accepted, and drafts accepted at each draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -62,6 +62,9 @@ class Request:
     num_preemptions: int = 0
     # Hashes of this request's full blocks, filled lazily by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Speculative decoding: draft tokens proposed for the positions after the known ones, to be verified by the
+    # next step that schedules this request (not part of num_tokens; dropped on preemption).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

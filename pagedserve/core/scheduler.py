@@ -25,6 +25,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy, UncappedPrefillChunkPolicy
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
+from pagedserve.core.spec_decode_stats import SpecDecodeStats
 from pagedserve.core.scheduler_output import (
     CachedRequestData,
     LogprobsLists,
@@ -72,6 +73,7 @@ class Scheduler:
         # Finished (or aborted) since the last schedule(): the worker must drop their state.
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_decode_stats = SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -135,6 +137,10 @@ class Scheduler:
             prefix_cache_queries=prefix_cache_stats.queries,
             prefix_cache_hits=prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_decode_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_stats.num_accepted_tokens_per_pos),
         )
 
     # ------------------------------------------------------------------ schedule
@@ -154,6 +160,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         self._num_other_step_tokens = sum(
             1 for request in self.running if self._num_pending_tokens(request) - request.num_computed_tokens == 1)
 
@@ -176,6 +183,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_block_ids[victim.request_id]
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     request_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -187,6 +195,9 @@ class Scheduler:
             if num_new_tokens > 1:
                 self._num_other_step_tokens += num_new_tokens
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_spec_tokens > 0:
+                scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec_tokens]
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
             token_budget -= num_new_tokens
             request_index += 1
@@ -208,7 +219,9 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
 
-        return self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
+        output = self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
+        output.scheduled_spec_decode_tokens = scheduled_spec_decode_tokens
+        return output
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens the request lacks, capped by the budget, the long-prefill threshold and max_model_len.
@@ -233,6 +246,11 @@ class Scheduler:
             cap = self.prefill_chunk_policy.prefill_token_cap(self._num_other_step_tokens, num_computed_tokens)
             if cap is not None:
                 num_new_tokens = min(num_new_tokens, cap)
+        if request.spec_token_ids and num_computed_tokens + num_new_tokens == num_pending_tokens:
+            # The step reaches the last known token: its drafts follow, as many as the budget and
+            # max_model_len leave room for (the sampler verifies those scheduled).
+            num_new_tokens += max(0, min(len(request.spec_token_ids), token_budget - num_new_tokens,
+                                         self.max_model_len - num_computed_tokens - num_new_tokens))
         return num_new_tokens
 
     def _num_pending_tokens(self, request: Request) -> int:
@@ -273,6 +291,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)  # before resetting num_computed_tokens: free() reads it
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # drafted for KV that is gone; the resumed request drafts again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -306,8 +325,9 @@ class Scheduler:
         )
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                # This step samples the request's next token: a placeholder until update_from_output.
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                # This step samples the request's next token (and, past it, verifies drafts): one placeholder
+                # until update_from_output.
                 request.num_output_placeholders += 1
 
         output = SchedulerOutput(
@@ -342,7 +362,14 @@ class Scheduler:
                 continue
             index = index_of.get(request_id)
             sampled_token_ids = model_runner_output.sampled_token_ids[index] if index is not None else []
-            request.num_output_placeholders -= len(sampled_token_ids)
+            if sampled_token_ids:
+                request.num_output_placeholders -= 1
+            num_spec_tokens = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
+            if num_spec_tokens and sampled_token_ids:
+                # Rejected drafts leave the computed tokens: their KV slots are written again later.
+                num_accepted = len(sampled_token_ids) - 1
+                request.num_computed_tokens -= num_spec_tokens - num_accepted
+                self.spec_decode_stats.observe(num_spec_tokens, num_accepted)
             was_running = request.status == RequestStatus.RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled_token_ids:
@@ -361,6 +388,8 @@ class Scheduler:
                 else:  # preempted while this step was in flight: it waits for recompute
                     self.waiting.remove_requests([request])
                 self._free_request(request)
+            elif index is not None and model_runner_output.spec_token_ids:
+                self._set_drafts(request, model_runner_output.spec_token_ids[index])
             if new_token_ids or prompt_logprobs is not None or is_finished:
                 outputs.append(EngineCoreOutput(
                     request_id=request_id,
@@ -374,6 +403,14 @@ class Scheduler:
         if stopped:
             self.running = [request for request in self.running if request not in stopped]
         return outputs
+
+    def _set_drafts(self, request: Request, draft_token_ids: list[int]) -> None:
+        """Keep the drafts the next step verifies, at most as many as max_tokens and max_model_len leave room for
+        (a step emits its accepted drafts plus one token)."""
+        num_room = self.max_model_len - request.num_tokens - 1
+        if request.sampling_params.max_tokens is not None:
+            num_room = min(num_room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        request.spec_token_ids = draft_token_ids[:max(num_room, 0)]
 
     def _check_stop(self, request: Request) -> bool:
         """Apply the stop conditions to the last appended token; sets status and stop_reason on a stop."""

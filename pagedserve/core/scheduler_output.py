@@ -55,6 +55,9 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the last step: the worker drops their state.
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request id -> the draft tokens this step verifies (they follow the request's known
+    # tokens and are counted in its num_scheduled_tokens). Only requests with drafts appear.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -89,12 +92,16 @@ class LogprobsLists:
 @dataclass
 class ModelRunnerOutput:
     request_ids: list[str]
-    # Per request in request_ids: tokens sampled this step ([] for a partial prefill chunk).
+    # Per request in request_ids: tokens sampled this step ([] for a partial prefill chunk; with speculative
+    # decoding the accepted drafts followed by one token of the target's own).
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # request id -> logprobs for the prompt positions computed this step (position i predicts token i+1).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # EPLB: (imbalance before, after) per MoE layer when this step ended with a rebalance, else None.
     eplb_imbalance: list[tuple[float, float]] | None = None
+    # Speculative decoding: per request in request_ids, the drafts proposed for its next step ([]: none);
+    # empty when speculation is off.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

@@ -103,11 +103,25 @@ class DataParallelEngineCore:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
             num_preemptions=sum(s.num_preemptions for s in per_rank),
+            spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in per_rank),
+            spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in per_rank),
+            spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in per_rank),
+            spec_decode_num_accepted_tokens_per_pos=_sum_columns(
+                [s.spec_decode_num_accepted_tokens_per_pos for s in per_rank]),
         )
 
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()
+
+
+def _sum_columns(rows: list[list[int]]) -> list[int]:
+    """Element-wise sum of lists of different lengths (missing entries count 0)."""
+    total = [0] * max((len(row) for row in rows), default=0)
+    for row in rows:
+        for position, value in enumerate(row):
+            total[position] += value
+    return total
 
 
 def create_engine_core(config: EngineConfig) -> EngineCore | DataParallelEngineCore:

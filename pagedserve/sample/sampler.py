@@ -80,25 +80,42 @@ class Sampler(torch.nn.Module):
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    def processed_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The float32 logits each row samples from, without sampling: steps 2 and 4's temperature and
+        truncation (greedy rows: their penalised logits, whose first argmax is their token). Speculative
+        verification reads these; `logits` is not modified."""
+        logits = self._penalized(logits.to(torch.float32), metadata)
+        if metadata.all_greedy:
+            return logits
+        processed = self._truncated(logits, metadata)
+        if not metadata.all_random:
+            processed = torch.where(metadata.is_greedy.unsqueeze(1), logits, processed)
+        return processed
+
     def _sample_float32(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Steps 2-4 on float32 logits (the caller's own tensor when it was float32 already)."""
-        # Both steps are out of place: the caller's logits stay untouched.
+        logits = self._penalized(logits, metadata)
+        if metadata.all_greedy:
+            return first_argmax(logits)  # max(dim=-1).indices, in two vectorised passes (sample/greedy.py)
+        sampled = random_sample(self._truncated(logits, metadata).softmax(dim=-1), metadata)
+        if not metadata.all_random:
+            sampled = torch.where(metadata.is_greedy, first_argmax(logits), sampled)
+        return sampled
+
+    @staticmethod
+    def _penalized(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Step 2, out of place: the caller's logits stay untouched (returned as they are when nothing applies)."""
         if metadata.min_tokens_row_ids is not None:
             logits = apply_min_tokens(logits, metadata.min_tokens_row_ids, metadata.min_tokens_token_ids)
         if not metadata.no_penalties:
             logits = apply_penalties(
                 logits, metadata.prompt_token_ids, metadata.output_token_ids, metadata.presence_penalties,
                 metadata.frequency_penalties, metadata.repetition_penalties)
-
-        if metadata.all_greedy:
-            return first_argmax(logits)  # max(dim=-1).indices, in two vectorised passes (sample/greedy.py)
-        sampled = self._sample_random(logits, metadata)
-        if not metadata.all_random:
-            sampled = torch.where(metadata.is_greedy, first_argmax(logits), sampled)
-        return sampled
+        return logits
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _truncated(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, min-p, top-k and top-p of step 4 (greedy rows divide by 1.0)."""
         # The division makes a fresh tensor, so the in-place truncations below never touch the caller's.
         logits = logits / metadata.temperature.unsqueeze(1)
         if not metadata.no_min_p:
@@ -110,7 +127,7 @@ class Sampler(torch.nn.Module):
         elif not metadata.no_top_k:
             # Top-k alone needs no sort: torch.topk up to the largest k gives each row's threshold.
             logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-        return random_sample(logits.softmax(dim=-1), metadata)
+        return logits
 
     @staticmethod
     def _check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -67,6 +67,14 @@ class ServerMetrics:
         self._eplb_imbalance = Gauge("pagedserve:eplb_imbalance",
                                      "EPLB per-layer load imbalance (max/mean tokens per rank) before and after "
                                      "the latest rebalance.", ["model_name", "layer", "phase"], registry=registry)
+        # Speculative decoding, with vLLM's names.
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Verification steps with drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
+        self._accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by draft position.", ["model_name", "position"],
+                                         registry=registry)
         # Last cumulative values seen from the engine (counters advance by the difference).
         self._last_stats = SchedulerStats()
 
@@ -84,9 +92,19 @@ class ServerMetrics:
         for counter, now, before in (
                 (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
-                (self.num_preemptions, stats.num_preemptions, last.num_preemptions)):
+                (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.spec_decode_num_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+                (self.spec_decode_num_draft_tokens, stats.spec_decode_num_draft_tokens,
+                 last.spec_decode_num_draft_tokens),
+                (self.spec_decode_num_accepted_tokens, stats.spec_decode_num_accepted_tokens,
+                 last.spec_decode_num_accepted_tokens)):
             if now > before:
                 counter.inc(now - before)
+        before_per_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for position, now in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            before = before_per_pos[position] if position < len(before_per_pos) else 0
+            if now > before:
+                self._accepted_per_pos.labels(self._model_name, str(position)).inc(now - before)
         self._last_stats = stats
 
     def record_first_token(self, time_to_first_token: float) -> None:

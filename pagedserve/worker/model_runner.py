@@ -14,7 +14,7 @@ the step before (run earlier on this worker, steps run in order) appended the to
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
+
+if TYPE_CHECKING:
+    from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from pagedserve.worker.kv_cache_allocation import attention_layers
@@ -72,6 +75,12 @@ class ModelRunner:
         if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled:
             self.forward.bind_batch(self.input_batch)
             self.greedy_decode = self.forward.greedy_rows
+        # Speculative decoding (spec_decode/): drafts in, verification, the next drafts out; None when off.
+        self.speculator: Speculator | None = None
+        if config.speculative_config.is_enabled:
+            from pagedserve.spec_decode.speculator import Speculator
+
+            self.speculator = Speculator(config.speculative_config, self.vocab_size, device)
         if config.batch_invariant:
             # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
             from pagedserve.batch_invariant import batch_invariant_step
@@ -91,6 +100,15 @@ class ModelRunner:
         self._apply_scheduler_output(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        if self.speculator is None:
+            return self._execute(scheduler_output)
+        self.speculator.write_drafts(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
+        output = self._execute(scheduler_output)
+        output.spec_token_ids = self.speculator.propose(self.input_batch, output.request_ids,
+                                                        output.sampled_token_ids)
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.greedy_decode is not None:
             output = self._greedy_decode_step(scheduler_output)
             if output is not None:
@@ -103,6 +121,8 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids=step.request_ids,
                                      sampled_token_ids=[[] for _ in step.request_ids])
 
+        if scheduler_output.scheduled_spec_decode_tokens:
+            return self._verify_drafts(scheduler_output, step, hidden_states)
         num_requests = len(step.request_ids)
         sampled_rows = step.is_sampled.nonzero()[0]  # 1-D: flatnonzero's ravel costs ~25 us more, cold
         num_sampled = len(sampled_rows)
@@ -137,6 +157,22 @@ class ModelRunner:
                     num_logprobs = state.sampling_params.logprobs
                     if num_logprobs is not None:
                         output.logprobs[state.request_id] = logprobs_lists.slice(k, num_logprobs)
+        if self.input_batch.num_prompt_logprobs_requests:
+            self._compute_prompt_logprobs(step, hidden_states, output)
+        return output
+
+    def _verify_drafts(self, scheduler_output: SchedulerOutput, step: StepInputs,
+                       hidden_states: torch.Tensor) -> ModelRunnerOutput:
+        """A step with drafts: the speculator scores and verifies them and appends what it emits."""
+        assert self.speculator is not None
+        verified = self.speculator.verify(step, hidden_states, self.input_batch,
+                                          scheduler_output.scheduled_spec_decode_tokens, self.generators,
+                                          lambda states: self.model.compute_logits(states))
+        sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
+        for index, token_ids in zip(verified.request_indices, verified.token_ids):
+            sampled_token_ids[index] = token_ids
+        output = ModelRunnerOutput(request_ids=step.request_ids, sampled_token_ids=sampled_token_ids,
+                                   logprobs=verified.logprobs)
         if self.input_batch.num_prompt_logprobs_requests:
             self._compute_prompt_logprobs(step, hidden_states, output)
         return output
@@ -224,7 +260,8 @@ class ModelRunner:
             token_requests = np.repeat(np.arange(num_requests), num_scheduled)
             positions = computed[token_requests] + (np.arange(num_tokens) - query_start_loc[token_requests])
             input_ids = batch.token_ids[rows[token_requests], positions]
-        is_sampled = computed + num_scheduled == batch.num_tokens[rows]
+        # Steps that reach the last known token sample (drafts, when scheduled, lie past it).
+        is_sampled = computed + num_scheduled >= batch.num_tokens[rows]
         return StepInputs(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),

@@ -1,0 +1,233 @@
+"""SpeculativeConfig: speculative decoding knobs, with vLLM's / vllm-ascend's names.
+
+`speculative_config` is given to EngineConfig.create / LLM(...) as a dict (or JSON text on the command line):
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+     "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 32, 2], [33, 1024, 0]],
+     "rejection_sampler_config": {"enable_block_verify": false, "enable_entropy_verify": false,
+                                  "posterior_threshold": 0.95, "posterior_alpha": 0.4}}
+Each step a proposer (spec_decode/) drafts up to `num_speculative_tokens` tokens per request, the target
+model scores them all in one forward, and the rejection sampler keeps the longest verified prefix plus one
+token of its own, so the output is distributed as without speculation (greedy: identical), except with
+entropy verify, which is lossy by design.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Every method the specification names; IMPLEMENTED_METHODS are the ones this build runs.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
+IMPLEMENTED_METHODS = ("ngram",)
+MAX_NUM_SPECULATIVE_TOKENS = 16
+# Block verification accepts past an individual failure, which pays only over blocks of 3 or more drafts.
+MIN_BLOCK_VERIFY_TOKENS = 3
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _from_dict(cls: type, name: str, value: Any) -> Any:
+    """`cls(**value)` from a dict or JSON object text, with unknown keys named."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name}={value!r} is not a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} must be a dict or a JSON object string")
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; allowed: {allowed}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class RejectionSamplerConfig:
+    """How drafts are verified (spec_decode/rejection_sampler.py)."""
+
+    # Accept the longest prefix passing a block-wise test (lossless; accepts past a single failure).
+    enable_block_verify: bool = False
+    # Lower the acceptance threshold by the target's entropy: LOSSY, trades fidelity for accepted tokens.
+    enable_entropy_verify: bool = False
+    # Entropy verify: the threshold is min(exp(-posterior_alpha * entropy), posterior_threshold).
+    posterior_threshold: float = 0.95
+    posterior_alpha: float = 0.4
+
+    def __post_init__(self) -> None:
+        for name in ("enable_block_verify", "enable_entropy_verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"rejection_sampler_config.{name}={getattr(self, name)!r} must be true or false")
+        if not _is_number(self.posterior_threshold) or not 0 < self.posterior_threshold <= 1:
+            raise ValueError(f"rejection_sampler_config.posterior_threshold={self.posterior_threshold!r} must be "
+                             f"in (0, 1]")
+        if not _is_number(self.posterior_alpha) or not self.posterior_alpha >= 0:
+            raise ValueError(f"rejection_sampler_config.posterior_alpha={self.posterior_alpha!r} must be >= 0")
+
+    @staticmethod
+    def parse(value: "RejectionSamplerConfig | dict[str, Any] | str | None") -> "RejectionSamplerConfig":
+        if value is None:
+            return RejectionSamplerConfig()
+        if isinstance(value, RejectionSamplerConfig):
+            return value
+        return _from_dict(RejectionSamplerConfig, "rejection_sampler_config", value)
+
+
+@dataclass(frozen=True)
+class BatchSizeRange:
+    """Batches of min_batch_size..max_batch_size running requests draft num_speculative_tokens tokens each."""
+
+    min_batch_size: int
+    max_batch_size: int
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    # The drafter (draft_model, eagle, eagle3, dflash, dspark): an HF folder.
+    model: str | None = None
+    # ngram: the longest suffix of n tokens, prompt_lookup_min <= n <= prompt_lookup_max, found earlier in the
+    # request's tokens proposes the tokens that followed it.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # [[lo, hi, K], ...]: K drafts per request while lo <= running requests <= hi (K = 0: no speculation);
+    # batch sizes no range covers use num_speculative_tokens.
+    num_speculative_tokens_per_batch_size: tuple[BatchSizeRange, ...] = ()
+    rejection_sampler_config: RejectionSamplerConfig = field(default_factory=RejectionSamplerConfig)
+    dynamic_spec_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:  # speculation off: nothing else may be set
+            set_knobs = [f.name for f in fields(self) if f.name != "method" and getattr(self, f.name) not in
+                         (None, (), RejectionSamplerConfig())]
+            if set_knobs:
+                raise ValueError(f"speculative_config sets {set_knobs} but no method; set speculative_config.method "
+                                 f"to one of {list(SPECULATIVE_METHODS)}")
+            return
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} must be one of {list(SPECULATIVE_METHODS)}")
+        if self.method not in IMPLEMENTED_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r} is not implemented in this build yet "
+                             f"(implemented: {list(IMPLEMENTED_METHODS)})")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
+                             f"[1, {MAX_NUM_SPECULATIVE_TOKENS}]")
+        self._check_ngram()
+        if self.model is not None and self.method == "ngram":
+            raise ValueError(f"speculative_config.model={self.model!r} is not used by method 'ngram' (it drafts "
+                             f"from the request's own tokens); remove it")
+        object.__setattr__(self, "num_speculative_tokens_per_batch_size",
+                           _parse_batch_size_ranges(self.num_speculative_tokens_per_batch_size, k))
+        object.__setattr__(self, "rejection_sampler_config",
+                           RejectionSamplerConfig.parse(self.rejection_sampler_config))
+        verify = self.rejection_sampler_config
+        if verify.enable_block_verify and k < MIN_BLOCK_VERIFY_TOKENS:
+            raise ValueError(f"rejection_sampler_config.enable_block_verify=true needs "
+                             f"speculative_config.num_speculative_tokens >= {MIN_BLOCK_VERIFY_TOKENS}, got {k}")
+        if verify.enable_entropy_verify:
+            logger.warning("rejection_sampler_config.enable_entropy_verify=true is lossy: sampled outputs are no "
+                           "longer distributed as the target model's (greedy requests are unaffected)")
+        if self.dynamic_spec_config is not None:
+            raise ValueError("speculative_config.dynamic_spec_config applies to methods 'dspark' and 'dflash', "
+                             "which this build does not implement yet")
+
+    def _check_ngram(self) -> None:
+        lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            if lookup_min is not None or lookup_max is not None:
+                raise ValueError(f"speculative_config.prompt_lookup_min/max apply to method 'ngram' only, not "
+                                 f"{self.method!r}")
+            return
+        # vLLM's defaults: one bound given sets the other; neither gives 5..5.
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = 5
+        lookup_min = lookup_max if lookup_min is None else lookup_min
+        lookup_max = lookup_min if lookup_max is None else lookup_max
+        for name, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"speculative_config.{name}={value!r} must be an integer >= 1")
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min={lookup_min} must be <= "
+                             f"prompt_lookup_max={lookup_max}")
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method is not None
+
+    def num_tokens_for_batch_size(self, batch_size: int) -> int:
+        """Drafts per request for a step of `batch_size` requests (the batch-size table, else the default)."""
+        for batch_range in self.num_speculative_tokens_per_batch_size:
+            if batch_range.min_batch_size <= batch_size <= batch_range.max_batch_size:
+                return batch_range.num_speculative_tokens
+        return self.num_speculative_tokens or 0
+
+    def check_engine(self, *, async_scheduling: bool, pipeline_parallel_size: int,
+                     enable_reduce_sample: bool = False) -> None:
+        """The rules between speculation and the rest of the engine."""
+        if not self.is_enabled:
+            return
+        if async_scheduling:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported with "
+                             f"async_scheduling=True (the next step's drafts depend on the tokens this step "
+                             f"accepts): set async_scheduling=False or remove speculative_config")
+        if pipeline_parallel_size > 1:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported with "
+                             f"pipeline_parallel_size={pipeline_parallel_size} (verification needs the tokens on "
+                             f"every stage): use pipeline_parallel_size=1 or remove speculative_config")
+        if enable_reduce_sample:
+            raise ValueError(f"speculative_config.method={self.method!r} is not supported with "
+                             f"enable_reduce_sample=True (verification needs every position's full distribution): "
+                             f"set enable_reduce_sample=False or remove speculative_config")
+
+    @staticmethod
+    def parse(value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig":
+        """From a SpeculativeConfig, a dict, JSON object text (the CLI flag) or None (off)."""
+        if value is None:
+            return SpeculativeConfig()
+        if isinstance(value, SpeculativeConfig):
+            return value
+        return _from_dict(SpeculativeConfig, "speculative_config", value)
+
+
+def _parse_batch_size_ranges(value: Any, num_speculative_tokens: int) -> tuple[BatchSizeRange, ...]:
+    name = "speculative_config.num_speculative_tokens_per_batch_size"
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}={value!r} must be a list of [min_batch_size, max_batch_size, K] triples")
+    ranges: list[BatchSizeRange] = []
+    for entry in value:
+        if isinstance(entry, BatchSizeRange):
+            entry = (entry.min_batch_size, entry.max_batch_size, entry.num_speculative_tokens)
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(_is_int(v) for v in entry):
+            raise ValueError(f"{name} entry {entry!r} must be [min_batch_size, max_batch_size, K], three integers")
+        lo, hi, k = entry
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} entry {list(entry)}: the batch sizes must satisfy 1 <= {lo} <= {hi}")
+        if not 0 <= k <= num_speculative_tokens:
+            raise ValueError(f"{name} entry {list(entry)}: K={k} must be in [0, num_speculative_tokens="
+                             f"{num_speculative_tokens}] (0 turns speculation off for those batch sizes)")
+        for other in ranges:
+            if lo <= other.max_batch_size and other.min_batch_size <= hi:
+                raise ValueError(f"{name} entries {list(entry)} and {[other.min_batch_size, other.max_batch_size]}"
+                                 f" overlap")
+        ranges.append(BatchSizeRange(lo, hi, k))
+    return tuple(sorted(ranges, key=lambda r: r.min_batch_size))
+
+
+__all__ = ["SpeculativeConfig", "RejectionSamplerConfig", "BatchSizeRange", "SPECULATIVE_METHODS",
+           "IMPLEMENTED_METHODS"]

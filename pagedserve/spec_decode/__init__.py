@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the rejection sampler, and the runner's speculation seam."""

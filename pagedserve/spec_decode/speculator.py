@@ -1,0 +1,167 @@
+"""Speculator: the model runner's speculative-decoding seam.
+
+The runner calls three things, and carries nothing else of speculation:
+  write_drafts  puts the drafts the scheduler scheduled after each request's known tokens in the persistent
+                batch (the step's input ids for those positions are read from there);
+  verify        scores every draft position of the step at once: logits at the last known position and at
+                each draft, processed as the sampler would (penalties with the drafts before them counted,
+                temperature, truncation), the rejection sampler's accepted drafts plus one token of the
+                target's own, written back to the batch, with logprobs of the emitted tokens;
+  propose       drafts the next step's tokens for every request that sampled this step.
+The scheduler learns the drafts from ModelRunnerOutput.spec_token_ids, schedules them after the known tokens,
+and rolls num_computed_tokens back past the rejected ones (core/scheduler.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.config.speculative import SpeculativeConfig
+from pagedserve.core.scheduler_output import LogprobsLists
+from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
+from pagedserve.sample.sampler import Sampler
+from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
+from pagedserve.sampling_params import SamplingType
+from pagedserve.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
+
+
+@dataclass
+class VerifiedTokens:
+    """Per sampled request of a step: its emitted tokens (accepted drafts + one), and logprobs when asked."""
+
+    request_indices: list[int]  # indices into the step's request_ids
+    token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, device: torch.device) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method={config.method!r} has no proposer in this build")
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = device
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        verify = config.rejection_sampler_config
+        self.rejection_sampler = RejectionSampler(
+            enable_block_verify=verify.enable_block_verify, enable_entropy_verify=verify.enable_entropy_verify,
+            posterior_threshold=verify.posterior_threshold, posterior_alpha=verify.posterior_alpha)
+        self.sampler = Sampler()
+
+    # ---- before the forward -----------------------------------------------------------------------
+    @staticmethod
+    def write_drafts(batch: InputBatch, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+        """Drafts go right after each request's known tokens (not counted in num_tokens until accepted)."""
+        for request_id, draft_token_ids in scheduled_spec_decode_tokens.items():
+            row = batch.requests[request_id].row
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start:start + len(draft_token_ids)] = draft_token_ids
+
+    # ---- after the forward ------------------------------------------------------------------------
+    def verify(self, step: StepInputs, hidden_states: torch.Tensor, batch: InputBatch,
+               scheduled_spec_decode_tokens: dict[str, list[int]], generators: dict[str, torch.Generator],
+               compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> VerifiedTokens:
+        """Verify the step's drafts and append what is emitted to the batch (see the module docstring)."""
+        request_indices = step.is_sampled.nonzero()[0].tolist()
+        states = [batch.requests[step.request_ids[i]] for i in request_indices]
+        draft_lists = [scheduled_spec_decode_tokens.get(state.request_id, []) for state in states]
+        num_drafts = np.array([len(drafts) for drafts in draft_lists], dtype=np.int64)
+        # Scored positions: each request's last len(drafts) + 1 tokens of the step, in order.
+        ends = step.query_start_loc[1:][request_indices]
+        num_positions = num_drafts + 1
+        offsets = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_positions, out=offsets[1:])
+        position_requests = np.repeat(np.arange(len(states)), num_positions)
+        within = np.arange(int(offsets[-1])) - offsets[:-1][position_requests]
+        logits_indices = ends[position_requests] - num_positions[position_requests] + within
+        logits = compute_logits(hidden_states[torch.from_numpy(logits_indices).to(hidden_states.device)])
+
+        processed = self.sampler.processed_logits(logits, self._position_metadata(states, draft_lists, batch,
+                                                                                   generators))
+        max_num_drafts = int(num_drafts.max()) if len(num_drafts) else 0
+        # [B, K + 1] flat row of each (request, position); positions past a request's drafts repeat its last.
+        grid = offsets[:-1, None] + np.minimum(np.arange(max_num_drafts + 1)[None, :], num_drafts[:, None])
+        grid_index = torch.from_numpy(grid).to(logits.device)
+        draft_token_ids = torch.full((len(states), max_num_drafts), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+        for b, drafts in enumerate(draft_lists):
+            draft_token_ids[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
+        is_greedy = torch.tensor([state.sampling_params.sampling_type == SamplingType.GREEDY for state in states],
+                                 dtype=torch.bool)
+        row_generators = {b: generators[state.request_id] for b, state in enumerate(states)
+                          if state.request_id in generators and not bool(is_greedy[b])}
+        # Entropy verify measures the target's uncertainty before temperature and truncation.
+        raw_logits = logits.to(torch.float32)[grid_index] \
+            if self.config.rejection_sampler_config.enable_entropy_verify else None
+        result = self.rejection_sampler(
+            draft_token_ids=draft_token_ids.to(logits.device), num_draft_tokens=num_drafts.tolist(),
+            target_logits=processed[grid_index], draft_probs=None, is_greedy=is_greedy.to(logits.device),
+            generators=row_generators, raw_target_logits=raw_logits)
+        output_rows = result.output_token_ids.tolist()
+        token_ids = [output_rows[b][:num_accepted + 1] for b, num_accepted in enumerate(result.num_accepted_tokens)]
+        for state, emitted in zip(states, token_ids):
+            batch.extend_tokens(state.row, int(batch.num_tokens[state.row]), emitted)
+        verified = VerifiedTokens(request_indices=request_indices, token_ids=token_ids)
+        self._add_logprobs(verified, states, logits, offsets, token_ids)
+        return verified
+
+    def _position_metadata(self, states: list[RequestState], draft_lists: list[list[int]], batch: InputBatch,
+                           generators: dict[str, torch.Generator]):  # type: ignore[no-untyped-def]
+        """Sampling metadata with one row per scored position: position j of a request sees its outputs plus
+        its first j drafts (penalties and min_tokens count them, as they would had the drafts been sampled)."""
+        params, prompts, outputs, row_generators = [], [], [], []
+        for state, drafts in zip(states, draft_lists):
+            sampling_params = state.sampling_params
+            needs_outputs = sampling_params.min_tokens > 0 or has_penalty(sampling_params)
+            prompt = batch.prompt_token_ids(state) if sampling_params.repetition_penalty != 1.0 else []
+            generated = batch.output_token_ids(state) if needs_outputs else []
+            for j in range(len(drafts) + 1):
+                params.append(sampling_params)
+                prompts.append(prompt)
+                outputs.append(generated + drafts[:j] if needs_outputs else [])
+                row_generators.append(generators.get(state.request_id))
+        return build_sampling_metadata(params=params, prompt_token_ids=prompts, output_token_ids=outputs,
+                                       generators=row_generators, vocab_size=self.vocab_size, device=self.device)
+
+    @staticmethod
+    def _add_logprobs(verified: VerifiedTokens, states: list[RequestState], logits: torch.Tensor,
+                      offsets: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Raw logprobs (vLLM's default) of each emitted token at the position that scored it."""
+        wanted = [(b, state) for b, state in enumerate(states) if state.sampling_params.logprobs is not None]
+        if not wanted:
+            return
+        rows = [int(offsets[b]) + j for b, _ in wanted for j in range(len(token_ids[b]))]
+        tokens = [token for b, _ in wanted for token in token_ids[b]]
+        max_num_logprobs = max(state.sampling_params.logprobs for _, state in wanted)
+        row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        everything = gather_logprobs(compute_logprobs(logits[row_index]), torch.tensor(tokens, device=logits.device),
+                                     max_num_logprobs).to_lists()
+        start = 0
+        for b, state in wanted:
+            count = len(token_ids[b])
+            width = state.sampling_params.logprobs + 1
+            verified.logprobs[state.request_id] = LogprobsLists(
+                logprob_token_ids=[ids[:width] for ids in everything.logprob_token_ids[start:start + count]],
+                logprobs=[values[:width] for values in everything.logprobs[start:start + count]],
+                sampled_token_ranks=everything.sampled_token_ranks[start:start + count])
+            start += count
+
+    # ---- the next step's drafts -------------------------------------------------------------------
+    def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]]) -> list[list[int]]:
+        """Drafts for each request that sampled this step ([] for the others), K from the batch-size table."""
+        num_speculative_tokens = self.config.num_tokens_for_batch_size(len(request_ids))
+        drafts: list[list[int]] = [[] for _ in request_ids]
+        if num_speculative_tokens == 0:
+            return drafts
+        for i, (request_id, sampled) in enumerate(zip(request_ids, sampled_token_ids)):
+            state = batch.requests.get(request_id)
+            if not sampled or state is None:
+                continue
+            tokens = batch.token_ids[state.row, :int(batch.num_tokens[state.row])]
+            drafts[i] = self.proposer.propose_one(tokens, num_speculative_tokens).tolist()
+        return drafts
