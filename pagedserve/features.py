@@ -273,6 +273,27 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/e2e/test_batch_invariance.py", "tests/batch_invariant/test_matmul.py",
                "tests/batch_invariant/test_attention.py"),
     ),
+    Feature(
+        line="framework", family="spec decode", feature="speculative decoding framework with ngram prompt-lookup "
+                                                        "and draft-model drafts (drafter KV in the target's blocks): "
+                                                        "draft slots, verification in one forward, rollback, "
+                                                        "batch-size table, vLLM's spec_decode metrics",
+        modules=("pagedserve.config.speculative", "pagedserve.spec_decode.speculator",
+                 "pagedserve.spec_decode.ngram_proposer", "pagedserve.spec_decode.draft_model_proposer",
+                 "pagedserve.core.spec_decode_stats"),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_ngram_speculation.py", "tests/spec_decode/test_ngram_proposer.py",
+               "tests/spec_decode/test_draft_model_speculation.py", "tests/core/test_spec_decode_scheduling.py"),
+    ),
+    Feature(
+        line="framework", family="spec decode", feature="rejection sampler: greedy, standard (lossless), block "
+                                                        "verify (lossless), entropy verify (lossy)",
+        modules=("pagedserve.spec_decode.rejection_sampler",),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_rejection_sampler.py",),
+    ),
 )
 
 

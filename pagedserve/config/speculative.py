@@ -21,7 +21,9 @@ logger = logging.getLogger(__name__)
 
 # Every method the specification names; IMPLEMENTED_METHODS are the ones this build runs.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
-IMPLEMENTED_METHODS = ("ngram",)
+IMPLEMENTED_METHODS = ("ngram", "draft_model")
+# Methods that run a drafter model with KV caches of its own.
+DRAFTER_METHODS = ("draft_model",)
 MAX_NUM_SPECULATIVE_TOKENS = 16
 # Block verification accepts past an individual failure, which pays only over blocks of 3 or more drafts.
 MIN_BLOCK_VERIFY_TOKENS = 3
@@ -128,6 +130,9 @@ class SpeculativeConfig:
         if self.model is not None and self.method == "ngram":
             raise ValueError(f"speculative_config.model={self.model!r} is not used by method 'ngram' (it drafts "
                              f"from the request's own tokens); remove it")
+        if self.method in DRAFTER_METHODS and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.method={self.method!r} needs speculative_config.model: the "
+                             f"drafter's HF folder (got {self.model!r})")
         object.__setattr__(self, "num_speculative_tokens_per_batch_size",
                            _parse_batch_size_ranges(self.num_speculative_tokens_per_batch_size, k))
         object.__setattr__(self, "rejection_sampler_config",
@@ -168,12 +173,37 @@ class SpeculativeConfig:
     def is_enabled(self) -> bool:
         return self.method is not None
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots the scheduler reserves past each step's tokens: a draft model writes its drafts' KV there."""
+        return (self.num_speculative_tokens or 0) if self.method in DRAFTER_METHODS else 0
+
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """Drafts per request for a step of `batch_size` requests (the batch-size table, else the default)."""
         for batch_range in self.num_speculative_tokens_per_batch_size:
             if batch_range.min_batch_size <= batch_size <= batch_range.max_batch_size:
                 return batch_range.num_speculative_tokens
         return self.num_speculative_tokens or 0
+
+    def check_drafter(self, target_hf_config: Any, target_tokenizer: str | None) -> None:
+        """A drafter must exist and share the target's vocabulary and tokenizer (drafts are target token ids)."""
+        if self.method not in DRAFTER_METHODS:
+            return
+        from pagedserve.model_loader.model_source import open_model_source
+
+        try:
+            drafter = open_model_source(self.model)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"speculative_config.model={self.model!r}: {error}") from None
+        drafter_vocab, target_vocab = drafter.hf_config.vocab_size, target_hf_config.vocab_size
+        if drafter_vocab != target_vocab:
+            raise ValueError(f"speculative_config.model={self.model!r} has vocab_size={drafter_vocab}, the target "
+                             f"model {target_vocab}: the drafter must share the target's tokenizer")
+        if target_tokenizer is not None and _tokenizer_vocabulary(drafter.tokenizer_path) != \
+                _tokenizer_vocabulary(target_tokenizer):
+            raise ValueError(f"speculative_config.model={self.model!r}: its tokenizer ({drafter.tokenizer_path}) "
+                             f"maps tokens to other ids than the target's ({target_tokenizer}); the drafter must "
+                             f"share the target's tokenizer")
 
     def check_engine(self, *, async_scheduling: bool, pipeline_parallel_size: int,
                      enable_reduce_sample: bool = False) -> None:
@@ -201,6 +231,18 @@ class SpeculativeConfig:
         if isinstance(value, SpeculativeConfig):
             return value
         return _from_dict(SpeculativeConfig, "speculative_config", value)
+
+
+def _tokenizer_vocabulary(path: str) -> dict[str, int] | None:
+    """The token -> id map of the tokenizer files in folder `path`; None when it has none (nothing to compare)."""
+    import os
+
+    if not os.path.isdir(path) or not any(os.path.exists(os.path.join(path, name)) for name in
+                                          ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()
 
 
 def _parse_batch_size_ranges(value: Any, num_speculative_tokens: int) -> tuple[BatchSizeRange, ...]:

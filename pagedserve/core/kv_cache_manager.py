@@ -96,6 +96,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request` after its computed ones.
 
@@ -104,17 +105,21 @@ class KVCacheManager:
         newly allocated blocks, or None when the free blocks do not suffice (nothing changes then).
         Full blocks are registered in the prefix cache as soon as they are allocated: their KV is
         written by the step that computes them, before any later step can read it.
+        `num_lookahead_tokens` more slots are reserved past the new tokens (a draft model writes KV there);
+        they are never registered in the prefix cache.
         """
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} and num_lookahead_tokens={num_lookahead_tokens} "
+                             f"must be >= 0")
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
         blocks = self.request_to_blocks.get(request.request_id, [])
-        num_tokens_needing_slots = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_computed_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_tokens_needing_slots = num_computed_after + num_lookahead_tokens
         if blocks and not hit_blocks and num_tokens_needing_slots <= len(blocks) * self.block_size:
             # The request's blocks already hold the new tokens (most decode steps): nothing to allocate,
             # only newly completed blocks to register, as in the general path below.
             if self.enable_caching:
-                self._cache_full_blocks(request, min(num_tokens_needing_slots, request.num_tokens))
+                self._cache_full_blocks(request, min(num_computed_after, request.num_tokens))
             return KVCacheBlocks([])
         if hit_blocks and blocks:
             raise ValueError(f"request {request.request_id!r} already has blocks; prefix hits apply at admission only")
@@ -136,7 +141,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
 
         if self.enable_caching:
-            self._cache_full_blocks(request, min(num_tokens_needing_slots, request.num_tokens))
+            self._cache_full_blocks(request, min(num_computed_after, request.num_tokens))
         return KVCacheBlocks(new_blocks)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

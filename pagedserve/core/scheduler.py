@@ -43,7 +43,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
                  prefill_chunk_policy: PrefillChunkPolicy | None = None,
-                 include_new_token_ids: bool = False) -> None:
+                 include_new_token_ids: bool = False, num_lookahead_tokens: int = 0) -> None:
         """`include_new_token_ids`: send the generated tokens each step computes in its cached-request
         deltas (pipeline parallel: only the last stage samples; the other stages learn the tokens there)."""
         if block_size != kv_cache_manager.block_size:
@@ -63,6 +63,8 @@ class Scheduler:
         # Caps each prefill chunk (chunked prefill only); the default adds no cap.
         self.prefill_chunk_policy = prefill_chunk_policy or UncappedPrefillChunkPolicy()
         self.include_new_token_ids = include_new_token_ids
+        # KV slots reserved past each step's tokens: a speculative draft model writes its drafts' KV there.
+        self.num_lookahead_tokens = num_lookahead_tokens
         # Tokens of this step a prefill chunk shares it with (running decodes + chunks already taken).
         self._num_other_step_tokens = 0
 
@@ -173,7 +175,8 @@ class Scheduler:
                 request_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self._num_lookahead(request, num_new_tokens))
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
@@ -272,7 +275,9 @@ class Scheduler:
         num_new_tokens = self._num_tokens_to_schedule(request, num_computed_tokens, token_budget)
         if num_new_tokens == 0:
             return 0
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, hit_blocks, num_hit_tokens,
+            self._num_lookahead(request, num_new_tokens, num_computed_tokens))
         if new_blocks is None:
             return 0
         request.status = RequestStatus.RUNNING
@@ -280,6 +285,16 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # first admission only; a resumed request keeps its first figure
             request.num_cached_tokens = num_hit_tokens
         return num_new_tokens
+
+    def _num_lookahead(self, request: Request, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
+        """Lookahead slots for a step of `num_new_tokens`: none for a prefill chunk that stops short of the
+        known tokens (it samples nothing, so nothing is drafted), never past max_model_len."""
+        if not self.num_lookahead_tokens:
+            return 0
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if computed + num_new_tokens < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - computed - num_new_tokens))
 
     def _pick_preemption_victim(self) -> Request:
         if self.policy == "priority":

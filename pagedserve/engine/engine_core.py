@@ -40,7 +40,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, cache_config.block_size,
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.
-                                   include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+                                   include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1,
+                                   num_lookahead_tokens=config.speculative_config.num_lookahead_tokens)
         # Steps in flight (async scheduling, pipeline micro-batches); None: one step at a time.
         max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(max_concurrent_batches, self.kv_cache_manager)

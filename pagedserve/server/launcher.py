@@ -24,6 +24,7 @@ from typing import Any
 import uvicorn
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedserve.engine.stat_loggers import LoggingStatLogger, StatLoggers
 from pagedserve.server.api_server import build_app
 from pagedserve.server.auth import resolve_api_key
 from pagedserve.server.serve_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
@@ -72,7 +73,9 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
         raise ValueError(f"shutdown_timeout={shutdown_timeout} must be >= 0")
     names = served_model_names or [default_model_name(engine_kwargs.get("model"))]
     metrics = ServerMetrics(names[0])
-    engine = await AsyncLLM.start(engine_kwargs, stat_logger=metrics, log_level=log_level,
+    # The Prometheus metrics, and vLLM's periodic log line (INFO: shown with --log-level INFO).
+    stat_loggers = StatLoggers([metrics, LoggingStatLogger()])
+    engine = await AsyncLLM.start(engine_kwargs, stat_logger=stat_loggers, log_level=log_level,
                                   startup_timeout=engine_startup_timeout)
     state = ServerState(engine=engine, served_model_names=names, metrics=metrics,
                         max_waiting_requests=max_waiting_requests)

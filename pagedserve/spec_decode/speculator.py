@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,9 +26,15 @@ from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
 from pagedserve.sampling_params import SamplingType
+from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pagedserve.attention.backend import AttentionMetadata
 
 
 @dataclass
@@ -40,14 +47,28 @@ class VerifiedTokens:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, device: torch.device) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method={config.method!r} has no proposer in this build")
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, device: torch.device,
+                 draft_model: "nn.Module | None" = None,
+                 build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None) -> None:
+        """`draft_model` (method 'draft_model'): the loaded drafter, whose attention layers the runner binds to
+        KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's."""
         self.config = config
         self.vocab_size = vocab_size
         self.device = device
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.ngram_proposer: NgramProposer | None = None
+        self.draft_proposer: DraftModelProposer | None = None
+        if config.method == "ngram":
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+            self.ngram_proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model":
+            if draft_model is None or build_attention_metadata is None:
+                raise ValueError("speculative_config.method='draft_model' needs the loaded drafter")
+            self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, device)
+            self.build_attention_metadata = build_attention_metadata
+        else:
+            raise ValueError(f"speculative_config.method={config.method!r} has no proposer in this build")
+        # request id -> [num drafts, vocab] distributions of its last sampled drafts (draft_model only).
+        self._draft_probs: dict[str, torch.Tensor] = {}
         verify = config.rejection_sampler_config
         self.rejection_sampler = RejectionSampler(
             enable_block_verify=verify.enable_block_verify, enable_entropy_verify=verify.enable_entropy_verify,
@@ -100,7 +121,8 @@ class Speculator:
             if self.config.rejection_sampler_config.enable_entropy_verify else None
         result = self.rejection_sampler(
             draft_token_ids=draft_token_ids.to(logits.device), num_draft_tokens=num_drafts.tolist(),
-            target_logits=processed[grid_index], draft_probs=None, is_greedy=is_greedy.to(logits.device),
+            target_logits=processed[grid_index], draft_probs=self._take_draft_probs(states, max_num_drafts),
+            is_greedy=is_greedy.to(logits.device),
             generators=row_generators, raw_target_logits=raw_logits)
         output_rows = result.output_token_ids.tolist()
         token_ids = [output_rows[b][:num_accepted + 1] for b, num_accepted in enumerate(result.num_accepted_tokens)]
@@ -109,6 +131,20 @@ class Speculator:
         verified = VerifiedTokens(request_indices=request_indices, token_ids=token_ids)
         self._add_logprobs(verified, states, logits, offsets, token_ids)
         return verified
+
+    def _take_draft_probs(self, states: list[RequestState], max_num_drafts: int) -> torch.Tensor | None:
+        """[B, K, V] q of the rows' drafts (the drafts a step verifies may be fewer than those proposed), or None
+        when no row's drafts were sampled (one-hot q: ngram, greedy drafting). Rows without theirs hold zeros:
+        greedy rows never read them."""
+        probs = [self._draft_probs.pop(state.request_id, None) for state in states]
+        if all(p is None for p in probs):
+            return None
+        stacked = torch.zeros((len(states), max_num_drafts, self.vocab_size), dtype=torch.float32)
+        for b, row_probs in enumerate(probs):
+            if row_probs is not None:
+                count = min(max_num_drafts, row_probs.shape[0])
+                stacked[b, :count] = row_probs[:count]
+        return stacked.to(self.device)
 
     def _position_metadata(self, states: list[RequestState], draft_lists: list[list[int]], batch: InputBatch,
                            generators: dict[str, torch.Generator]):  # type: ignore[no-untyped-def]
@@ -152,16 +188,31 @@ class Speculator:
             start += count
 
     # ---- the next step's drafts -------------------------------------------------------------------
-    def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]],
+                generators: dict[str, torch.Generator]) -> list[list[int]]:
         """Drafts for each request that sampled this step ([] for the others), K from the batch-size table."""
         num_speculative_tokens = self.config.num_tokens_for_batch_size(len(request_ids))
         drafts: list[list[int]] = [[] for _ in request_ids]
+        # Distributions of drafts still waiting to be verified stay (a request the budget skipped keeps its
+        # drafts); those of departed requests and of requests drafting anew go.
+        for request_id in list(self._draft_probs):
+            if request_id not in batch.requests:
+                del self._draft_probs[request_id]
+        for request_id, sampled in zip(request_ids, sampled_token_ids):
+            if sampled:
+                self._draft_probs.pop(request_id, None)
         if num_speculative_tokens == 0:
             return drafts
+        if self.draft_proposer is not None:
+            proposed = self.draft_proposer.propose(batch, request_ids, sampled_token_ids, num_speculative_tokens,
+                                                   generators, self.build_attention_metadata)
+            self._draft_probs.update(proposed.probs)
+            return proposed.token_ids
+        assert self.ngram_proposer is not None
         for i, (request_id, sampled) in enumerate(zip(request_ids, sampled_token_ids)):
             state = batch.requests.get(request_id)
             if not sampled or state is None:
                 continue
             tokens = batch.token_ids[state.row, :int(batch.num_tokens[state.row])]
-            drafts[i] = self.proposer.propose_one(tokens, num_speculative_tokens).tolist()
+            drafts[i] = self.ngram_proposer.propose_one(tokens, num_speculative_tokens).tolist()
         return drafts

@@ -40,7 +40,10 @@ from pagedserve.worker.pipeline_stage_forward import build_stage_forward
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device,
+                 draft_model: nn.Module | None = None) -> None:
+        """`draft_model`: speculative decoding's drafter (method 'draft_model'); its attention layers get KV
+        caches beside the target's (kv_cache_modules)."""
         self.config = config
         self.model = model
         self.device = device
@@ -80,7 +83,11 @@ class ModelRunner:
         if config.speculative_config.is_enabled:
             from pagedserve.spec_decode.speculator import Speculator
 
-            self.speculator = Speculator(config.speculative_config, self.vocab_size, device)
+            self.speculator = Speculator(config.speculative_config, self.vocab_size,
+                                         config.model_config.max_model_len, device, draft_model,
+                                         self._build_attention_metadata)
+        # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
+        self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:
             # The whole step (forward, logits, sampler) under pagedserve/batch_invariant/'s dispatch mode.
             from pagedserve.batch_invariant import batch_invariant_step
@@ -89,7 +96,7 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        layers = attention_layers(self.model)
+        layers = attention_layers(self.kv_cache_modules)
         assert len(layers) == len(kv_caches), (len(layers), len(kv_caches))
         for layer, cache in zip(layers, kv_caches):
             layer.kv_cache = cache
@@ -105,7 +112,7 @@ class ModelRunner:
         self.speculator.write_drafts(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
         output = self._execute(scheduler_output)
         output.spec_token_ids = self.speculator.propose(self.input_batch, output.request_ids,
-                                                        output.sampled_token_ids)
+                                                        output.sampled_token_ids, self.generators)
         return output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -67,13 +67,21 @@ class Worker:
             # With several ranks each reads only the checkpoint slices its weight loaders keep.
             model = load_model(model_config, self.device, weights=weights, load_config=config.load_config,
                                read_slices=self.world_size > 1, weight_layout=weight_layout)
+            draft_model = None
+            if config.speculative_config.method == "draft_model":
+                from pagedserve.spec_decode.draft_model_proposer import load_draft_model
+
+                draft_model = load_draft_model(config.speculative_config.model, model_config.dtype,
+                                               model_config.max_model_len, self.device, self.world_size > 1,
+                                               weight_layout, config.load_config)
         if config.load_config.huge_page_weights:
             self.platform.place_weights(model)
         # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.
         self.eplb_hook = EplbStepHook(model, config.eplb_config) if config.eplb_config.enable else None
-        self.model_runner = ModelRunner(config, model, self.device)
+        self.model_runner = ModelRunner(config, model, self.device, draft_model)
         cache_config = config.cache_config
-        bytes_per_block = kv_bytes_per_block(model, cache_config.block_size, model_config.dtype)
+        kv_cache_modules = self.model_runner.kv_cache_modules
+        bytes_per_block = kv_bytes_per_block(kv_cache_modules, cache_config.block_size, model_config.dtype)
         num_blocks = determine_num_kv_blocks(cache_config, bytes_per_block,
                                              self.platform.available_memory_bytes(),
                                              model_config.max_model_len,
@@ -81,7 +89,7 @@ class Worker:
         if self.world_size > 1:
             # Ranks see different free memory: all of them use the smallest count.
             num_blocks = agree_on_min(num_blocks, self.device)
-        kv_caches = allocate_kv_caches(model, num_blocks, cache_config.block_size, model_config.dtype,
+        kv_caches = allocate_kv_caches(kv_cache_modules, num_blocks, cache_config.block_size, model_config.dtype,
                                        self.platform)
         self.model_runner.bind_kv_caches(kv_caches)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,

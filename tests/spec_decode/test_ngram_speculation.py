@@ -169,3 +169,20 @@ def test_batch_size_table_turns_speculation_off(folder, reference) -> None:
     generated_token_ids(llm, prompts[:1], GREEDY)
     alone_drafts = _metrics(llm)["vllm:spec_decode_num_drafts"].value - batched_drafts
     assert batched_drafts == 0 and alone_drafts > 0
+
+
+def test_tensor_parallel_2_equals_one_process(folder, reference) -> None:
+    """TP=2 over the 'mp' executor: every rank verifies the same gathered logits with the same randomness, so the
+    ranks' batches stay identical; greedy equals the reference, seeded sampling equals one process with
+    speculation."""
+    tp2 = LLM(folder, max_model_len=256, num_kv_blocks=256, tensor_parallel_size=2, speculative_config=_ngram(3))
+    try:
+        prompts = _repetitive_prompts(4, seed=3)
+        assert generated_token_ids(tp2, prompts, GREEDY) == reference["repetitive"]
+        seeded = [SamplingParams(temperature=0.9, top_k=20, seed=21 + i, max_tokens=24, ignore_eos=True)
+                  for i in range(len(prompts))]
+        one = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(3))
+        assert generated_token_ids(tp2, prompts, seeded) == generated_token_ids(one, prompts, seeded)
+        assert _metrics(tp2)["vllm:spec_decode_num_accepted_tokens"].value > 0
+    finally:
+        tp2.llm_engine.shutdown()

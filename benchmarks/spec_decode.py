@@ -1,0 +1,141 @@
+"""Speculative decoding (ngram prompt lookup) against plain decoding, side by side in one process (issue #29).
+
+Workload: benchmarks/workloads/copy_heavy.json, chat prompts that ask the default model (SmolLM2-135M-Instruct)
+to repeat a passage word for word, greedy, max_tokens 160 (EOS ends a request). Both engines are loaded first;
+each round times one run of each, the order alternating between rounds; the outputs of the two must be equal
+token for token (greedy speculation is lossless). Reported: output tokens/s of every run, each engine's best and
+median, the ratio of medians, and the acceptance counters (vllm:spec_decode_*) of the speculative engine.
+
+  batch 1    the prompts one at a time (latency-bound decode: where speculation pays most)
+  batch N    (--batch-sizes) N requests at once, the passages cycled: speculation always on, and with the
+             batch-size table num_speculative_tokens_per_batch_size (--table), which turns it off where it
+             does not pay
+
+    python benchmarks/spec_decode.py --rounds 3 --batch-sizes 16 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_kind import result_path  # noqa: E402
+
+WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads", "copy_heavy.json")
+
+
+def load_prompts(llm, workload: dict) -> list[list[int]]:
+    """Each passage as a chat prompt (the model's template), as token ids."""
+    from pagedserve.engine.input_processor import apply_chat_template
+
+    return [apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": workload["instruction"] + text}],
+                                add_generation_prompt=True) for text in workload["passages"]]
+
+
+def timed_run(llm, prompts: list[list[int]], max_tokens: int, batch_size: int) -> tuple[float, list[list[int]]]:
+    """Seconds to generate every prompt, `batch_size` requests at a time; the output token ids."""
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+    llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompt blocks
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        batch = [{"prompt_token_ids": p} for p in prompts[first:first + batch_size]]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    return time.perf_counter() - start, outputs
+
+
+def compare(engines: dict[str, object], prompts: list[list[int]], max_tokens: int, batch_size: int,
+            rounds: int) -> dict:
+    """Interleaved rounds of every engine on the same prompts; tok/s per run, outputs checked equal."""
+    names = list(engines)
+    tokens_per_s: dict[str, list[float]] = {name: [] for name in names}
+    reference: list[list[int]] | None = None
+    for round_index in range(rounds):
+        order = names if round_index % 2 == 0 else names[::-1]
+        for name in order:
+            seconds, outputs = timed_run(engines[name], prompts, max_tokens, batch_size)
+            if reference is None:
+                reference = outputs
+            elif outputs != reference:
+                raise AssertionError(f"{name}: greedy outputs differ from the other engine's (speculation must be "
+                                     f"lossless)")
+            tokens_per_s[name].append(sum(len(o) for o in outputs) / seconds)
+    result = {"batch_size": batch_size, "num_requests": len(prompts),
+              "num_output_tokens": sum(len(o) for o in reference or []), "tokens_per_s": tokens_per_s,
+              "median_tokens_per_s": {name: statistics.median(v) for name, v in tokens_per_s.items()}}
+    base = result["median_tokens_per_s"][names[0]]
+    result["ratio_of_medians"] = {name: result["median_tokens_per_s"][name] / base for name in names[1:]}
+    return result
+
+
+def spec_counters(llm) -> dict:
+    metrics = {m.name: m for m in llm.get_metrics()}
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"].value
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_rate_per_position": [count / drafts for count in per_position] if drafts else []}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--table", default="[[1, 8, 4], [9, 1024, 0]]",
+                        help="num_speculative_tokens_per_batch_size of the table engine (JSON)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[16, 64])
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    from pagedserve import LLM
+
+    workload = json.load(open(WORKLOAD))
+    ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0)
+    engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=ngram)}
+    if args.batch_sizes:
+        engines["ngram_table"] = LLM(**common, speculative_config=dict(
+            ngram, num_speculative_tokens_per_batch_size=json.loads(args.table)))
+    prompts = load_prompts(engines["plain"], workload)
+    for llm in engines.values():  # warm-up: first touch of weights and caches
+        timed_run(llm, prompts[:1], 8, 1)
+
+    results = {"workload": os.path.relpath(WORKLOAD), "speculative_config": ngram, "table": json.loads(args.table),
+               "runs": []}
+    batch_one = compare({"plain": engines["plain"], "ngram": engines["ngram"]}, prompts, workload["max_tokens"], 1,
+                        args.rounds)
+    batch_one["spec_decode"] = spec_counters(engines["ngram"])
+    results["runs"].append(batch_one)
+    for batch_size in args.batch_sizes:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
+        results["runs"].append(compare(engines, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
+
+    for run in results["runs"]:
+        medians = ", ".join(f"{name} {value:.1f}" for name, value in run["median_tokens_per_s"].items())
+        ratios = ", ".join(f"{name} {value:.2f}x" for name, value in run["ratio_of_medians"].items())
+        print(f"batch {run['batch_size']:>3}: median output tok/s {medians}; vs plain: {ratios}")
+    counters = batch_one["spec_decode"]
+    print(f"batch 1 acceptance: rate {counters['acceptance_rate']:.3f}, mean acceptance length "
+          f"{counters['mean_acceptance_length']:.2f}, per position "
+          f"{[round(rate, 3) for rate in counters['acceptance_rate_per_position']]}")
+    path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
+    with open(path, "w") as handle:
+        json.dump(results, handle, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

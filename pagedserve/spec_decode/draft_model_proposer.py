@@ -1,0 +1,178 @@
+"""DraftModelProposer: a smaller model with the target's tokenizer drafts K tokens autoregressively (vLLM's
+method 'draft_model').
+
+Its attention layers have KV caches of their own, allocated by the worker beside the target's for the same block
+ids: the drafter reads and writes the request's own blocks, so the KV cache manager accounts for it, frees it on
+every path, and the scheduler allocates `num_speculative_tokens` lookahead slots for the positions it drafts at.
+
+Each propose, per request that sampled: a catch-up forward over the tokens the drafter has not seen (the whole
+prompt the first time, then the tokens the last step emitted), whose last logits give draft 1, then K - 1
+one-token forwards, each feeding the previous draft. Greedy requests draft the argmax; sampled requests sample
+each draft from the drafter's distribution under their own temperature / top-k / top-p / min-p, with their own
+generator when seeded, and keep that distribution (q) for the rejection sampler, so verification stays lossless
+and a drafter equal to the target accepts everything. The KV the drafter wrote at draft positions is recomputed
+by the next catch-up, which starts at the first position it had not seen as a known token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.sample.greedy import first_argmax
+from pagedserve.sample.sampler import Sampler, random_sample
+from pagedserve.sample.sampling_metadata import build_sampling_metadata
+from pagedserve.sampling_params import SamplingType
+from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
+
+
+@dataclass
+class Drafts:
+    """token_ids[i]: request i's drafts; probs[request id]: [num drafts, vocab] q of its sampled drafts."""
+
+    token_ids: list[list[int]]
+    probs: dict[str, torch.Tensor]
+
+
+class DraftModelProposer:
+    def __init__(self, draft_model: nn.Module, vocab_size: int, max_model_len: int, device: torch.device) -> None:
+        self.model = draft_model
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sampler = Sampler()
+        # request id -> (the batch's state object, positions whose drafter KV holds known tokens). A new state
+        # object (the request was preempted and came back, or the id was reused) starts from 0 again.
+        self._num_computed: dict[str, tuple[RequestState, int]] = {}
+
+    def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]],
+                num_speculative_tokens: int, generators: dict[str, torch.Generator],
+                build_attention_metadata: Callable[[StepInputs], AttentionMetadata]) -> Drafts:
+        drafts = Drafts(token_ids=[[] for _ in request_ids], probs={})
+        self._forget_departed(batch)
+        indices, states, num_known, num_drafts = [], [], [], []
+        for i, (request_id, sampled) in enumerate(zip(request_ids, sampled_token_ids)):
+            state = batch.requests.get(request_id)
+            if not sampled or state is None:
+                continue
+            known = int(batch.num_tokens[state.row])
+            # The drafter writes KV at positions up to known + k - 2 and the step after verifies up to known + k.
+            k = min(num_speculative_tokens, self.max_model_len - known - 1)
+            if k <= 0:
+                continue
+            indices.append(i)
+            states.append(state)
+            num_known.append(known)
+            num_drafts.append(k)
+        if not states:
+            return drafts
+        metadata = build_sampling_metadata(
+            params=[s.sampling_params for s in states], prompt_token_ids=[[] for _ in states],
+            output_token_ids=[[] for _ in states], generators=[generators.get(s.request_id) for s in states],
+            vocab_size=self.vocab_size, device=self.device)
+        is_sampled = [s.sampling_params.sampling_type != SamplingType.GREEDY for s in states]
+
+        # Catch-up: every known token the drafter has not computed, in one forward; draft 1 from the last one.
+        starts = [self._start(state) for state in states]
+        logits = self._forward(batch, states, starts, num_known, build_attention_metadata)
+        tokens, probs = self._draft(logits, metadata, is_sampled)
+        columns_tokens, columns_probs = [tokens], [probs]
+        for j in range(1, max(num_drafts)):
+            active = [b for b, k in enumerate(num_drafts) if k > j]
+            positions = [num_known[b] + j - 1 for b in active]
+            # The previous draft goes in at its position (after the known tokens, where verification puts it too).
+            for b, position in zip(active, positions):
+                batch.token_ids[states[b].row, position] = columns_tokens[-1][b]
+            logits_active = self._forward(batch, [states[b] for b in active], positions,
+                                          [p + 1 for p in positions], build_attention_metadata)
+            logits = torch.empty((len(states), logits_active.shape[1]), dtype=logits_active.dtype,
+                                 device=logits_active.device)
+            logits[active] = logits_active
+            tokens, probs = self._draft(logits, metadata, is_sampled, rows=active)
+            columns_tokens.append(tokens)
+            columns_probs.append(probs)
+        for b, (i, state, k) in enumerate(zip(indices, states, num_drafts)):
+            drafts.token_ids[i] = [int(column[b]) for column in columns_tokens[:k]]
+            if is_sampled[b]:
+                drafts.probs[state.request_id] = torch.stack([column[b] for column in columns_probs[:k]])
+            self._num_computed[state.request_id] = (state, num_known[b])
+        return drafts
+
+    def _start(self, state: RequestState) -> int:
+        seen = self._num_computed.get(state.request_id)
+        return seen[1] if seen is not None and seen[0] is state else 0
+
+    def _forget_departed(self, batch: InputBatch) -> None:
+        for request_id in [rid for rid in self._num_computed if rid not in batch.requests]:
+            del self._num_computed[request_id]
+
+    def _forward(self, batch: InputBatch, states: list[RequestState], starts: list[int], ends: list[int],
+                 build_attention_metadata: Callable[[StepInputs], AttentionMetadata]) -> torch.Tensor:
+        """The drafter over positions [starts[b], ends[b]) of each request; logits at each one's last position."""
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        computed = np.array(starts, dtype=np.int64)
+        num_scheduled = np.array(ends, dtype=np.int64) - computed
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        is_decode = bool((num_scheduled == 1).all())
+        token_requests = None if is_decode else np.repeat(np.arange(len(states)), num_scheduled)
+        if token_requests is None:
+            positions = computed.copy()
+            input_ids = batch.token_ids[rows, positions]
+        else:
+            positions = computed[token_requests] + (np.arange(int(query_start_loc[-1]))
+                                                    - query_start_loc[token_requests])
+            input_ids = batch.token_ids[rows[token_requests], positions]
+        step = StepInputs(input_ids=torch.from_numpy(input_ids).to(self.device),
+                          positions=torch.from_numpy(positions).to(self.device), positions_cpu=positions,
+                          request_ids=[s.request_id for s in states], rows=rows, token_requests=token_requests,
+                          num_scheduled=num_scheduled, query_start_loc=query_start_loc, num_computed_before=computed,
+                          is_sampled=np.ones(len(states), dtype=bool))
+        with set_forward_context(build_attention_metadata(step)):
+            hidden_states = self.model(step.input_ids, step.positions)
+        last = torch.from_numpy(query_start_loc[1:] - 1).to(hidden_states.device)
+        return self.model.compute_logits(hidden_states[last])
+
+    def _draft(self, logits: torch.Tensor, metadata, is_sampled: list[bool],  # type: ignore[no-untyped-def]
+               rows: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+        """One draft per row (argmax, or a sample from the processed distribution) and that distribution q
+        ([rows, vocab] float32; only the sampled rows' are used). Rows outside `rows` draw nothing."""
+        rows = list(range(len(is_sampled))) if rows is None else rows
+        logits = logits.to(torch.float32)
+        tokens = first_argmax(logits).tolist()
+        probs = torch.zeros_like(logits)
+        sampled_rows = [b for b in rows if is_sampled[b]]
+        if sampled_rows:
+            processed = self.sampler.processed_logits(logits, metadata)
+            probs[sampled_rows] = processed[sampled_rows].softmax(dim=-1)
+            # The exponential race draws from each seeded row's generator (and the global RNG for the others).
+            noise_probs = probs.clone()
+            drawn = random_sample(noise_probs, _restricted(metadata, sampled_rows)).tolist()
+            for b in sampled_rows:
+                tokens[b] = drawn[b]
+        return tokens, probs
+
+
+def _restricted(metadata, rows: list[int]):  # type: ignore[no-untyped-def]
+    """The metadata with generators for `rows` only, so rows that draw nothing do not advance theirs."""
+    from dataclasses import replace
+
+    return replace(metadata, generators={row: g for row, g in metadata.generators.items() if row in rows})
+
+
+def load_draft_model(drafter_path: str, dtype: torch.dtype, max_model_len: int, device: torch.device,
+                     read_slices: bool, weight_layout: str, load_config) -> nn.Module:  # type: ignore[no-untyped-def]
+    """The drafter, built and loaded like the target (same dtype, weight layout and tensor-parallel slicing)."""
+    from pagedserve.config.model import ModelConfig
+    from pagedserve.model_loader import load_model
+    from pagedserve.model_loader.model_source import open_model_source
+
+    source = open_model_source(drafter_path)
+    config = ModelConfig(model=source.path, dtype=dtype, max_model_len=max_model_len, hf_config=source.hf_config)
+    return load_model(config, device, weights=source.weights(dtype), load_config=load_config,
+                      read_slices=read_slices, weight_layout=weight_layout)
