@@ -6,7 +6,10 @@ each round times one run of each, the order alternating between rounds; the outp
 token for token (greedy speculation is lossless). Reported: output tokens/s of every run, each engine's best and
 median, the ratio of medians, and the acceptance counters (vllm:spec_decode_*) of the speculative engine.
 
-  batch 1    the prompts one at a time (latency-bound decode: where speculation pays most)
+  batch 1    the prompts one at a time (latency-bound decode: where speculation pays most); also the target as
+             its own drafter (method draft_model, K = --num-speculative-tokens): every draft is accepted, so its
+             speed against plain decoding is the machinery's cost at 100% acceptance (K + 1 drafter forwards and
+             one K + 1 token verification per K + 1 tokens)
   batch N    (--batch-sizes) N requests at once, the passages cycled: speculation always on, and with the
              batch-size table num_speculative_tokens_per_batch_size (--table), which turns it off where it
              does not pay
@@ -105,7 +108,12 @@ def main() -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0)
-    engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=ngram)}
+    from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME
+
+    self_draft = {"method": "draft_model", "model": args.model or DEFAULT_MODEL_NAME,
+                  "num_speculative_tokens": args.num_speculative_tokens}
+    engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=ngram),
+               "self_draft": LLM(**common, speculative_config=self_draft)}
     if args.batch_sizes:
         engines["ngram_table"] = LLM(**common, speculative_config=dict(
             ngram, num_speculative_tokens_per_batch_size=json.loads(args.table)))
@@ -115,22 +123,23 @@ def main() -> None:
 
     results = {"workload": os.path.relpath(WORKLOAD), "speculative_config": ngram, "table": json.loads(args.table),
                "runs": []}
-    batch_one = compare({"plain": engines["plain"], "ngram": engines["ngram"]}, prompts, workload["max_tokens"], 1,
-                        args.rounds)
-    batch_one["spec_decode"] = spec_counters(engines["ngram"])
+    batch_one = compare({name: engines[name] for name in ("plain", "ngram", "self_draft")}, prompts,
+                        workload["max_tokens"], 1, args.rounds)
+    batch_one["spec_decode"] = {name: spec_counters(engines[name]) for name in ("ngram", "self_draft")}
     results["runs"].append(batch_one)
     for batch_size in args.batch_sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch_size)]
-        results["runs"].append(compare(engines, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
+        batched = {name: engines[name] for name in ("plain", "ngram", "ngram_table")}
+        results["runs"].append(compare(batched, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
 
     for run in results["runs"]:
         medians = ", ".join(f"{name} {value:.1f}" for name, value in run["median_tokens_per_s"].items())
         ratios = ", ".join(f"{name} {value:.2f}x" for name, value in run["ratio_of_medians"].items())
         print(f"batch {run['batch_size']:>3}: median output tok/s {medians}; vs plain: {ratios}")
-    counters = batch_one["spec_decode"]
-    print(f"batch 1 acceptance: rate {counters['acceptance_rate']:.3f}, mean acceptance length "
-          f"{counters['mean_acceptance_length']:.2f}, per position "
-          f"{[round(rate, 3) for rate in counters['acceptance_rate_per_position']]}")
+    for name, counters in batch_one["spec_decode"].items():
+        print(f"batch 1 {name} acceptance: rate {counters['acceptance_rate']:.3f}, mean acceptance length "
+              f"{counters['mean_acceptance_length']:.2f}, per position "
+              f"{[round(rate, 3) for rate in counters['acceptance_rate_per_position']]}")
     path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
     with open(path, "w") as handle:
         json.dump(results, handle, indent=1)

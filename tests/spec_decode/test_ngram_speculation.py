@@ -186,3 +186,36 @@ def test_tensor_parallel_2_equals_one_process(folder, reference) -> None:
         assert _metrics(tp2)["vllm:spec_decode_num_accepted_tokens"].value > 0
     finally:
         tp2.llm_engine.shutdown()
+
+
+def test_streaming_stop_strings_and_n(folder) -> None:
+    """Delta streaming gets several tokens per step, in order (joined, they are the final output); a stop string
+    met inside accepted drafts ends the text there, as without speculation; n > 1 works."""
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    prompts = _repetitive_prompts(2, seed=13)
+    speculative = LLMEngine.from_kwargs(folder, max_model_len=256, num_kv_blocks=256,
+                                        speculative_config=_ngram(4))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    speculative.add_request("stream", {"prompt_token_ids": prompts[0]}, params, output_kind="delta")
+    deltas: list[list[int]] = []
+    while speculative.has_unfinished_requests():
+        for output in speculative.step():
+            deltas.append(list(output.outputs[0].token_ids))
+    plain = LLM(folder, max_model_len=256, num_kv_blocks=256)
+    expected = generated_token_ids(plain, prompts[:1], params)[0]
+    assert [token for delta in deltas for token in delta] == expected
+    assert max(len(delta) for delta in deltas) > 1, "speculation must emit several tokens in some step"
+
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(4))
+    full_text = plain.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0].outputs[0].text
+    start = next(i for i in range(len(full_text) // 2, len(full_text)) if full_text[i:i + 3].strip() == full_text[i:i + 3])
+    stop = full_text[start:start + 3]
+    stop_params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
+    expected_text = plain.generate([{"prompt_token_ids": prompts[1]}], stop_params, use_tqdm=False)[0]
+    got = llm.generate([{"prompt_token_ids": prompts[1]}], stop_params, use_tqdm=False)[0]
+    assert got.outputs[0].text == expected_text.outputs[0].text and len(got.outputs[0].text) < len(full_text)
+    assert got.outputs[0].finish_reason == "stop"
+    several = SamplingParams(n=3, temperature=0.9, max_tokens=16, ignore_eos=True, seed=5)
+    outputs = llm.generate([{"prompt_token_ids": prompts[0]}], several, use_tqdm=False)[0].outputs
+    assert len(outputs) == 3 and all(len(o.token_ids) == 16 for o in outputs)
