@@ -185,8 +185,9 @@ class SpeculativeConfig:
                 return batch_range.num_speculative_tokens
         return self.num_speculative_tokens or 0
 
-    def check_drafter(self, target_hf_config: Any, target_tokenizer: str | None) -> None:
-        """A drafter must exist and share the target's vocabulary and tokenizer (drafts are target token ids)."""
+    def check_drafter(self, target_hf_config: Any, target_tokenizer: str | None, max_model_len: int) -> None:
+        """A drafter must exist, share the target's vocabulary and tokenizer (drafts are target token ids) and
+        reach max_model_len positions (it drafts at every position the target runs at)."""
         if self.method not in DRAFTER_METHODS:
             return
         from pagedserve.model_loader.model_source import open_model_source
@@ -199,6 +200,13 @@ class SpeculativeConfig:
         if drafter_vocab != target_vocab:
             raise ValueError(f"speculative_config.model={self.model!r} has vocab_size={drafter_vocab}, the target "
                              f"model {target_vocab}: the drafter must share the target's tokenizer")
+        from pagedserve.config.model import derived_max_model_len
+
+        drafter_limit = derived_max_model_len(drafter.hf_config)
+        if drafter_limit < max_model_len:
+            raise ValueError(f"speculative_config.model={self.model!r} handles {drafter_limit} positions, fewer than "
+                             f"max_model_len={max_model_len}: set max_model_len <= {drafter_limit} or use another "
+                             f"drafter")
         if target_tokenizer is not None and _tokenizer_vocabulary(drafter.tokenizer_path) != \
                 _tokenizer_vocabulary(target_tokenizer):
             raise ValueError(f"speculative_config.model={self.model!r}: its tokenizer ({drafter.tokenizer_path}) "

@@ -195,10 +195,12 @@ class Scheduler:
             if new_blocks is None:
                 break
             scheduled_running.append(request)
-            if num_new_tokens > 1:
-                self._num_other_step_tokens += num_new_tokens
-            num_scheduled_tokens[request.request_id] = num_new_tokens
             num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_new_tokens > 1:
+                # A decode with drafts was counted as one token already (the sum above).
+                is_decode = self._num_pending_tokens(request) - request.num_computed_tokens == 1
+                self._num_other_step_tokens += num_new_tokens - (1 if is_decode else 0)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
             if num_spec_tokens > 0:
                 scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec_tokens]
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
@@ -381,10 +383,7 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             num_spec_tokens = len(scheduler_output.scheduled_spec_decode_tokens.get(request_id, ()))
             if num_spec_tokens and sampled_token_ids:
-                # Rejected drafts leave the computed tokens: their KV slots are written again later.
-                num_accepted = len(sampled_token_ids) - 1
-                request.num_computed_tokens -= num_spec_tokens - num_accepted
-                self.spec_decode_stats.observe(num_spec_tokens, num_accepted)
+                self.spec_decode_stats.observe(num_spec_tokens, len(sampled_token_ids) - 1)
             was_running = request.status == RequestStatus.RUNNING
             new_token_ids: list[int] = []
             for token_id in sampled_token_ids:
@@ -392,6 +391,10 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
                     break  # tokens after a stop (speculative decoding) are dropped
+            if num_spec_tokens and new_token_ids:
+                # The step computed its last known token and its drafts; KV stays valid for the inputs that turned
+                # out to be tokens (all but the newest kept one). Rejected drafts' slots are written again later.
+                request.num_computed_tokens -= num_spec_tokens + 1 - len(new_token_ids)
             logprobs = model_runner_output.logprobs.get(request_id)
             if logprobs is not None and new_token_ids and len(new_token_ids) < len(sampled_token_ids):
                 logprobs = _truncate_logprobs(logprobs, len(new_token_ids))

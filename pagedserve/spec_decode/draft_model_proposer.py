@@ -40,10 +40,13 @@ class Drafts:
 
 
 class DraftModelProposer:
-    def __init__(self, draft_model: nn.Module, vocab_size: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, draft_model: nn.Module, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
+                 device: torch.device) -> None:
         self.model = draft_model
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # The catch-up runs in forwards of at most this many tokens, like the target's prefill chunks.
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
         self.sampler = Sampler()
         # request id -> (the batch's state object, positions whose drafter KV holds known tokens). A new state
@@ -61,8 +64,12 @@ class DraftModelProposer:
             if not sampled or state is None:
                 continue
             known = int(batch.num_tokens[state.row])
-            # The drafter writes KV at positions up to known + k - 2 and the step after verifies up to known + k.
+            # The drafter writes KV at positions up to known + k - 2 and the step after verifies up to known + k;
+            # a step emits at most k + 1 tokens, within max_tokens.
             k = min(num_speculative_tokens, self.max_model_len - known - 1)
+            max_tokens = state.sampling_params.max_tokens
+            if max_tokens is not None:
+                k = min(k, max_tokens - (known - state.num_prompt_tokens) - 1)
             if k <= 0:
                 continue
             indices.append(i)
@@ -77,8 +84,9 @@ class DraftModelProposer:
             vocab_size=self.vocab_size, device=self.device)
         is_sampled = [s.sampling_params.sampling_type != SamplingType.GREEDY for s in states]
 
-        # Catch-up: every known token the drafter has not computed, in one forward; draft 1 from the last one.
+        # Catch-up: every known token the drafter has not computed; draft 1 from the last one.
         starts = [self._start(state) for state in states]
+        self._catch_up(batch, states, starts, num_known, build_attention_metadata)
         logits = self._forward(batch, states, starts, num_known, build_attention_metadata)
         tokens, probs = self._draft(logits, metadata, is_sampled)
         columns_tokens, columns_probs = [tokens], [probs]
@@ -103,6 +111,21 @@ class DraftModelProposer:
             self._num_computed[state.request_id] = (state, num_known[b])
         return drafts
 
+    def _catch_up(self, batch: InputBatch, states: list[RequestState], starts: list[int], num_known: list[int],
+                  build_attention_metadata: Callable[[StepInputs], AttentionMetadata]) -> None:
+        """Forwards over the tokens before each request's last known one, in rounds of at most
+        max_num_batched_tokens tokens, until the rest fits in one forward (advances `starts`)."""
+        while sum(known - start for known, start in zip(num_known, starts)) > self.max_num_batched_tokens:
+            lagging = [b for b, (known, start) in enumerate(zip(num_known, starts)) if known - 1 > start]
+            if not lagging:
+                return  # one token per request left: more requests than the budget, run them together
+            cap = max(1, self.max_num_batched_tokens // len(lagging))
+            ends = [min(starts[b] + cap, num_known[b] - 1) for b in lagging]
+            self._forward(batch, [states[b] for b in lagging], [starts[b] for b in lagging], ends,
+                          build_attention_metadata, with_logits=False)
+            for b, end in zip(lagging, ends):
+                starts[b] = end
+
     def _start(self, state: RequestState) -> int:
         seen = self._num_computed.get(state.request_id)
         return seen[1] if seen is not None and seen[0] is state else 0
@@ -112,7 +135,8 @@ class DraftModelProposer:
             del self._num_computed[request_id]
 
     def _forward(self, batch: InputBatch, states: list[RequestState], starts: list[int], ends: list[int],
-                 build_attention_metadata: Callable[[StepInputs], AttentionMetadata]) -> torch.Tensor:
+                 build_attention_metadata: Callable[[StepInputs], AttentionMetadata],
+                 with_logits: bool = True) -> torch.Tensor | None:
         """The drafter over positions [starts[b], ends[b]) of each request; logits at each one's last position."""
         rows = np.array([s.row for s in states], dtype=np.int64)
         computed = np.array(starts, dtype=np.int64)
@@ -135,6 +159,8 @@ class DraftModelProposer:
                           is_sampled=np.ones(len(states), dtype=bool))
         with set_forward_context(build_attention_metadata(step)):
             hidden_states = self.model(step.input_ids, step.positions)
+        if not with_logits:
+            return None
         last = torch.from_numpy(query_start_loc[1:] - 1).to(hidden_states.device)
         return self.model.compute_logits(hidden_states[last])
 

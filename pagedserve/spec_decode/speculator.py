@@ -47,7 +47,8 @@ class VerifiedTokens:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, device: torch.device,
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
+                 device: torch.device,
                  draft_model: "nn.Module | None" = None,
                  build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None) -> None:
         """`draft_model` (method 'draft_model'): the loaded drafter, whose attention layers the runner binds to
@@ -63,7 +64,8 @@ class Speculator:
         elif config.method == "draft_model":
             if draft_model is None or build_attention_metadata is None:
                 raise ValueError("speculative_config.method='draft_model' needs the loaded drafter")
-            self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, device)
+            self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, max_num_batched_tokens,
+                                                     device)
             self.build_attention_metadata = build_attention_metadata
         else:
             raise ValueError(f"speculative_config.method={config.method!r} has no proposer in this build")
@@ -139,12 +141,13 @@ class Speculator:
         probs = [self._draft_probs.pop(state.request_id, None) for state in states]
         if all(p is None for p in probs):
             return None
-        stacked = torch.zeros((len(states), max_num_drafts, self.vocab_size), dtype=torch.float32)
+        stacked = torch.zeros((len(states), max_num_drafts, self.vocab_size), dtype=torch.float32,
+                              device=self.device)
         for b, row_probs in enumerate(probs):
             if row_probs is not None:
                 count = min(max_num_drafts, row_probs.shape[0])
                 stacked[b, :count] = row_probs[:count]
-        return stacked.to(self.device)
+        return stacked
 
     def _position_metadata(self, states: list[RequestState], draft_lists: list[list[int]], batch: InputBatch,
                            generators: dict[str, torch.Generator]):  # type: ignore[no-untyped-def]

@@ -84,7 +84,8 @@ class ModelRunner:
             from pagedserve.spec_decode.speculator import Speculator
 
             self.speculator = Speculator(config.speculative_config, self.vocab_size,
-                                         config.model_config.max_model_len, device, draft_model,
+                                         config.model_config.max_model_len,
+                                         config.scheduler_config.max_num_batched_tokens, device, draft_model,
                                          self._build_attention_metadata)
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])

@@ -70,6 +70,8 @@ def test_another_drafter_is_lossless_and_rejects_some(folder, other_drafter, pro
 
 
 def test_lossless_under_preemption_and_chunked_prefill(folder, other_drafter, prompts, reference) -> None:
+    """A 16-token budget: prompts prefill in chunks, and the drafter catches up over them in forwards of at most 16
+    tokens; few blocks force preemptions (the drafter starts over on the resumed request)."""
     llm = LLM(folder, max_model_len=96, num_kv_blocks=20, block_size=8, max_num_batched_tokens=16,
               speculative_config=_drafter(other_drafter, 3))
     assert generated_token_ids(llm, prompts, GREEDY) == reference
@@ -105,3 +107,6 @@ def test_bad_drafter_is_a_clear_error(folder, tmp_path, tiny_model_dir) -> None:
     other_vocab = tiny_model_dir("llama", vocab_size=384)
     with pytest.raises(ValueError, match="vocab_size=384"):
         LLM(folder, max_model_len=256, num_kv_blocks=64, speculative_config=_drafter(other_vocab, 2))
+    short = tiny_model_dir("llama", max_position_embeddings=128)
+    with pytest.raises(ValueError, match="handles 128 positions, fewer than max_model_len=256"):
+        LLM(folder, max_model_len=256, num_kv_blocks=64, speculative_config=_drafter(short, 2))
