@@ -14,7 +14,11 @@ median, the ratio of medians, and the acceptance counters (vllm:spec_decode_*) o
              batch-size table num_speculative_tokens_per_batch_size (--table), which turns it off where it
              does not pay
 
-    python benchmarks/spec_decode.py --rounds 3 --batch-sizes 16 64
+  vLLM       (--vllm-python) vLLM CPU on the same prompts (token ids), weights (pagedserve's float32
+             dequantization of the default model, exported as an HF folder) and dtype, batch 1, without and with
+             its own ngram speculation (same K and lookup bounds), in its own process after pagedserve's rounds
+
+    python benchmarks/spec_decode.py --rounds 3 --batch-sizes 16 64 [--vllm-python DIR/bin/python]
 """
 from __future__ import annotations
 
@@ -22,7 +26,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +84,64 @@ def compare(engines: dict[str, object], prompts: list[list[int]], max_tokens: in
     return result
 
 
+# vLLM in its own venv: loads the folder without and with ngram speculation and times batch-1 rounds of each.
+VLLM_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        folder, dtype, config_path = sys.argv[1], sys.argv[2], sys.argv[3]
+        config = json.load(open(config_path))
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in config["prompts"]]
+        params = SamplingParams(temperature=0.0, max_tokens=config["max_tokens"], detokenize=False)
+        result = {}
+        for name, speculative in (("plain", None), ("ngram", config["ngram"])):
+            llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=0, skip_tokenizer_init=True,
+                      speculative_config=speculative)
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+            runs, outputs = [], None
+            for _ in range(config["rounds"]):
+                llm.reset_prefix_cache()
+                start = time.perf_counter()
+                outputs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+                runs.append(sum(len(o) for o in outputs) / (time.perf_counter() - start))
+            result[name] = {"tokens_per_s": runs, "outputs": [list(o) for o in outputs]}
+            del llm
+        print("RESULT " + json.dumps(result), flush=True)
+
+    main()
+""")
+
+
+def run_vllm(vllm_python: str, prompts: list[list[int]], max_tokens: int, ngram: dict, rounds: int,
+             dtype: str) -> dict:
+    """vLLM CPU's batch-1 tok/s without and with ngram speculation on the default model's weights."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_vs_llama_cpp import export_hf_folder
+
+    import torch
+
+    from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+    from pagedserve.model_loader.gguf_loader import load_gguf
+
+    with tempfile.TemporaryDirectory(prefix="spec-decode-vllm-") as scratch:
+        folder = os.path.join(scratch, "hf")
+        export_hf_folder(load_gguf(resolve_model_path(DEFAULT_MODEL_NAME), torch.float32), folder)
+        config_path = os.path.join(scratch, "config.json")
+        with open(config_path, "w") as handle:
+            json.dump({"prompts": prompts, "max_tokens": max_tokens, "ngram": ngram, "rounds": rounds}, handle)
+        completed = subprocess.run([vllm_python, "-c", VLLM_SCRIPT, folder, dtype, config_path],
+                                   capture_output=True, text=True, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2"))
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode != 0 or not lines:
+        return {"error": f"vLLM exited {completed.returncode}: {completed.stderr[-3000:]}"}
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    for name in result:
+        result[name]["median_tokens_per_s"] = statistics.median(result[name]["tokens_per_s"])
+    return result
+
+
 def spec_counters(llm) -> dict:
     metrics = {m.name: m for m in llm.get_metrics()}
     drafts = metrics["vllm:spec_decode_num_drafts"].value
@@ -100,6 +165,7 @@ def main() -> None:
                         help="num_speculative_tokens_per_batch_size of the table engine (JSON)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[16, 64])
+    parser.add_argument("--vllm-python", default=None, help="python of a venv holding vLLM CPU (optional)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     from pagedserve import LLM
@@ -132,6 +198,20 @@ def main() -> None:
         batched = {name: engines[name] for name in ("plain", "ngram", "ngram_table")}
         results["runs"].append(compare(batched, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
 
+    path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
+    write_results(results, path)  # before vLLM, whose engines take minutes to load on a small machine
+    if args.vllm_python:
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        vllm = run_vllm(args.vllm_python, prompts, workload["max_tokens"], ngram, args.rounds, dtype)
+        results["vllm"] = vllm
+        if "error" in vllm:
+            print(f"vLLM: {vllm['error']}")
+        else:
+            ours = batch_one["median_tokens_per_s"]["ngram"]
+            same = vllm["plain"]["outputs"] == vllm["ngram"]["outputs"]
+            print(f"vLLM batch 1: median output tok/s plain {vllm['plain']['median_tokens_per_s']:.1f}, ngram "
+                  f"{vllm['ngram']['median_tokens_per_s']:.1f} (its outputs with and without ngram equal: {same}); "
+                  f"pagedserve ngram / vLLM ngram: {ours / vllm['ngram']['median_tokens_per_s']:.2f}x")
     for run in results["runs"]:
         medians = ", ".join(f"{name} {value:.1f}" for name, value in run["median_tokens_per_s"].items())
         ratios = ", ".join(f"{name} {value:.2f}x" for name, value in run["ratio_of_medians"].items())
@@ -140,7 +220,11 @@ def main() -> None:
         print(f"batch 1 {name} acceptance: rate {counters['acceptance_rate']:.3f}, mean acceptance length "
               f"{counters['mean_acceptance_length']:.2f}, per position "
               f"{[round(rate, 3) for rate in counters['acceptance_rate_per_position']]}")
-    path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
+    if args.vllm_python:
+        write_results(results, path)
+
+
+def write_results(results: dict, path: str) -> None:
     with open(path, "w") as handle:
         json.dump(results, handle, indent=1)
     print(f"wrote {path}")
