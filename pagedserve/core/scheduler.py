@@ -195,13 +195,14 @@ class Scheduler:
             if new_blocks is None:
                 break
             scheduled_running.append(request)
-            num_spec_tokens = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            # Tokens past the known ones (placeholders of steps in flight count as known) are drafts.
+            num_spec_tokens = request.num_computed_tokens + num_new_tokens - self._num_pending_tokens(request)
             if num_new_tokens > 1:
                 # A decode with drafts was counted as one token already (the sum above).
                 is_decode = self._num_pending_tokens(request) - request.num_computed_tokens == 1
                 self._num_other_step_tokens += num_new_tokens - (1 if is_decode else 0)
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            if num_spec_tokens > 0:
+            if num_spec_tokens > 0 and request.spec_token_ids:
                 scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec_tokens]
             new_block_ids[request.request_id] = new_blocks.get_block_ids()
             token_budget -= num_new_tokens
