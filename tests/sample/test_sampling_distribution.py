@@ -11,26 +11,17 @@ import math
 import pytest
 import torch
 
+from chi_square import chi_square_critical_value
 from pagedserve.sampling_params import SamplingParams
 
 NUM_SAMPLES = 20_000
-# Significance level of every goodness-of-fit test (fixed seeds make the outcome deterministic).
-SIGNIFICANCE = 1e-3
-Z_SCORE_AT_SIGNIFICANCE = 3.0902  # upper 0.1% point of the standard normal
+# Every goodness-of-fit test runs at chi_square.SIGNIFICANCE (fixed seeds make the outcome deterministic).
 
 
 def chi_square_statistic(observed: list[int], expected: list[float]) -> float:
     return sum((seen - wanted) ** 2 / wanted for seen, wanted in zip(observed, expected))
 
 
-def chi_square_critical_value(degrees_of_freedom: int) -> float:
-    """Upper SIGNIFICANCE point of chi-square (Wilson-Hilferty); scipy's exact one when installed."""
-    try:
-        from scipy.stats import chi2
-    except ImportError:
-        ratio = 2.0 / (9.0 * degrees_of_freedom)
-        return degrees_of_freedom * (1.0 - ratio + Z_SCORE_AT_SIGNIFICANCE * math.sqrt(ratio)) ** 3
-    return float(chi2.ppf(1.0 - SIGNIFICANCE, degrees_of_freedom))
 LOGITS = [1.2, -0.3, 0.8, 2.0, -1.5, 0.0, 1.7, 0.4, -0.8, 1.0, 0.6, -2.2]
 
 

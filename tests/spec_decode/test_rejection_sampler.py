@@ -20,6 +20,7 @@ from functools import lru_cache
 import pytest
 import torch
 
+from chi_square import chi_square_critical_value
 from pagedserve.sample.sampler import random_sample
 from pagedserve.sample.sampling_metadata import build_sampling_metadata
 from pagedserve.sampling_params import SamplingParams
@@ -30,8 +31,6 @@ VOCAB_SIZE = 6
 NUM_SPECULATIVE_TOKENS = 3
 NUM_TRIALS = 100_000
 # Significance of every goodness-of-fit test; cells expected fewer times than this are pooled into one.
-SIGNIFICANCE = 1e-3
-Z_SCORE_AT_SIGNIFICANCE = 3.0902  # upper 0.1% point of the standard normal
 MIN_EXPECTED_COUNT = 5.0
 
 MODES = {
@@ -283,16 +282,6 @@ def target_joint_law(target_table: torch.Tensor, length: int) -> list[float]:
             prefix_index = int(child_index(torch.tensor(prefix_index), torch.tensor(token), position))
         law.append(probability)
     return law
-
-
-def chi_square_critical_value(degrees_of_freedom: int) -> float:
-    """Upper SIGNIFICANCE point of chi-square (Wilson-Hilferty); scipy's exact one when installed."""
-    try:
-        from scipy.stats import chi2
-    except ImportError:
-        ratio = 2.0 / (9.0 * degrees_of_freedom)
-        return degrees_of_freedom * (1.0 - ratio + Z_SCORE_AT_SIGNIFICANCE * math.sqrt(ratio)) ** 3
-    return float(chi2.ppf(1.0 - SIGNIFICANCE, degrees_of_freedom))
 
 
 def chi_square_against(tokens: torch.Tensor, law: list[float]) -> tuple[float, float]:
