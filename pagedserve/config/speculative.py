@@ -12,10 +12,11 @@ entropy verify, which is lossy by design.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from pagedserve.config.knob_dict import config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +36,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _from_dict(cls: type, name: str, value: Any) -> Any:
-    """`cls(**value)` from a dict or JSON object text, with unknown keys named."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{name}={value!r} is not a JSON object: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}={value!r} must be a dict or a JSON object string")
-    allowed = [f.name for f in fields(cls)]
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise ValueError(f"{name} has unknown keys {unknown}; allowed: {allowed}")
-    return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -81,7 +66,7 @@ class RejectionSamplerConfig:
             return RejectionSamplerConfig()
         if isinstance(value, RejectionSamplerConfig):
             return value
-        return _from_dict(RejectionSamplerConfig, "rejection_sampler_config", value)
+        return config_from_dict(RejectionSamplerConfig, "rejection_sampler_config", value)
 
 
 @dataclass(frozen=True)
@@ -238,7 +223,7 @@ class SpeculativeConfig:
             return SpeculativeConfig()
         if isinstance(value, SpeculativeConfig):
             return value
-        return _from_dict(SpeculativeConfig, "speculative_config", value)
+        return config_from_dict(SpeculativeConfig, "speculative_config", value)
 
 
 def _tokenizer_vocabulary(path: str) -> dict[str, int] | None:

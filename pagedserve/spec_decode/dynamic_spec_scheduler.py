@@ -24,11 +24,12 @@ one `.item()` on budget-update calls, which keeps the other calls capturable in 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedserve.config.knob_dict import config_from_dict
 from pagedserve.sample.greedy import first_argmax
 
 # The knobs' place in the engine configuration (speculative_config.dynamic_spec_config.method_params),
@@ -78,13 +79,7 @@ class DynamicSpecParams:
         """From a `method_params` dict; None gives the defaults. Unknown keys are rejected by name."""
         if value is None:
             return DynamicSpecParams()
-        if not isinstance(value, dict):
-            raise ValueError(f"{PARAMS_NAME}={value!r} must be a dict")
-        allowed = [f.name for f in fields(DynamicSpecParams)]
-        unknown = sorted(set(value) - set(allowed))
-        if unknown:
-            raise ValueError(f"{PARAMS_NAME} has unknown keys {unknown}; allowed: {allowed}")
-        return DynamicSpecParams(**value)
+        return config_from_dict(DynamicSpecParams, PARAMS_NAME, value)
 
 
 class DynamicSpecScheduler:
