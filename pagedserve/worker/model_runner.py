@@ -30,13 +30,13 @@ from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
-
-if TYPE_CHECKING:
-    from pagedserve.spec_decode.speculator import Speculator
 from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from pagedserve.worker.kv_cache_allocation import attention_layers
 from pagedserve.worker.pipeline_stage_forward import build_stage_forward
+
+if TYPE_CHECKING:  # imported only when speculation is on
+    from pagedserve.spec_decode.speculator import Speculator
 
 
 class ModelRunner:
@@ -175,7 +175,7 @@ class ModelRunner:
         assert self.speculator is not None
         verified = self.speculator.verify(step, hidden_states, self.input_batch,
                                           scheduler_output.scheduled_spec_decode_tokens, self.generators,
-                                          lambda states: self.model.compute_logits(states))
+                                          self.model.compute_logits)
         sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
         for index, token_ids in zip(verified.request_indices, verified.token_ids):
             sampled_token_ids[index] = token_ids
