@@ -14,6 +14,7 @@ keeps one result per recipe and dtype. Print this machine's kind:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 
@@ -111,6 +112,13 @@ def cpu_kind(cpuinfo: str | None = None) -> str:
 def result_path(recipe: str, dtype: str, kind: str | None = None) -> str:
     """results/<recipe>_<dtype>_<cpu kind>.json: where a recipe's run on this CPU kind is kept."""
     return os.path.join(RESULTS, f"{recipe}_{dtype}_{kind or cpu_kind()}.json")
+
+
+def write_result_file(results: object, path: str) -> None:
+    """The recipe's results as JSON at `path` (result_path's, or the --json-out the user gave)."""
+    with open(path, "w") as handle:
+        json.dump(results, handle, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
-from cpu_kind import result_path  # noqa: E402
+from cpu_kind import result_path, write_result_file  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_OUTPUT = 256
@@ -234,9 +234,7 @@ def main() -> None:
     print(f"pagedserve's largest weight reads at {weight_bandwidth / 1e9:.1f} GB/s in place: its median run is "
           f"{ours['tokens_per_s'] * num_bytes / weight_bandwidth * 100:.1f}% of a roofline at that speed")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json_out}")
+        write_result_file(results, args.json_out)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE  # noqa: E402
-from cpu_kind import result_path  # noqa: E402
+from cpu_kind import result_path, write_result_file  # noqa: E402
 from decode_roofline import PROMPT_LEN, bytes_per_decode_token, read_bandwidth_bytes_per_s  # noqa: E402
 
 from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path  # noqa: E402
@@ -456,9 +456,7 @@ def main() -> None:
     print(f"pagedserve / llama.cpp: {ratio:.2f}x (per round: {', '.join(f'{r:.2f}' for r in per_round)}); greedy "
           f"tokens equal from the start: {agreement} of {args.tokens}")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json_out}")
+        write_result_file(results, args.json_out)
 
 
 if __name__ == "__main__":

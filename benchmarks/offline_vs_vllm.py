@@ -32,7 +32,7 @@ import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
-from cpu_kind import result_path  # noqa: E402
+from cpu_kind import result_path, write_result_file  # noqa: E402
 from offline_throughput import PagedserveOfflineRunner, make_workload  # noqa: E402
 
 # A persistent vLLM process: loads, warms up, prints READY, then times one run per "run" line on stdin.
@@ -180,9 +180,7 @@ def main() -> None:
           f"{results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x; per round "
           f"{', '.join(f'{r:.2f}x' for r in round_ratios)} (median {results[0]['median_round_ratio']:.2f}x)")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.json_out}")
+        write_result_file(results, args.json_out)
 
 
 if __name__ == "__main__":

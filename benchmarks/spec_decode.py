@@ -33,7 +33,7 @@ import textwrap
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_kind import result_path  # noqa: E402
+from cpu_kind import result_path, write_result_file  # noqa: E402
 
 WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads", "copy_heavy.json")
 
@@ -199,7 +199,7 @@ def main() -> None:
         results["runs"].append(compare(batched, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
 
     path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
-    write_results(results, path)  # before vLLM, whose engines take minutes to load on a small machine
+    write_result_file(results, path)  # before vLLM, whose engines take minutes to load on a small machine
     if args.vllm_python:
         dtype = "float32" if args.dtype == "auto" else args.dtype
         vllm = run_vllm(args.vllm_python, prompts, workload["max_tokens"], ngram, args.rounds, dtype)
@@ -221,13 +221,7 @@ def main() -> None:
               f"{counters['mean_acceptance_length']:.2f}, per position "
               f"{[round(rate, 3) for rate in counters['acceptance_rate_per_position']]}")
     if args.vllm_python:
-        write_results(results, path)
-
-
-def write_results(results: dict, path: str) -> None:
-    with open(path, "w") as handle:
-        json.dump(results, handle, indent=1)
-    print(f"wrote {path}")
+        write_result_file(results, path)
 
 
 if __name__ == "__main__":

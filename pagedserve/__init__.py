@@ -1,8 +1,9 @@
 """pagedserve: a portable LLM inference and serving engine with vLLM's public conventions."""
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedserve.lazy_names import lazy_attributes
 
 if TYPE_CHECKING:
     from pagedserve.config.engine import EngineConfig
@@ -26,14 +27,4 @@ _LAZY_NAMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_NAMES))
+__getattr__, __dir__ = lazy_attributes("pagedserve", globals(), _LAZY_NAMES)

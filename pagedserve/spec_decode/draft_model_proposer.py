@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,11 +25,15 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.config.speculative import DRAFTER_METHODS
 from pagedserve.sample.greedy import first_argmax
 from pagedserve.sample.sampler import Sampler, random_sample
 from pagedserve.sample.sampling_metadata import build_sampling_metadata
 from pagedserve.sampling_params import SamplingType
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
+
+if TYPE_CHECKING:
+    from pagedserve.config.engine import EngineConfig
 
 
 @dataclass
@@ -191,14 +196,20 @@ def _restricted(metadata, rows: list[int]):  # type: ignore[no-untyped-def]
     return replace(metadata, generators={row: g for row, g in metadata.generators.items() if row in rows})
 
 
-def load_draft_model(drafter_path: str, dtype: torch.dtype, max_model_len: int, device: torch.device,
-                     read_slices: bool, weight_layout: str, load_config) -> nn.Module:  # type: ignore[no-untyped-def]
-    """The drafter, built and loaded like the target (same dtype, weight layout and tensor-parallel slicing)."""
+def load_draft_model(config: "EngineConfig", device: torch.device, *, read_slices: bool,
+                     weight_layout: str) -> nn.Module | None:
+    """The drafter of a speculative method that runs one (None for the others and without speculation), built
+    and loaded like the target: same dtype, max_model_len, weight layout and tensor-parallel slicing."""
+    speculative = config.speculative_config
+    if speculative.method not in DRAFTER_METHODS:
+        return None
     from pagedserve.config.model import ModelConfig
     from pagedserve.model_loader import load_model
     from pagedserve.model_loader.model_source import open_model_source
 
-    source = open_model_source(drafter_path)
-    config = ModelConfig(model=source.path, dtype=dtype, max_model_len=max_model_len, hf_config=source.hf_config)
-    return load_model(config, device, weights=source.weights(dtype), load_config=load_config,
+    target = config.model_config
+    source = open_model_source(speculative.model)
+    drafter_config = ModelConfig(model=source.path, dtype=target.dtype, max_model_len=target.max_model_len,
+                                 hf_config=source.hf_config)
+    return load_model(drafter_config, device, weights=source.weights(target.dtype), load_config=config.load_config,
                       read_slices=read_slices, weight_layout=weight_layout)
