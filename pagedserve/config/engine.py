@@ -185,7 +185,8 @@ class EngineConfig:
                              f"tokens from the scheduler); pipeline micro-batches already overlap steps: "
                              f"set async_scheduling=False or pipeline_parallel_size=1")
         speculative = SpeculativeConfig.parse(speculative_config)
-        speculative.check_drafter(hf_config, tokenizer or source.tokenizer_path, max_model_len)
+        speculative.check_drafter(hf_config, tokenizer or source.tokenizer_path, max_model_len,
+                                 target_model=source.path if source.kind == "hf" else None)
         speculative.check_engine(async_scheduling=async_scheduling,
                                  pipeline_parallel_size=parallel_config.pipeline_parallel_size,
                                  enable_reduce_sample=enable_reduce_sample)

@@ -22,9 +22,13 @@ logger = logging.getLogger(__name__)
 
 # Every method the specification names; IMPLEMENTED_METHODS are the ones this build runs.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
-IMPLEMENTED_METHODS = ("ngram", "draft_model")
-# Methods that run a drafter model with KV caches of its own.
-DRAFTER_METHODS = ("draft_model",)
+IMPLEMENTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# Methods that run a drafter network with KV caches of its own.
+DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# Drafters that read the target's hidden states (spec_decode/hidden_state_proposer.py).
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
+# Drafters given as a folder of their own (mtp's layers are in the target's checkpoint).
+FOLDER_DRAFTER_METHODS = ("draft_model", "eagle", "eagle3")
 MAX_NUM_SPECULATIVE_TOKENS = 16
 # Block verification accepts past an individual failure, which pays only over blocks of 3 or more drafts.
 MIN_BLOCK_VERIFY_TOKENS = 3
@@ -82,7 +86,8 @@ class BatchSizeRange:
 class SpeculativeConfig:
     method: str | None = None
     num_speculative_tokens: int | None = None
-    # The drafter (draft_model, eagle, eagle3, dflash, dspark): an HF folder.
+    # The drafter (draft_model, eagle, eagle3, dflash, dspark): an HF folder. mtp: None (or the target's folder),
+    # the MTP layers being in the target's checkpoint.
     model: str | None = None
     # ngram: the longest suffix of n tokens, prompt_lookup_min <= n <= prompt_lookup_max, found earlier in the
     # request's tokens proposes the tokens that followed it.
@@ -115,7 +120,7 @@ class SpeculativeConfig:
         if self.model is not None and self.method == "ngram":
             raise ValueError(f"speculative_config.model={self.model!r} is not used by method 'ngram' (it drafts "
                              f"from the request's own tokens); remove it")
-        if self.method in DRAFTER_METHODS and not isinstance(self.model, str):
+        if self.method in FOLDER_DRAFTER_METHODS and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.method={self.method!r} needs speculative_config.model: the "
                              f"drafter's HF folder (got {self.model!r})")
         object.__setattr__(self, "num_speculative_tokens_per_batch_size",
@@ -159,8 +164,18 @@ class SpeculativeConfig:
         return self.method is not None
 
     @property
+    def reads_target_hidden_states(self) -> bool:
+        """The drafter reads the target's hidden states every step (no fused greedy decode for the target)."""
+        return self.method in HIDDEN_STATE_METHODS
+
+    @property
+    def reads_target_layers(self) -> bool:
+        """The drafter reads hidden states inside the target (EAGLE-3): the target's forward runs eagerly."""
+        return self.method == "eagle3"
+
+    @property
     def num_lookahead_tokens(self) -> int:
-        """KV slots the scheduler reserves past each step's tokens: a draft model writes its drafts' KV there."""
+        """KV slots the scheduler reserves past each step's tokens: a drafter writes its drafts' KV there."""
         return (self.num_speculative_tokens or 0) if self.method in DRAFTER_METHODS else 0
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
@@ -170,33 +185,73 @@ class SpeculativeConfig:
                 return batch_range.num_speculative_tokens
         return self.num_speculative_tokens or 0
 
-    def check_drafter(self, target_hf_config: Any, target_tokenizer: str | None, max_model_len: int) -> None:
-        """A drafter must exist, share the target's vocabulary and tokenizer (drafts are target token ids) and
-        reach max_model_len positions (it drafts at every position the target runs at)."""
-        if self.method not in DRAFTER_METHODS:
+    def check_drafter(self, target_hf_config: Any, target_tokenizer: str | None, max_model_len: int,
+                      target_model: str | None = None) -> None:
+        """The drafter must exist and fit the target: a draft model shares its vocabulary and tokenizer (drafts
+        are target token ids) and reaches max_model_len positions; an EAGLE / EAGLE-3 drafter matches the
+        target's vocabulary and hidden size; mtp needs a target whose checkpoint carries MTP layers."""
+        if self.method == "mtp":
+            self._check_mtp_target(target_hf_config, target_model)
             return
-        from pagedserve.model_loader.model_source import open_model_source
+        if self.method not in FOLDER_DRAFTER_METHODS:
+            return
+        tokenizer_path: str | None = None
+        if self.method == "draft_model":
+            from pagedserve.model_loader.model_source import open_model_source
 
-        try:
-            drafter = open_model_source(self.model)
-        except (ValueError, OSError) as error:
-            raise ValueError(f"speculative_config.model={self.model!r}: {error}") from None
-        drafter_vocab, target_vocab = drafter.hf_config.vocab_size, target_hf_config.vocab_size
+            try:
+                source = open_model_source(self.model)
+            except (ValueError, OSError) as error:
+                raise ValueError(f"speculative_config.model={self.model!r}: {error}") from None
+            drafter_config, tokenizer_path = source.hf_config, source.tokenizer_path
+        else:
+            from pagedserve.spec_decode.drafter_loading import checkpoint_files, drafter_hf_config
+
+            drafter_config = drafter_hf_config(self.model)
+            checkpoint_files(self.model)
+        drafter_vocab, target_vocab = drafter_config.vocab_size, target_hf_config.vocab_size
         if drafter_vocab != target_vocab:
             raise ValueError(f"speculative_config.model={self.model!r} has vocab_size={drafter_vocab}, the target "
                              f"model {target_vocab}: the drafter must share the target's tokenizer")
         from pagedserve.config.model import derived_max_model_len
 
-        drafter_limit = derived_max_model_len(drafter.hf_config)
+        drafter_limit = derived_max_model_len(drafter_config)
         if drafter_limit < max_model_len:
             raise ValueError(f"speculative_config.model={self.model!r} handles {drafter_limit} positions, fewer than "
                              f"max_model_len={max_model_len}: set max_model_len <= {drafter_limit} or use another "
                              f"drafter")
-        if target_tokenizer is not None and _tokenizer_vocabulary(drafter.tokenizer_path) != \
-                _tokenizer_vocabulary(target_tokenizer):
-            raise ValueError(f"speculative_config.model={self.model!r}: its tokenizer ({drafter.tokenizer_path}) "
+        if self.method in HIDDEN_STATE_METHODS:
+            hidden_size = getattr(drafter_config, "target_hidden_size", None) or drafter_config.hidden_size
+            if hidden_size != target_hf_config.hidden_size:
+                raise ValueError(f"speculative_config.model={self.model!r} reads hidden states of size {hidden_size}, "
+                                 f"the target model's are {target_hf_config.hidden_size}: it was trained for "
+                                 f"another target")
+            return
+        if target_tokenizer is not None and tokenizer_path is not None and \
+                _tokenizer_vocabulary(tokenizer_path) != _tokenizer_vocabulary(target_tokenizer):
+            raise ValueError(f"speculative_config.model={self.model!r}: its tokenizer ({tokenizer_path}) "
                              f"maps tokens to other ids than the target's ({target_tokenizer}); the drafter must "
                              f"share the target's tokenizer")
+
+    def _check_mtp_target(self, target_hf_config: Any, target_model: str | None) -> None:
+        import os
+
+        from pagedserve.models.multi_token_predictor import MTP_ARCHITECTURES, num_mtp_layers
+
+        if self.model is not None and (target_model is None or
+                                       os.path.realpath(self.model) != os.path.realpath(target_model)):
+            raise ValueError(f"speculative_config.model={self.model!r}: method 'mtp' runs the target's own MTP "
+                             f"layers; leave model unset (or the target's folder {target_model!r})")
+        architectures = getattr(target_hf_config, "architectures", None) or []
+        if not architectures or architectures[0] not in MTP_ARCHITECTURES:
+            raise ValueError(f"speculative_config.method='mtp' needs a target with multi-token-prediction layers "
+                             f"({list(MTP_ARCHITECTURES)}); the target is {architectures[:1]}")
+        if num_mtp_layers(target_hf_config) < 1:
+            raise ValueError("speculative_config.method='mtp': the target's config has num_nextn_predict_layers=0 "
+                             "(its checkpoint carries no MTP layers)")
+        if target_model is None or not os.path.isdir(target_model):
+            raise ValueError(f"speculative_config.method='mtp' reads the MTP layers from the target's HF folder; "
+                             f"the target {target_model!r} is not one")
 
     def check_engine(self, *, async_scheduling: bool, pipeline_parallel_size: int,
                      enable_reduce_sample: bool = False) -> None:
@@ -265,4 +320,4 @@ def _parse_batch_size_ranges(value: Any, num_speculative_tokens: int) -> tuple[B
 
 
 __all__ = ["SpeculativeConfig", "RejectionSamplerConfig", "BatchSizeRange", "SPECULATIVE_METHODS",
-           "IMPLEMENTED_METHODS"]
+           "IMPLEMENTED_METHODS", "DRAFTER_METHODS", "HIDDEN_STATE_METHODS"]

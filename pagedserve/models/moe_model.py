@@ -161,6 +161,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     def moe_layers(self) -> list[FusedMoE]:
         return [module for module in self.modules() if isinstance(module, FusedMoE)]
 
+    def loads_layer(self, layer_index: int) -> bool:
+        """Whether checkpoint layer `layer_index` is this model's: the decoder's, not the multi-token-prediction
+        layers stored after it (DeepSeek-V3, GLM-4.5), which the MTP drafter loads."""
+        return layer_index < int(self.config.num_hidden_layers)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Cut to this pipeline stage first: expert tensors of layers another stage holds are never read.
         weights = self.stage_weights(weights)
@@ -168,13 +173,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         loaded: set[str] = set()
         num_shards_seen: dict[str, int] = {}
 
-        num_layers = int(self.config.num_hidden_layers)
-
         def non_expert_weights() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 layer = _LAYER_INDEX.match(name)
-                if layer and int(layer[1]) >= num_layers:
-                    continue  # multi-token-prediction layers past the decoder (DeepSeek-V3, GLM-4.5)
+                if layer and not self.loads_layer(int(layer[1])):
+                    continue
                 match = _EXPERT_NAME.match(name)
                 if match and match["projection"] in EXPERT_SHARDS:
                     shard_id = EXPERT_SHARDS[match["projection"]]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,15 +24,12 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import set_forward_context
-from pagedserve.config.speculative import DRAFTER_METHODS
 from pagedserve.sample.greedy import first_argmax
 from pagedserve.sample.sampler import Sampler, random_sample
 from pagedserve.sample.sampling_metadata import build_sampling_metadata
 from pagedserve.sampling_params import SamplingType
-from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
-
-if TYPE_CHECKING:
-    from pagedserve.config.engine import EngineConfig
+from pagedserve.spec_decode.draft_limits import num_drafts_allowed
+from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, step_over_positions
 
 
 @dataclass
@@ -69,13 +65,8 @@ class DraftModelProposer:
             if not sampled or state is None:
                 continue
             known = int(batch.num_tokens[state.row])
-            # The drafter writes KV at positions up to known + k - 2 and the step after verifies up to known + k;
-            # a step emits at most k + 1 tokens, within max_tokens.
-            k = min(num_speculative_tokens, self.max_model_len - known - 1)
-            max_tokens = state.sampling_params.max_tokens
-            if max_tokens is not None:
-                k = min(k, max_tokens - (known - state.num_prompt_tokens) - 1)
-            if k <= 0:
+            k = num_drafts_allowed(state, known, num_speculative_tokens, self.max_model_len)
+            if k == 0:
                 continue
             indices.append(i)
             states.append(state)
@@ -145,28 +136,13 @@ class DraftModelProposer:
         """The drafter over positions [starts[b], ends[b]) of each request; logits at each one's last position."""
         rows = np.array([s.row for s in states], dtype=np.int64)
         computed = np.array(starts, dtype=np.int64)
-        num_scheduled = np.array(ends, dtype=np.int64) - computed
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        is_decode = bool((num_scheduled == 1).all())
-        token_requests = None if is_decode else np.repeat(np.arange(len(states)), num_scheduled)
-        if token_requests is None:
-            positions = computed.copy()
-            input_ids = batch.token_ids[rows, positions]
-        else:
-            positions = computed[token_requests] + (np.arange(int(query_start_loc[-1]))
-                                                    - query_start_loc[token_requests])
-            input_ids = batch.token_ids[rows[token_requests], positions]
-        step = StepInputs(input_ids=torch.from_numpy(input_ids).to(self.device),
-                          positions=torch.from_numpy(positions).to(self.device), positions_cpu=positions,
-                          request_ids=[s.request_id for s in states], rows=rows, token_requests=token_requests,
-                          num_scheduled=num_scheduled, query_start_loc=query_start_loc, num_computed_before=computed,
-                          is_sampled=np.ones(len(states), dtype=bool))
+        step = step_over_positions(batch, [s.request_id for s in states], rows, computed,
+                                   np.array(ends, dtype=np.int64) - computed, self.device)
         with set_forward_context(build_attention_metadata(step)):
             hidden_states = self.model(step.input_ids, step.positions)
         if not with_logits:
             return None
-        last = torch.from_numpy(query_start_loc[1:] - 1).to(hidden_states.device)
+        last = torch.from_numpy(step.query_start_loc[1:] - 1).to(hidden_states.device)
         return self.model.compute_logits(hidden_states[last])
 
     def _draft(self, logits: torch.Tensor, metadata, is_sampled: list[bool],  # type: ignore[no-untyped-def]
@@ -194,22 +170,3 @@ def _restricted(metadata, rows: list[int]):  # type: ignore[no-untyped-def]
     from dataclasses import replace
 
     return replace(metadata, generators={row: g for row, g in metadata.generators.items() if row in rows})
-
-
-def load_draft_model(config: "EngineConfig", device: torch.device, *, read_slices: bool,
-                     weight_layout: str) -> nn.Module | None:
-    """The drafter of a speculative method that runs one (None for the others and without speculation), built
-    and loaded like the target: same dtype, max_model_len, weight layout and tensor-parallel slicing."""
-    speculative = config.speculative_config
-    if speculative.method not in DRAFTER_METHODS:
-        return None
-    from pagedserve.config.model import ModelConfig
-    from pagedserve.model_loader import load_model
-    from pagedserve.model_loader.model_source import open_model_source
-
-    target = config.model_config
-    source = open_model_source(speculative.model)
-    drafter_config = ModelConfig(model=source.path, dtype=target.dtype, max_model_len=target.max_model_len,
-                                 hf_config=source.hf_config)
-    return load_model(drafter_config, device, weights=source.weights(target.dtype), load_config=config.load_config,
-                      read_slices=read_slices, weight_layout=weight_layout)

@@ -7,6 +7,7 @@ The runner calls three things, and carries nothing else of speculation:
                 each draft, processed as the sampler would (penalties with the drafts before them counted,
                 temperature, truncation), the rejection sampler's accepted drafts plus one token of the
                 target's own, written back to the batch, with logprobs of the emitted tokens;
+  observe_forward  keeps the target's step inputs and hidden states for drafters that read them;
   propose       drafts the next step's tokens for every request that sampled this step.
 The scheduler learns the drafts from ModelRunnerOutput.spec_token_ids, schedules them after the known tokens,
 and rolls num_computed_tokens back past the rejected ones (core/scheduler.py).
@@ -20,13 +21,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.config.speculative import SpeculativeConfig
+from pagedserve.config.speculative import HIDDEN_STATE_METHODS, SpeculativeConfig
 from pagedserve.core.scheduler_output import LogprobsLists
 from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
 from pagedserve.sampling_params import SamplingType
 from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
+from pagedserve.spec_decode.hidden_state_proposer import HiddenStateProposer, TargetStep
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
@@ -50,23 +52,32 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
                  device: torch.device,
                  draft_model: "nn.Module | None" = None,
-                 build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None) -> None:
-        """`draft_model` (method 'draft_model'): the loaded drafter, whose attention layers the runner binds to
-        KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's."""
+                 build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None,
+                 target_model: "nn.Module | None" = None) -> None:
+        """`draft_model` (methods with a drafter network): the loaded drafter, whose attention layers the runner
+        binds to KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's;
+        `target_model`: the target, whose inner layers an EAGLE-3 drafter reads."""
         self.config = config
         self.vocab_size = vocab_size
         self.device = device
         self.ngram_proposer: NgramProposer | None = None
         self.draft_proposer: DraftModelProposer | None = None
+        self.hidden_state_proposer: HiddenStateProposer | None = None
+        # The target's last forward, for drafters that read its hidden states (observe_forward).
+        self._target_step: TargetStep | None = None
+        if config.method in ("draft_model", *HIDDEN_STATE_METHODS) and \
+                (draft_model is None or build_attention_metadata is None):
+            raise ValueError(f"speculative_config.method={config.method!r} needs the loaded drafter")
+        self.build_attention_metadata = build_attention_metadata
         if config.method == "ngram":
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.ngram_proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "draft_model":
-            if draft_model is None or build_attention_metadata is None:
-                raise ValueError("speculative_config.method='draft_model' needs the loaded drafter")
             self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, max_num_batched_tokens,
                                                      device)
-            self.build_attention_metadata = build_attention_metadata
+        elif config.method in HIDDEN_STATE_METHODS:
+            assert target_model is not None
+            self.hidden_state_proposer = HiddenStateProposer(draft_model, target_model, max_model_len, device)
         else:
             raise ValueError(f"speculative_config.method={config.method!r} has no proposer in this build")
         # request id -> [num drafts, vocab] distributions of its last sampled drafts (draft_model only).
@@ -191,10 +202,22 @@ class Speculator:
             start += count
 
     # ---- the next step's drafts -------------------------------------------------------------------
+    def observe_forward(self, step: StepInputs, hidden_states: torch.Tensor) -> None:
+        """The target's forward of this step (its inputs and final hidden states), kept for propose."""
+        if self.hidden_state_proposer is not None:
+            self._target_step = TargetStep(step=step, hidden_states=hidden_states)
+
     def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]],
-                generators: dict[str, torch.Generator]) -> list[list[int]]:
+                generators: dict[str, torch.Generator],
+                scheduled_spec_decode_tokens: dict[str, list[int]]) -> list[list[int]]:
         """Drafts for each request that sampled this step ([] for the others), K from the batch-size table."""
         num_speculative_tokens = self.config.num_tokens_for_batch_size(len(request_ids))
+        if self.hidden_state_proposer is not None:
+            # The drafter runs over every step (also when K is 0), so its KV covers every position.
+            target, self._target_step = self._target_step, None
+            assert target is not None and target.step.request_ids == request_ids, "observe_forward before propose"
+            return self.hidden_state_proposer.propose(batch, target, sampled_token_ids, scheduled_spec_decode_tokens,
+                                                      num_speculative_tokens, self.build_attention_metadata)
         drafts: list[list[int]] = [[] for _ in request_ids]
         # Distributions of drafts still waiting to be verified stay (a request the budget skipped keeps its
         # drafts); those of departed requests and of requests drafting anew go.

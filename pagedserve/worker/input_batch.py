@@ -112,3 +112,24 @@ class StepInputs:
     num_computed_before: np.ndarray  # [num_requests]
     # Requests that reach the end of their known tokens this step sample one token.
     is_sampled: np.ndarray  # [num_requests] bool
+
+
+def step_over_positions(batch: "InputBatch", request_ids: list[str], rows: np.ndarray, starts: np.ndarray,
+                        num_scheduled: np.ndarray, device: torch.device, token_offset: int = 0) -> StepInputs:
+    """A forward over positions [starts[i], starts[i] + num_scheduled[i]) of each row (a drafter's): the input id
+    at position p is the row's token at p + token_offset (hidden-state drafters read the next token: 1)."""
+    query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(num_scheduled, out=query_start_loc[1:])
+    if bool((num_scheduled == 1).all()):
+        token_requests = None
+        positions = starts.astype(np.int64, copy=True)
+        input_ids = batch.token_ids[rows, positions + token_offset]
+    else:
+        token_requests = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = starts[token_requests] + (np.arange(int(query_start_loc[-1])) - query_start_loc[token_requests])
+        input_ids = batch.token_ids[rows[token_requests], positions + token_offset]
+    return StepInputs(input_ids=torch.from_numpy(input_ids).to(device),
+                      positions=torch.from_numpy(positions).to(device), positions_cpu=positions,
+                      request_ids=request_ids, rows=rows, token_requests=token_requests,
+                      num_scheduled=num_scheduled, query_start_loc=query_start_loc,
+                      num_computed_before=starts, is_sampled=np.ones(len(rows), dtype=bool))

@@ -67,7 +67,8 @@ class ModelRunner:
         # The model itself, or with pipeline parallelism this stage's receive / forward / send
         # (worker/pipeline_stage_forward.py); it returns None on a stage that does not sample.
         self.forward = build_stage_forward(model, config.model_config, device)
-        if self.forward is model:
+        # An EAGLE-3 drafter reads hidden states inside the target through hooks: the forward stays eager.
+        if self.forward is model and not config.speculative_config.reads_target_layers:
             # Graph capture (compilation_config / enforce_eager): the model itself when eager.
             self.forward = build_model_forward(model, config, device)
             # Decode-only steps of qualifying models in one native call (models/native_decode_stack.py).
@@ -75,7 +76,8 @@ class ModelRunner:
         # Decode steps that only sample greedily: the native stack reads the batch, runs the model and the LM head's
         # argmax and appends the tokens, in one call (models/native_decode_stack.py).
         self.greedy_decode: Callable[[list[int]], list[int] | None] | None = None
-        if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled:
+        if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled \
+                and not config.speculative_config.reads_target_hidden_states:
             self.forward.bind_batch(self.input_batch)
             self.greedy_decode = self.forward.greedy_rows
         # Speculative decoding (spec_decode/): drafts in, verification, the next drafts out; None when off.
@@ -86,7 +88,7 @@ class ModelRunner:
             self.speculator = Speculator(config.speculative_config, self.vocab_size,
                                          config.model_config.max_model_len,
                                          config.scheduler_config.max_num_batched_tokens, device, draft_model,
-                                         self._build_attention_metadata)
+                                         self._build_attention_metadata, model)
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:
@@ -113,7 +115,8 @@ class ModelRunner:
         self.speculator.write_drafts(self.input_batch, scheduler_output.scheduled_spec_decode_tokens)
         output = self._execute(scheduler_output)
         output.spec_token_ids = self.speculator.propose(self.input_batch, output.request_ids,
-                                                        output.sampled_token_ids, self.generators)
+                                                        output.sampled_token_ids, self.generators,
+                                                        scheduler_output.scheduled_spec_decode_tokens)
         return output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -128,7 +131,8 @@ class ModelRunner:
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples
             return ModelRunnerOutput(request_ids=step.request_ids,
                                      sampled_token_ids=[[] for _ in step.request_ids])
-
+        if self.speculator is not None:
+            self.speculator.observe_forward(step, hidden_states)
         if scheduler_output.scheduled_spec_decode_tokens:
             return self._verify_drafts(scheduler_output, step, hidden_states)
         num_requests = len(step.request_ids)

@@ -17,7 +17,7 @@ from pagedserve.layers.weight_layout import resolve_weight_layout
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.platforms import current_platform
 from pagedserve.platforms.cpu_binding import bind_worker_cpus
-from pagedserve.spec_decode.draft_model_proposer import load_draft_model
+from pagedserve.spec_decode.drafter_loading import load_draft_model
 from pagedserve.worker.kv_cache_allocation import (allocate_kv_caches, determine_num_kv_blocks,
                                                    kv_bytes_per_block)
 from pagedserve.worker.model_runner import ModelRunner
@@ -70,7 +70,7 @@ class Worker:
                                read_slices=self.world_size > 1, weight_layout=weight_layout)
             # Speculative decoding's drafter model, when its method runs one (else None).
             draft_model = load_draft_model(config, self.device, read_slices=self.world_size > 1,
-                                           weight_layout=weight_layout)
+                                           weight_layout=weight_layout, target=model)
         if config.load_config.huge_page_weights:
             self.platform.place_weights(model)
         # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.
