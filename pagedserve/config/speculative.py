@@ -20,15 +20,20 @@ from pagedserve.config.knob_dict import config_from_dict
 
 logger = logging.getLogger(__name__)
 
-# Every method the specification names; IMPLEMENTED_METHODS are the ones this build runs.
+# Every method the specification names (all implemented).
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
-IMPLEMENTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # Methods that run a drafter network with KV caches of its own.
-DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
-# Drafters that read the target's hidden states (spec_decode/hidden_state_proposer.py).
-HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
+DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash", "dspark")
+# Drafters that read the target's hidden states (spec_decode/hidden_state_proposer.py, block_draft_proposer.py).
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
+# Drafters that propose a whole block in one forward, with confidences (spec_decode/block_draft_proposer.py).
+BLOCK_DRAFT_METHODS = ("dflash", "dspark")
+# Drafters that run one forward per draft and write their KV at the draft positions (lookahead slots).
+AUTOREGRESSIVE_DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 # Drafters given as a folder of their own (mtp's layers are in the target's checkpoint).
-FOLDER_DRAFTER_METHODS = ("draft_model", "eagle", "eagle3")
+FOLDER_DRAFTER_METHODS = ("draft_model", "eagle", "eagle3", "dflash", "dspark")
+# draft_sample_method values: 'probabilistic' (sampled requests sample their drafts) only for a draft model.
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 MAX_NUM_SPECULATIVE_TOKENS = 16
 # Block verification accepts past an individual failure, which pays only over blocks of 3 or more drafts.
 MIN_BLOCK_VERIFY_TOKENS = 3
@@ -74,6 +79,32 @@ class RejectionSamplerConfig:
 
 
 @dataclass(frozen=True)
+class DynamicSpecConfig:
+    """Per-request verify lengths from a block drafter's confidences (spec_decode/dynamic_spec_scheduler.py)."""
+
+    # 'dspark': the DSpark drafter's confidence head; 'dflash': each draft's top softmax probability.
+    method: str | None = None
+    # DynamicSpecParams' knobs (initial_verify_budget_per_req, budget_update_interval, budget_threshold,
+    # min_verify_tokens); None: their defaults.
+    method_params: Any = None
+
+    def __post_init__(self) -> None:
+        if self.method not in BLOCK_DRAFT_METHODS:
+            raise ValueError(f"speculative_config.dynamic_spec_config.method={self.method!r} must be one of "
+                             f"{list(BLOCK_DRAFT_METHODS)}")
+        from pagedserve.spec_decode.dynamic_spec_scheduler import DynamicSpecParams
+
+        if not isinstance(self.method_params, DynamicSpecParams):
+            object.__setattr__(self, "method_params", DynamicSpecParams.from_dict(self.method_params))
+
+    @staticmethod
+    def parse(value: "DynamicSpecConfig | dict[str, Any] | str | None") -> "DynamicSpecConfig | None":
+        if value is None or isinstance(value, DynamicSpecConfig):
+            return value
+        return config_from_dict(DynamicSpecConfig, "speculative_config.dynamic_spec_config", value)
+
+
+@dataclass(frozen=True)
 class BatchSizeRange:
     """Batches of min_batch_size..max_batch_size running requests draft num_speculative_tokens tokens each."""
 
@@ -97,7 +128,11 @@ class SpeculativeConfig:
     # batch sizes no range covers use num_speculative_tokens.
     num_speculative_tokens_per_batch_size: tuple[BatchSizeRange, ...] = ()
     rejection_sampler_config: RejectionSamplerConfig = field(default_factory=RejectionSamplerConfig)
-    dynamic_spec_config: dict[str, Any] | None = None
+    # dflash / dspark: per-request verify lengths from the drafts' confidences (DynamicSpecConfig).
+    dynamic_spec_config: DynamicSpecConfig | dict[str, Any] | None = None
+    # 'greedy' (drafts are the drafter's argmax) or 'probabilistic' (draft_model only: sampled requests sample
+    # their drafts from the drafter's distribution); None: probabilistic for draft_model, greedy for the others.
+    draft_sample_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:  # speculation off: nothing else may be set
@@ -109,9 +144,6 @@ class SpeculativeConfig:
             return
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={self.method!r} must be one of {list(SPECULATIVE_METHODS)}")
-        if self.method not in IMPLEMENTED_METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} is not implemented in this build yet "
-                             f"(implemented: {list(IMPLEMENTED_METHODS)})")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
@@ -125,6 +157,9 @@ class SpeculativeConfig:
                              f"drafter's HF folder (got {self.model!r})")
         object.__setattr__(self, "num_speculative_tokens_per_batch_size",
                            _parse_batch_size_ranges(self.num_speculative_tokens_per_batch_size, k))
+        if self.method == "dspark" and self.num_speculative_tokens_per_batch_size:
+            raise ValueError("speculative_config.num_speculative_tokens_per_batch_size is not supported with method "
+                             "'dspark' (its block size is fixed; dynamic_spec_config varies what is verified)")
         object.__setattr__(self, "rejection_sampler_config",
                            RejectionSamplerConfig.parse(self.rejection_sampler_config))
         verify = self.rejection_sampler_config
@@ -134,9 +169,40 @@ class SpeculativeConfig:
         if verify.enable_entropy_verify:
             logger.warning("rejection_sampler_config.enable_entropy_verify=true is lossy: sampled outputs are no "
                            "longer distributed as the target model's (greedy requests are unaffected)")
-        if self.dynamic_spec_config is not None:
-            raise ValueError("speculative_config.dynamic_spec_config applies to methods 'dspark' and 'dflash', "
-                             "which this build does not implement yet")
+        self._check_draft_sampling()
+        self._check_dynamic_spec()
+
+    def _check_draft_sampling(self) -> None:
+        value = self.draft_sample_method
+        if value is None:
+            return
+        if value not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"speculative_config.draft_sample_method={value!r} must be one of "
+                             f"{list(DRAFT_SAMPLE_METHODS)}")
+        if value == "probabilistic" and self.method != "draft_model":
+            detail = "DSpark drafts greedily only" if self.method == "dspark" else "its drafts are the drafter's argmax"
+            raise ValueError(f"speculative_config.draft_sample_method='probabilistic' is not supported with method "
+                             f"{self.method!r} ({detail}); use 'greedy' or leave it unset")
+
+    def _check_dynamic_spec(self) -> None:
+        if self.dynamic_spec_config is None:
+            return
+        if self.method not in BLOCK_DRAFT_METHODS:
+            raise ValueError(f"speculative_config.dynamic_spec_config applies to methods {list(BLOCK_DRAFT_METHODS)} "
+                             f"(drafters with confidences), not {self.method!r}")
+        dynamic = DynamicSpecConfig.parse(self.dynamic_spec_config)
+        assert dynamic is not None
+        object.__setattr__(self, "dynamic_spec_config", dynamic)
+        if dynamic.method == "dspark" and self.method != "dspark":
+            raise ValueError(f"speculative_config.dynamic_spec_config.method='dspark' reads a DSpark drafter's "
+                             f"confidence head; method {self.method!r} has none (use 'dflash')")
+        if self.num_speculative_tokens_per_batch_size:
+            raise ValueError("speculative_config.dynamic_spec_config and num_speculative_tokens_per_batch_size both "
+                             "choose how many drafts to verify: set one of them")
+        min_verify = dynamic.method_params.min_verify_tokens
+        if min_verify > self.num_speculative_tokens:
+            raise ValueError(f"speculative_config.dynamic_spec_config.method_params.min_verify_tokens={min_verify} "
+                             f"must be <= num_speculative_tokens={self.num_speculative_tokens}")
 
     def _check_ngram(self) -> None:
         lookup_min, lookup_max = self.prompt_lookup_min, self.prompt_lookup_max
@@ -170,13 +236,13 @@ class SpeculativeConfig:
 
     @property
     def reads_target_layers(self) -> bool:
-        """The drafter reads hidden states inside the target (EAGLE-3): the target's forward runs eagerly."""
-        return self.method == "eagle3"
+        """The drafter reads hidden states inside the target (EAGLE-3, DFlash, DSpark): the target runs eagerly."""
+        return self.method in ("eagle3", *BLOCK_DRAFT_METHODS)
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots the scheduler reserves past each step's tokens: a drafter writes its drafts' KV there."""
-        return (self.num_speculative_tokens or 0) if self.method in DRAFTER_METHODS else 0
+        return (self.num_speculative_tokens or 0) if self.method in AUTOREGRESSIVE_DRAFTER_METHODS else 0
 
     def num_tokens_for_batch_size(self, batch_size: int) -> int:
         """Drafts per request for a step of `batch_size` requests (the batch-size table, else the default)."""
@@ -319,5 +385,5 @@ def _parse_batch_size_ranges(value: Any, num_speculative_tokens: int) -> tuple[B
     return tuple(sorted(ranges, key=lambda r: r.min_batch_size))
 
 
-__all__ = ["SpeculativeConfig", "RejectionSamplerConfig", "BatchSizeRange", "SPECULATIVE_METHODS",
-           "IMPLEMENTED_METHODS", "DRAFTER_METHODS", "HIDDEN_STATE_METHODS"]
+__all__ = ["SpeculativeConfig", "RejectionSamplerConfig", "DynamicSpecConfig", "BatchSizeRange", "SPECULATIVE_METHODS",
+           "DRAFTER_METHODS", "HIDDEN_STATE_METHODS", "BLOCK_DRAFT_METHODS"]

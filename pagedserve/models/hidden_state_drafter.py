@@ -10,8 +10,9 @@ The interface the proposer (spec_decode/hidden_state_proposer.py) uses:
   combine_hidden_states(target_hidden)  what the target's step hands over, as the first forward's hidden input;
   forward(input_ids, positions, hidden_states, step_index) -> (hidden for the logits, hidden for the next step);
   compute_logits(hidden, step_index)    [n, target vocab] float32;
-  aux_hidden_state_layer_ids            target layers whose inputs (the residual stream) the drafter reads
-                                        instead of the final hidden state (EAGLE-3), else ();
+  aux_hidden_state_layer_ids            target layers whose inputs (EAGLE-3) or outputs (DFlash, DSpark:
+                                        reads_layer_outputs) the drafter reads instead of the final hidden
+                                        state, else ();
   attach_target(target)                 the target's embedding and LM head, which the drafter shares (not
                                         registered as the drafter's modules: loaded and laid out once).
 """
@@ -30,6 +31,8 @@ class HiddenStateDrafter(LlamaForCausalLM):
     q/k/v and gate/up and names any checkpoint tensor that matches no parameter."""
 
     aux_hidden_state_layer_ids: tuple[int, ...] = ()
+    # True: aux_hidden_state_layer_ids name layer outputs (DFlash, DSpark); False: layer inputs (EAGLE-3).
+    reads_layer_outputs = False
     lm_head_is_tied = False
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
@@ -65,6 +68,39 @@ class HiddenStateDrafter(LlamaForCausalLM):
 
     def stage_weights(self, weights: Any) -> Any:
         return weights  # a drafter is never split over pipeline stages (speculation rejects them)
+
+    # ---- a draft vocabulary smaller than the target's (EAGLE-3, DFlash, DSpark) -----------------
+    def init_vocab_map(self, hf_config: Any, has_vocab_map: bool) -> None:
+        """draft_vocab_size and the d2t buffer (target id of draft id i: i + draft_id_to_target_id[i])."""
+        self.vocab_size = int(hf_config.vocab_size)
+        self.draft_vocab_size = int(getattr(hf_config, "draft_vocab_size", None) or self.vocab_size)
+        self.register_buffer("draft_id_to_target_id", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.has_vocab_map = has_vocab_map
+        if not has_vocab_map and self.draft_vocab_size != self.vocab_size:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} differs from vocab_size={self.vocab_size} "
+                             f"but the checkpoint has no d2t tensor mapping draft ids to target ids")
+
+    def load_vocab_map(self, tensor: torch.Tensor) -> None:
+        """The checkpoint's d2t tensor, checked to map every draft id into the target vocabulary."""
+        if tuple(tensor.shape) != (self.draft_vocab_size,):
+            raise ValueError(f"checkpoint tensor 'd2t' has shape {tuple(tensor.shape)}, expected "
+                             f"({self.draft_vocab_size},) (draft_vocab_size)")
+        target_ids = torch.arange(self.draft_vocab_size) + tensor.to(torch.long).cpu()
+        if int(target_ids.min()) < 0 or int(target_ids.max()) >= self.vocab_size:
+            raise ValueError(f"checkpoint tensor 'd2t' maps draft ids to target ids outside [0, {self.vocab_size})")
+        self.draft_id_to_target_id.copy_(tensor.to(torch.long))
+
+    def map_draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.draft_id_to_target_id[draft_ids] if self.has_vocab_map else draft_ids
+
+    def to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[n, draft vocab] logits -> [n, target vocab], -inf where no draft id maps."""
+        if not self.has_vocab_map:
+            return draft_logits
+        target_ids = self.map_draft_to_target(torch.arange(self.draft_vocab_size, device=draft_logits.device))
+        full = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, target_ids] = draft_logits
+        return full
 
 
 def strip_prefix(name: str, prefix: str = "model.") -> str:

@@ -76,8 +76,7 @@ class Eagle3LlamaForCausalLM(HiddenStateDrafter):
         super().__init__(hf_config, dtype)
         names = {strip_prefix(name) for name in checkpoint_names}
         hidden_size = hf_config.hidden_size
-        self.vocab_size = int(hf_config.vocab_size)
-        self.draft_vocab_size = int(getattr(hf_config, "draft_vocab_size", None) or self.vocab_size)
+        self.init_vocab_map(hf_config, has_vocab_map="d2t" in names)
         self.aux_hidden_state_layer_ids = aux_hidden_state_layer_ids(hf_config, target_num_layers)
         target_hidden_size = int(getattr(hf_config, "target_hidden_size", None) or hidden_size)
         self.fc = ReplicatedLinear(3 * target_hidden_size, hidden_size, bias=False, params_dtype=dtype, prefix="fc")
@@ -95,13 +94,6 @@ class Eagle3LlamaForCausalLM(HiddenStateDrafter):
         self.norm = RMSNorm(hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden_size, params_dtype=dtype, prefix="lm_head",
                                       group=get_lmhead_tp_group())
-        # target id of draft id i: i + draft_id_to_target_id[i] (zeros: the same vocabulary).
-        self.register_buffer("draft_id_to_target_id", torch.zeros(self.draft_vocab_size, dtype=torch.long))
-        self.has_vocab_map = "d2t" in names
-        if not self.has_vocab_map and self.draft_vocab_size != self.vocab_size:
-            raise ValueError(f"EAGLE-3 drafter: draft_vocab_size={self.draft_vocab_size} differs from "
-                             f"vocab_size={self.vocab_size} but the checkpoint has no d2t tensor mapping draft ids "
-                             f"to target ids")
 
     def combine_hidden_states(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, 3 * target hidden] auxiliary hidden states -> [n, hidden]."""
@@ -120,13 +112,7 @@ class Eagle3LlamaForCausalLM(HiddenStateDrafter):
 
     def compute_logits(self, hidden_states: torch.Tensor,  # type: ignore[override]
                        step_index: int = 0) -> torch.Tensor:
-        logits = self.lm_head.compute_logits(hidden_states, torch.float32)
-        if not self.has_vocab_map:
-            return logits
-        target_ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.draft_id_to_target_id
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, target_ids] = logits
-        return full
+        return self.to_target_vocab(self.lm_head.compute_logits(hidden_states, torch.float32))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def drafter_weights() -> Iterable[tuple[str, torch.Tensor]]:
@@ -137,14 +123,7 @@ class Eagle3LlamaForCausalLM(HiddenStateDrafter):
                 if name == "t2d":
                     continue
                 if name == "d2t":
-                    if tuple(tensor.shape) != (self.draft_vocab_size,):
-                        raise ValueError(f"EAGLE-3 drafter: checkpoint tensor 'd2t' has shape {tuple(tensor.shape)}, "
-                                         f"expected ({self.draft_vocab_size},) (draft_vocab_size)")
-                    target_ids = torch.arange(self.draft_vocab_size) + tensor.to(torch.long).cpu()
-                    if int(target_ids.min()) < 0 or int(target_ids.max()) >= self.vocab_size:
-                        raise ValueError(f"EAGLE-3 drafter: checkpoint tensor 'd2t' maps draft ids to target ids "
-                                         f"outside [0, {self.vocab_size}) (vocab_size)")
-                    self.draft_id_to_target_id.copy_(tensor.to(torch.long))
+                    self.load_vocab_map(tensor)
                     continue
                 yield name, tensor
 

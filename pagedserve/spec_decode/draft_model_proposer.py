@@ -42,8 +42,10 @@ class Drafts:
 
 class DraftModelProposer:
     def __init__(self, draft_model: nn.Module, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, greedy_drafting: bool = False) -> None:
+        """`greedy_drafting` (draft_sample_method 'greedy'): every request drafts the drafter's argmax."""
         self.model = draft_model
+        self.greedy_drafting = greedy_drafting
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The catch-up runs in forwards of at most this many tokens, like the target's prefill chunks.
@@ -78,7 +80,8 @@ class DraftModelProposer:
             params=[s.sampling_params for s in states], prompt_token_ids=[[] for _ in states],
             output_token_ids=[[] for _ in states], generators=[generators.get(s.request_id) for s in states],
             vocab_size=self.vocab_size, device=self.device)
-        is_sampled = [s.sampling_params.sampling_type != SamplingType.GREEDY for s in states]
+        is_sampled = [not self.greedy_drafting and s.sampling_params.sampling_type != SamplingType.GREEDY
+                      for s in states]
 
         # Catch-up: every known token the drafter has not computed; draft 1 from the last one.
         starts = [self._start(state) for state in states]

@@ -3,6 +3,8 @@
   draft_model     a smaller model of its own (an HF folder), loaded like the target;
   eagle, eagle3   an EAGLE / EAGLE-3 checkpoint folder (config.json and *.safetensors, or pytorch_model*.bin as
                   the original EAGLE releases ship), sharing the target's embedding and, for EAGLE, its LM head;
+  dflash, dspark  a DFlash / DSpark checkpoint folder, sharing the target's embedding and LM head when it has
+                  none of its own;
   mtp             the multi-token-prediction layers stored in the target's own checkpoint after its decoder.
 Every parameter must be loaded: a tensor the checkpoint lacks is a ValueError naming it.
 """
@@ -73,11 +75,11 @@ def load_hidden_state_drafter(config: "EngineConfig", device: torch.device, targ
             def build(names: frozenset[str]) -> "HiddenStateDrafter":
                 return EagleLlamaForCausalLM(hf_config, dtype, checkpoint_names=names)
         else:
-            from pagedserve.models.llama_eagle3 import Eagle3LlamaForCausalLM
+            drafter_class = _layer_reading_drafter_class(method)
 
             def build(names: frozenset[str]) -> "HiddenStateDrafter":
-                return Eagle3LlamaForCausalLM(hf_config, dtype, checkpoint_names=names,
-                                              target_num_layers=int(target_config.num_hidden_layers))
+                return drafter_class(hf_config, dtype, checkpoint_names=names,
+                                     target_num_layers=int(target_config.num_hidden_layers))
     try:
         with torch.device(device):
             drafter = build(frozenset(tensors))
@@ -91,6 +93,21 @@ def load_hidden_state_drafter(config: "EngineConfig", device: torch.device, targ
                          f"{len(missing)} parameter(s): {missing[:20]}")
     apply_weight_layout(drafter, weight_layout)
     return drafter.eval()
+
+
+def _layer_reading_drafter_class(method: str) -> type:
+    """The drafters that read target layers: EAGLE-3, DFlash, DSpark."""
+    if method == "eagle3":
+        from pagedserve.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        return Eagle3LlamaForCausalLM
+    if method == "dflash":
+        from pagedserve.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+        return DFlashQwen3ForCausalLM
+    from pagedserve.models.qwen3_dspark import DSparkQwen3ForCausalLM
+
+    return DSparkQwen3ForCausalLM
 
 
 def drafter_hf_config(folder: str) -> Any:

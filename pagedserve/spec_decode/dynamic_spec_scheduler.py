@@ -170,14 +170,16 @@ class DynamicSpecScheduler:
 
 
 def markov_corrected_drafts(base_logits: torch.Tensor, seed_token_ids: torch.Tensor, w1: torch.Tensor,
-                            w2: torch.Tensor) -> torch.Tensor:
+                            w2: torch.Tensor, draft_id_to_target_id: torch.Tensor | None = None) -> torch.Tensor:
     """DSpark's greedy drafts: the block drafter's logits corrected position by position by a Markov head.
 
     base_logits [B, K, V] come from one parallel block forward, so no position sees the drafts before it. The
     low-rank head adds that dependence: position i's logits get the bias w1[d_i] @ w2, where d_i is the
-    previous draft (d_0 = seed_token_ids, the target's next token), w1 [V, r] embeds a token into rank r and
-    w2 [r, V] maps back to the vocabulary; d_{i+1} is the first argmax of the corrected logits. Returns the
-    drafts d_1..d_K as [B, K] int64. The loop over K is inherent (each draft needs the one before it).
+    previous draft (d_0 = seed_token_ids, the target's next token), w1 [vocab, r] embeds a token into rank r and
+    w2 [r, V] maps back to the (draft) vocabulary; d_{i+1} is the first argmax of the corrected logits. With a
+    draft vocabulary smaller than the target's, `draft_id_to_target_id` [V] maps each argmax to its target id
+    (d + map[d]), which is the draft and what w1 embeds next. Returns the drafts d_1..d_K as [B, K] int64 target
+    ids. The loop over K is inherent (each draft needs the one before it).
     """
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits has shape {tuple(base_logits.shape)}; expected [batch_size, "
@@ -185,16 +187,21 @@ def markov_corrected_drafts(base_logits: torch.Tensor, seed_token_ids: torch.Ten
     batch_size, num_tokens, vocab_size = base_logits.shape
     if seed_token_ids.shape != (batch_size,):
         raise ValueError(f"seed_token_ids has shape {tuple(seed_token_ids.shape)}; expected [{batch_size}]")
-    if w1.dim() != 2 or w1.shape[0] != vocab_size:
+    if w1.dim() != 2 or (draft_id_to_target_id is None and w1.shape[0] != vocab_size):
         raise ValueError(f"w1 has shape {tuple(w1.shape)}; expected [vocab_size={vocab_size}, rank]")
     if w2.shape != (w1.shape[1], vocab_size):
         raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected [rank={w1.shape[1]}, vocab_size={vocab_size}]")
+    if draft_id_to_target_id is not None and draft_id_to_target_id.shape != (vocab_size,):
+        raise ValueError(f"draft_id_to_target_id has shape {tuple(draft_id_to_target_id.shape)}; expected "
+                         f"[{vocab_size}]")
     draft_ids = torch.empty((batch_size, num_tokens), dtype=torch.int64, device=base_logits.device)
     previous_ids = seed_token_ids.long()
     for position in range(num_tokens):
         # A new contiguous [B, V] tensor, as first_argmax's fast paths want.
-        logits = base_logits[:, position] + w1[previous_ids] @ w2
+        logits = base_logits[:, position] + (w1[previous_ids] @ w2).to(base_logits.dtype)
         previous_ids = first_argmax(logits)
+        if draft_id_to_target_id is not None:
+            previous_ids = previous_ids + draft_id_to_target_id[previous_ids]
         draft_ids[:, position] = previous_ids
     return draft_ids
 

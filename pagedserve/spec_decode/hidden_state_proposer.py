@@ -45,39 +45,22 @@ class HiddenStateProposer:
         self.max_model_len = max_model_len
         self.device = device
         layer_ids = drafter.aux_hidden_state_layer_ids
-        self.capture = TargetLayerCapture(target, layer_ids) if layer_ids else None
+        self.capture = TargetLayerCapture(target, layer_ids, outputs=drafter.reads_layer_outputs) \
+            if layer_ids else None
 
     def propose(self, batch: InputBatch, target: TargetStep, sampled_token_ids: list[list[int]],
                 scheduled_spec_decode_tokens: dict[str, list[int]], num_speculative_tokens: int,
                 build_attention_metadata: Callable[[StepInputs], AttentionMetadata]) -> list[list[int]]:
         step = target.step
         drafts: list[list[int]] = [[] for _ in step.request_ids]
-        # Positions kept per request: all it computed, less the drafts the verification rejected.
-        num_kept = step.num_scheduled.copy()
-        for i, request_id in enumerate(step.request_ids):
-            scheduled_drafts = scheduled_spec_decode_tokens.get(request_id)
-            if scheduled_drafts and sampled_token_ids[i]:
-                num_kept[i] -= len(scheduled_drafts) - (len(sampled_token_ids[i]) - 1)
-        token_index = np.concatenate([np.arange(start, start + count) for start, count in
-                                      zip(step.query_start_loc[:-1].tolist(), num_kept.tolist())])
-        hidden_states = self.capture.hidden_states() if self.capture is not None else target.hidden_states
-        hidden_states = self.drafter.combine_hidden_states(
-            hidden_states[torch.from_numpy(token_index).to(hidden_states.device)])
+        num_kept = num_kept_positions(step, sampled_token_ids, scheduled_spec_decode_tokens)
+        hidden_states = self.drafter.combine_hidden_states(kept_hidden_states(target, self.capture, num_kept))
         catch_up = step_over_positions(batch, step.request_ids, step.rows, step.num_computed_before, num_kept,
                                        self.device, token_offset=1)
         output, next_hidden = self._forward(catch_up, hidden_states, 0, build_attention_metadata)
 
-        # Requests that sampled, with the number of drafts each may take.
-        indices, num_drafts = [], []
-        for i, (request_id, sampled) in enumerate(zip(step.request_ids, sampled_token_ids)):
-            state = batch.requests.get(request_id)
-            if not sampled or state is None or num_speculative_tokens == 0:
-                continue
-            k = num_drafts_allowed(state, int(batch.num_tokens[state.row]), num_speculative_tokens,
-                                   self.max_model_len)
-            if k:
-                indices.append(i)
-                num_drafts.append(k)
+        indices, num_drafts = drafting_requests(batch, step.request_ids, sampled_token_ids, num_speculative_tokens,
+                                                self.max_model_len)
         if not indices:
             return drafts
         last = torch.from_numpy(catch_up.query_start_loc[1:][indices] - 1).to(output.device)
@@ -114,4 +97,41 @@ class HiddenStateProposer:
             return self.drafter(step.input_ids, step.positions, hidden_states, step_index)
 
 
-__all__ = ["HiddenStateProposer", "TargetStep"]
+def num_kept_positions(step: StepInputs, sampled_token_ids: list[list[int]],
+                       scheduled_spec_decode_tokens: dict[str, list[int]]) -> np.ndarray:
+    """Positions of each request's step that hold verified tokens: all it computed, less the rejected drafts."""
+    num_kept = step.num_scheduled.copy()
+    for i, request_id in enumerate(step.request_ids):
+        scheduled_drafts = scheduled_spec_decode_tokens.get(request_id)
+        if scheduled_drafts and sampled_token_ids[i]:
+            num_kept[i] -= len(scheduled_drafts) - (len(sampled_token_ids[i]) - 1)
+    return num_kept
+
+
+def kept_hidden_states(target: TargetStep, capture: TargetLayerCapture | None, num_kept: np.ndarray) -> torch.Tensor:
+    """The target's hidden states (or the captured layers') at the kept positions, request by request."""
+    step = target.step
+    token_index = np.concatenate([np.arange(start, start + count) for start, count in
+                                  zip(step.query_start_loc[:-1].tolist(), num_kept.tolist())])
+    hidden_states = capture.hidden_states() if capture is not None else target.hidden_states
+    return hidden_states[torch.from_numpy(token_index).to(hidden_states.device)]
+
+
+def drafting_requests(batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]],
+                      num_speculative_tokens: int, max_model_len: int) -> tuple[list[int], list[int]]:
+    """(indices of the requests that sampled and may draft, the number of drafts each may take)."""
+    indices, num_drafts = [], []
+    if num_speculative_tokens == 0:
+        return indices, num_drafts
+    for i, (request_id, sampled) in enumerate(zip(request_ids, sampled_token_ids)):
+        state = batch.requests.get(request_id)
+        if not sampled or state is None:
+            continue
+        k = num_drafts_allowed(state, int(batch.num_tokens[state.row]), num_speculative_tokens, max_model_len)
+        if k:
+            indices.append(i)
+            num_drafts.append(k)
+    return indices, num_drafts
+
+
+__all__ = ["HiddenStateProposer", "TargetStep", "drafting_requests", "kept_hidden_states", "num_kept_positions"]

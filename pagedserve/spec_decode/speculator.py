@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.config.speculative import HIDDEN_STATE_METHODS, SpeculativeConfig
+from pagedserve.config.speculative import BLOCK_DRAFT_METHODS, HIDDEN_STATE_METHODS, SpeculativeConfig
 from pagedserve.core.scheduler_output import LogprobsLists
 from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
 from pagedserve.sampling_params import SamplingType
 from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
+from pagedserve.spec_decode.block_draft_proposer import BlockDraftProposer
 from pagedserve.spec_decode.hidden_state_proposer import HiddenStateProposer, TargetStep
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -50,7 +51,7 @@ class VerifiedTokens:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device,
+                 block_size: int, device: torch.device,
                  draft_model: "nn.Module | None" = None,
                  build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None,
                  target_model: "nn.Module | None" = None) -> None:
@@ -62,7 +63,7 @@ class Speculator:
         self.device = device
         self.ngram_proposer: NgramProposer | None = None
         self.draft_proposer: DraftModelProposer | None = None
-        self.hidden_state_proposer: HiddenStateProposer | None = None
+        self.hidden_state_proposer: HiddenStateProposer | BlockDraftProposer | None = None
         # The target's last forward, for drafters that read its hidden states (observe_forward).
         self._target_step: TargetStep | None = None
         if config.method in ("draft_model", *HIDDEN_STATE_METHODS) and \
@@ -74,7 +75,18 @@ class Speculator:
             self.ngram_proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "draft_model":
             self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, max_num_batched_tokens,
-                                                     device)
+                                                     device, greedy_drafting=config.draft_sample_method == "greedy")
+        elif config.method in BLOCK_DRAFT_METHODS:
+            assert target_model is not None
+            dynamic = config.dynamic_spec_config
+            scheduler = None
+            if dynamic is not None:
+                from pagedserve.spec_decode.dynamic_spec_scheduler import DynamicSpecScheduler
+
+                scheduler = DynamicSpecScheduler(dynamic.method_params, config.num_speculative_tokens)
+            self.hidden_state_proposer = BlockDraftProposer(draft_model, target_model, max_model_len, block_size,
+                                                            device, scheduler,
+                                                            dynamic.method if dynamic is not None else None)
         elif config.method in HIDDEN_STATE_METHODS:
             assert target_model is not None
             self.hidden_state_proposer = HiddenStateProposer(draft_model, target_model, max_model_len, device)

@@ -87,8 +87,8 @@ class ModelRunner:
 
             self.speculator = Speculator(config.speculative_config, self.vocab_size,
                                          config.model_config.max_model_len,
-                                         config.scheduler_config.max_num_batched_tokens, device, draft_model,
-                                         self._build_attention_metadata, model)
+                                         config.scheduler_config.max_num_batched_tokens, self.block_size, device,
+                                         draft_model, self._build_attention_metadata, model)
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:

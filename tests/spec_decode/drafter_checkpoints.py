@@ -125,3 +125,46 @@ def add_mtp_layers(target_folder: str, *, seed: int = 0, drop: tuple[str, ...] =
     with open(os.path.join(target_folder, "config.json"), "w") as handle:
         json.dump(config, handle)
     return target_folder
+
+
+def write_dflash_checkpoint(folder: str, target_folder: str, *, seed: int = 0, target_layer_ids=(-1, 0, 1),
+                            num_layers: int = 2, draft_vocab_size: int | None = None, dspark: bool = False,
+                            markov_rank: int = 8, sample_from_anchor: bool = True,
+                            with_confidence_head: bool = True) -> str:
+    """A DFlash (or, with `dspark`, a DSpark) drafter for `target_folder`: Qwen3-style layers (q/k norms), fc over
+    the outputs of `target_layer_ids`, hidden_norm, norm, an lm_head over a draft vocabulary mapped by d2t when
+    `draft_vocab_size` is given (else the target's head is shared)."""
+    config, target = _target(target_folder)
+    generator = torch.Generator().manual_seed(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    for index in range(num_layers):
+        tensors.update(_llama_layer(f"layers.{index}", config, generator, hidden))
+        tensors[f"layers.{index}.self_attn.q_norm.weight"] = 1 + torch.randn(head_dim, generator=generator) * 0.2
+        tensors[f"layers.{index}.self_attn.k_norm.weight"] = 1 + torch.randn(head_dim, generator=generator) * 0.2
+    tensors["fc.weight"] = torch.randn(hidden, len(target_layer_ids) * hidden, generator=generator) * 0.2
+    tensors["hidden_norm.weight"] = 1 + torch.randn(hidden, generator=generator) * 0.2
+    tensors["norm.weight"] = torch.ones(hidden)
+    draft_vocab = draft_vocab_size or vocab
+    if draft_vocab_size is not None:
+        target_ids = torch.arange(draft_vocab) * (vocab // draft_vocab)
+        tensors["lm_head.weight"] = torch.randn(draft_vocab, hidden, generator=generator) * 2.0
+        tensors["d2t"] = target_ids - torch.arange(draft_vocab)
+    settings: dict[str, Any] = {"target_layer_ids": list(target_layer_ids), "mask_token_id": vocab - 1}
+    if dspark:
+        tensors["markov_head.markov_w1.weight"] = torch.randn(vocab, markov_rank, generator=generator)
+        tensors["markov_head.markov_w2.weight"] = torch.randn(draft_vocab, markov_rank, generator=generator)
+        if with_confidence_head:
+            tensors["confidence_head.proj.weight"] = torch.randn(1, hidden + markov_rank, generator=generator) * 0.3
+            tensors["confidence_head.proj.bias"] = torch.tensor([0.5])
+        settings.update(markov_rank=markov_rank, sample_from_anchor=sample_from_anchor,
+                        enable_confidence_head=with_confidence_head, confidence_head_with_markov=True)
+    os.makedirs(folder, exist_ok=True)
+    drafter_config = dict(config, model_type="qwen3", architectures=["DFlashDraftModel"], num_hidden_layers=num_layers,
+                          head_dim=head_dim, draft_vocab_size=draft_vocab, dflash_config=settings)
+    drafter_config.pop("transformers_version", None)
+    with open(os.path.join(folder, "config.json"), "w") as handle:
+        json.dump(drafter_config, handle)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    return folder
