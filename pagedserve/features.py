@@ -287,6 +287,45 @@ FEATURES: tuple[Feature, ...] = (
                "tests/spec_decode/test_draft_model_speculation.py", "tests/core/test_spec_decode_scheduling.py"),
     ),
     Feature(
+        line="framework", family="spec decode", feature="EAGLE and EAGLE-3 drafters over the target's hidden states "
+                                                        "(EAGLE-3: three target layers' inputs, draft-to-target vocab "
+                                                        "map), from their published checkpoint layouts",
+        modules=("pagedserve.spec_decode.hidden_state_proposer", "pagedserve.models.llama_eagle",
+                 "pagedserve.models.llama_eagle3", "pagedserve.spec_decode.target_layer_capture",
+                 "pagedserve.spec_decode.drafter_loading"),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_hidden_state_speculation.py",),
+    ),
+    Feature(
+        line="framework", family="spec decode", feature="MTP: DeepSeek-V3 / GLM-4.5 multi-token-prediction layers "
+                                                        "from the target's checkpoint, run K times",
+        modules=("pagedserve.models.multi_token_predictor", "pagedserve.spec_decode.hidden_state_proposer"),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_hidden_state_speculation.py",),
+    ),
+    Feature(
+        line="framework", family="spec decode", feature="DFlash block drafter: context KV from target layer "
+                                                        "outputs, one non-causal block forward for K drafts, "
+                                                        "top-probability confidence",
+        modules=("pagedserve.models.qwen3_dflash", "pagedserve.layers.block_draft_attention",
+                 "pagedserve.spec_decode.block_draft_proposer"),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_block_draft_speculation.py",),
+    ),
+    Feature(
+        line="framework", family="spec decode", feature="DSpark: DFlash block drafting plus the low-rank Markov head "
+                                                        "(greedy) and the confidence head; dynamic per-request "
+                                                        "verify budgets (dynamic_spec_config)",
+        modules=("pagedserve.models.qwen3_dspark", "pagedserve.spec_decode.dynamic_spec_scheduler",
+                 "pagedserve.spec_decode.block_draft_proposer"),
+        knobs=("speculative_config",),
+        docs="docs/speculative-decoding.md",
+        tests=("tests/spec_decode/test_block_draft_speculation.py", "tests/spec_decode/test_dynamic_spec_scheduler.py"),
+    ),
+    Feature(
         line="framework", family="spec decode", feature="rejection sampler: greedy, standard (lossless), block "
                                                         "verify (lossless), entropy verify (lossy)",
         modules=("pagedserve.spec_decode.rejection_sampler",),

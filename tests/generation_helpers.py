@@ -17,3 +17,13 @@ def generated_token_ids(llm: LLM, prompts: list[list[int]], params: SamplingPara
     """The first completion's token ids for each prompt, in prompt order."""
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def seeded_tokens_alone_and_in_batch(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The first prompt's tokens under a seeded sampled request run alone, then beside the others (unseeded)."""
+    seeded = SamplingParams(temperature=0.9, top_k=30, seed=13, max_tokens=20, ignore_eos=True)
+    alone = generated_token_ids(llm, prompts[:1], seeded)[0]
+    others = SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], [seeded] + [others] * (len(prompts) - 1),
+                            use_tqdm=False)
+    return alone, together[0].outputs[0].token_ids

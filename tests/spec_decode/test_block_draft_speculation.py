@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafter_checkpoints import write_dflash_checkpoint
-from generation_helpers import generated_token_ids, random_prompts
+from generation_helpers import generated_token_ids, random_prompts, seeded_tokens_alone_and_in_batch
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.layers.block_draft_attention import BlockDraftMetadata
@@ -197,3 +197,26 @@ def test_bad_target_layer_ids_are_named(folder, tmp_path) -> None:
     drafter = write_dflash_checkpoint(str(tmp_path / "layers"), folder, target_layer_ids=(0, 5))
     with pytest.raises(ValueError, match="target_layer_ids"):
         LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config("dflash", drafter, 3))
+
+
+def test_a_missing_tensor_is_named(folder, tmp_path) -> None:
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    drafter = write_dflash_checkpoint(str(tmp_path / "broken"), folder, dspark=True)
+    path = os.path.join(drafter, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["markov_head.markov_w2.weight"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"markov_head\.markov_w2\.weight"):
+        LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config("dspark", drafter, 3))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_seeded_request_gives_the_same_tokens_alone_or_in_a_batch(folder, drafters, prompts, method) -> None:
+    """Block drafts are a function of the request's own tokens (greedy drafting, a fixed K), and the rejection
+    sampler draws from the request's generator only."""
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config(method, drafters[method], 3))
+    alone, in_batch = seeded_tokens_alone_and_in_batch(llm, prompts)
+    assert alone == in_batch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from drafter_checkpoints import add_mtp_layers, write_eagle3_checkpoint, write_eagle_checkpoint
-from generation_helpers import generated_token_ids, random_prompts
+from generation_helpers import generated_token_ids, random_prompts, seeded_tokens_alone_and_in_batch
 from paged_inputs import build_attention_metadata
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import set_forward_context
@@ -283,3 +283,12 @@ def test_mtp_tensor_parallel_2(mtp_target, prompts) -> None:
         assert generated_token_ids(tp2, prompts[:2], GREEDY) == reference
     finally:
         tp2.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_seeded_request_gives_the_same_tokens_alone_or_in_a_batch(folder, drafters, prompts, method) -> None:
+    """Greedy drafts are a function of the request's own tokens (a fixed K), and the rejection sampler draws from
+    the request's generator only."""
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config(method, drafters[method], 3))
+    alone, in_batch = seeded_tokens_alone_and_in_batch(llm, prompts)
+    assert alone == in_batch
