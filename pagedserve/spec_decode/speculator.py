@@ -27,8 +27,8 @@ from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
 from pagedserve.sampling_params import SamplingType
-from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedserve.spec_decode.block_draft_proposer import BlockDraftProposer
+from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedserve.spec_decode.hidden_state_proposer import HiddenStateProposer, TargetStep
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -57,7 +57,7 @@ class Speculator:
                  target_model: "nn.Module | None" = None) -> None:
         """`draft_model` (methods with a drafter network): the loaded drafter, whose attention layers the runner
         binds to KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's;
-        `target_model`: the target, whose inner layers an EAGLE-3 drafter reads."""
+        `target_model`: the target, whose inner layers EAGLE-3, DFlash and DSpark drafters read."""
         self.config = config
         self.vocab_size = vocab_size
         self.device = device

@@ -114,6 +114,21 @@ class StepInputs:
     is_sampled: np.ndarray  # [num_requests] bool
 
 
+def as_decode_rows(step: StepInputs) -> StepInputs:
+    """The same tokens as one-token rows (row t: its request's row of the batch, seq_len position + 1), for the
+    attention metadata of a multi-token step that decode kernels can run: causal attention over a request's new
+    tokens equals each token attending the cache up to its own position, because a layer writes every token's K/V
+    before any token attends (every backend, and the native decode stack, do)."""
+    if step.token_requests is None:
+        return step
+    num_tokens = len(step.positions_cpu)
+    return StepInputs(input_ids=step.input_ids, positions=step.positions, positions_cpu=step.positions_cpu,
+                      request_ids=step.request_ids, rows=step.rows[step.token_requests], token_requests=None,
+                      num_scheduled=np.ones(num_tokens, dtype=np.int64),
+                      query_start_loc=np.arange(num_tokens + 1, dtype=np.int64),
+                      num_computed_before=step.positions_cpu, is_sampled=step.is_sampled)
+
+
 def step_over_positions(batch: "InputBatch", request_ids: list[str], rows: np.ndarray, starts: np.ndarray,
                         num_scheduled: np.ndarray, device: torch.device, token_offset: int = 0) -> StepInputs:
     """A forward over positions [starts[i], starts[i] + num_scheduled[i]) of each row (a drafter's): the input id

@@ -31,7 +31,7 @@ from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
 from pagedserve.worker.compiled_forward import build_model_forward
-from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs
+from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, as_decode_rows
 from pagedserve.worker.kv_cache_allocation import attention_layers
 from pagedserve.worker.pipeline_stage_forward import build_stage_forward
 
@@ -67,7 +67,7 @@ class ModelRunner:
         # The model itself, or with pipeline parallelism this stage's receive / forward / send
         # (worker/pipeline_stage_forward.py); it returns None on a stage that does not sample.
         self.forward = build_stage_forward(model, config.model_config, device)
-        # An EAGLE-3 drafter reads hidden states inside the target through hooks: the forward stays eager.
+        # EAGLE-3, DFlash and DSpark drafters read hidden states inside the target through hooks: it stays eager.
         if self.forward is model and not config.speculative_config.reads_target_layers:
             # Graph capture (compilation_config / enforce_eager): the model itself when eager.
             self.forward = build_model_forward(model, config, device)
@@ -89,6 +89,10 @@ class ModelRunner:
                                          config.model_config.max_model_len,
                                          config.scheduler_config.max_num_batched_tokens, self.block_size, device,
                                          draft_model, self._build_attention_metadata, model)
+        # Verification steps run on the native decode stack, their tokens as decode rows (worker/input_batch.py
+        # as_decode_rows), instead of the modules' multi-token path (benchmarks/README.md, speculative decoding).
+        self.verifies_as_decode_rows = self.speculator is not None and isinstance(self.forward, NativeDecodeForward)
+        self.max_verify_tokens = 1 + (config.speculative_config.num_speculative_tokens or 0)
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:
@@ -125,7 +129,12 @@ class ModelRunner:
             if output is not None:
                 return output
         step = self._prepare_inputs(scheduler_output)
-        metadata = self._build_attention_metadata(step)
+        attention_step = step
+        if self.verifies_as_decode_rows and scheduler_output.scheduled_spec_decode_tokens \
+                and int(step.num_scheduled.max()) <= self.max_verify_tokens:
+            # A verification step (no prefill chunk): the native decode stack takes its tokens as decode rows.
+            attention_step = as_decode_rows(step)
+        metadata = self._build_attention_metadata(attention_step)
         with set_forward_context(metadata):
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples

@@ -54,9 +54,10 @@ NEEDS_GLIBC = pytest.mark.skipif(not sys.platform.startswith("linux") or not _is
 def test_retained_heap_is_reused_without_faults() -> None:
     retained = _probe("retain")
     assert retained["applied"] is True
-    # Ten rounds of 40 MiB are 100k pages. Kept memory is reused; glibc may still place the block anew once or
-    # twice before its heap settles (seen: 0-2 rounds' worth).
-    assert retained["faults"] <= 3 * PAGES_PER_ROUND, retained
+    # Ten rounds of 40 MiB are 100k pages. Kept memory is reused; glibc may still place the block anew a few times
+    # before its heap settles (seen: 0-2 rounds' worth on a Zen 4 VM, 1 or 4 on a Zen 2 class VM, 12 runs), while
+    # without retention every round faults (the control below: 10 of 10).
+    assert retained["faults"] <= 5 * PAGES_PER_ROUND, retained
 
 
 @NEEDS_GLIBC
