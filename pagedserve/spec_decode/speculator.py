@@ -23,10 +23,12 @@ import torch
 
 from pagedserve.config.speculative import BLOCK_DRAFT_METHODS, HIDDEN_STATE_METHODS, SpeculativeConfig
 from pagedserve.core.scheduler_output import LogprobsLists
+from pagedserve.sample.fused_greedy_head import head_first_argmax
+from pagedserve.sample.greedy import first_argmax
 from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
-from pagedserve.sampling_params import SamplingType
+from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode.block_draft_proposer import BlockDraftProposer
 from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedserve.spec_decode.hidden_state_proposer import HiddenStateProposer, TargetStep
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pagedserve.attention.backend import AttentionMetadata
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that reads the logits beyond their argmax (no logprobs, penalties or min_tokens)."""
+    return params.sampling_type == SamplingType.GREEDY and params.logprobs is None and params.min_tokens == 0 \
+        and not has_penalty(params)
 
 
 @dataclass
@@ -57,10 +65,12 @@ class Speculator:
                  target_model: "nn.Module | None" = None) -> None:
         """`draft_model` (methods with a drafter network): the loaded drafter, whose attention layers the runner
         binds to KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's;
-        `target_model`: the target, whose inner layers EAGLE-3, DFlash and DSpark drafters read."""
+        `target_model`: the target (its LM head takes greedy verification's argmax; EAGLE-3, DFlash and DSpark
+        drafters read its inner layers)."""
         self.config = config
         self.vocab_size = vocab_size
         self.device = device
+        self.target_model = target_model
         self.ngram_proposer: NgramProposer | None = None
         self.draft_proposer: DraftModelProposer | None = None
         self.hidden_state_proposer: HiddenStateProposer | BlockDraftProposer | None = None
@@ -126,7 +136,13 @@ class Speculator:
         position_requests = np.repeat(np.arange(len(states)), num_positions)
         within = np.arange(int(offsets[-1])) - offsets[:-1][position_requests]
         logits_indices = ends[position_requests] - num_positions[position_requests] + within
-        logits = compute_logits(hidden_states[torch.from_numpy(logits_indices).to(hidden_states.device)])
+        scored = hidden_states[torch.from_numpy(logits_indices).to(hidden_states.device)]
+        if all(_is_plain_greedy(state.sampling_params) for state in states):
+            token_ids = self._verify_greedy(scored, compute_logits, draft_lists, offsets)
+            for state, emitted in zip(states, token_ids):
+                batch.extend_tokens(state.row, int(batch.num_tokens[state.row]), emitted)
+            return VerifiedTokens(request_indices=request_indices, token_ids=token_ids)
+        logits = compute_logits(scored)
 
         processed = self.sampler.processed_logits(logits, self._position_metadata(states, draft_lists, batch,
                                                                                    generators))
@@ -156,6 +172,24 @@ class Speculator:
         verified = VerifiedTokens(request_indices=request_indices, token_ids=token_ids)
         self._add_logprobs(verified, states, logits, offsets, token_ids)
         return verified
+
+    def _verify_greedy(self, scored: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                       draft_lists: list[list[int]], offsets: np.ndarray) -> list[list[int]]:
+        """Greedy verification when every request samples greedily and asks for nothing else: the target's argmax
+        at each scored position (the sampler's pick; fused into the LM head where it can be), each request's drafts
+        accepted while they equal it, then the argmax where they stop (the rejection sampler's greedy rule)."""
+        lm_head = getattr(self.target_model, "lm_head", None)
+        targets = None if lm_head is None else head_first_argmax(lm_head, scored)
+        if targets is None:
+            targets = first_argmax(compute_logits(scored))
+        target_ids = targets.tolist()
+        token_ids = []
+        for start, drafts in zip(offsets[:-1].tolist(), draft_lists):
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == target_ids[start + num_accepted]:
+                num_accepted += 1
+            token_ids.append(drafts[:num_accepted] + [target_ids[start + num_accepted]])
+        return token_ids
 
     def _take_draft_probs(self, states: list[RequestState], max_num_drafts: int) -> torch.Tensor | None:
         """[B, K, V] q of the rows' drafts (the drafts a step verifies may be fewer than those proposed), or None

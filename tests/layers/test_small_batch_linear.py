@@ -52,8 +52,9 @@ def test_strided_rows() -> None:
 
 
 def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
-    """One or two rows stream six stretches of weight rows at a time, three rows four (301 rows: uneven stretches on
-    1-3 threads); a batch goes four weight rows at a time: a row's bits are the same either way."""
+    """One or two rows stream six stretches of weight rows at a time, three rows four, and on AVX2 four rows three
+    and five rows as four, then one (301 rows: uneven stretches on 1-3 threads); a batch goes four weight rows at a
+    time: a row's bits are the same either way."""
     weight, bias = _tensor(301, 576, seed=4), _tensor(301, seed=6)
     batch = _tensor(MAX_ROWS, 576, seed=5)
     threads = torch.get_num_threads()
@@ -65,7 +66,7 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() ->
             for row in (0, 7, MAX_ROWS - 1):
                 alone = small_batch_linear(batch[row:row + 1], weight, bias)
                 assert torch.equal(alone[0], results[-1][row]), (num_threads, row)
-            for size in (2, 3):
+            for size in (2, 3, 4, 5):
                 few = small_batch_linear(batch[1:1 + size], weight, bias)
                 assert torch.equal(few, results[-1][1:1 + size]), (num_threads, size)
         assert all(torch.equal(results[0], result) for result in results[1:])
@@ -74,8 +75,8 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() ->
 
 
 def test_streamed_rows_equal_their_rows_in_a_batch_on_random_shapes() -> None:
-    """Random widths and depths (uneven stretches, K tails), biases or not, 1-3 threads: 1-3 streamed rows equal
-    the same rows of a 9-row batch (four weight rows at a time), bit for bit."""
+    """Random widths and depths (uneven stretches, K tails), biases or not, 1-3 threads: 1-5 streamed rows (AVX2
+    streams up to five) equal the same rows of a 9-row batch (four weight rows at a time), bit for bit."""
     generator = random.Random(7)
     threads = torch.get_num_threads()
     try:
@@ -85,7 +86,7 @@ def test_streamed_rows_equal_their_rows_in_a_batch_on_random_shapes() -> None:
             bias = _tensor(n, seed=200 + trial) if trial % 2 else None
             torch.set_num_threads(generator.choice([1, 2, 3]))
             batch = small_batch_linear(x, weight, bias)
-            for size in (1, 2, 3):
+            for size in (1, 2, 3, 4, 5):
                 start = generator.randint(0, 9 - size)
                 assert torch.equal(small_batch_linear(x[start:start + size], weight, bias),
                                    batch[start:start + size]), (n, k, size)

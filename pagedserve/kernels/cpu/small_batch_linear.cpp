@@ -155,7 +155,7 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
   }
 }
 
-// One to three input rows stream: up to kMaxStreams weight rows at a time, each from its own stretch of the thread's
+// One to kMaxStreamInputs input rows stream: up to kMaxStreams weight rows at a time, each from its own stretch of the thread's
 // rows and each read front to back, with no software prefetch. The hardware prefetcher then runs one stream per
 // stretch. On the Zen 4 VM, the 121 float32 products of a SmolLM2-135M decode step (layers and LM head) on the same
 // buffers, interleaved over five rounds (medians, relative to four rows together with the two prefetch distances):
@@ -164,25 +164,52 @@ void gemm_rows(const float* x, int64_t x_stride, int64_t m, const float* weight,
 // 0.90x; four rows and more keep gemm_rows. The results are gemm_tile's bitwise: one accumulator per output over K
 // in order.
 constexpr int kMaxStreams = 6;
+#if defined(__AVX512F__)
 constexpr int kMaxStreamInputs = 3;
 constexpr int num_streams(int64_t num_inputs) { return num_inputs == 3 ? 4 : kMaxStreams; }
+#else
+// AVX2 (16 registers): up to five input rows stream (five as three, then two), with as many streams as keep the
+// accumulators and the live inputs or weights in registers. gemm_rows from four rows on took 1.38x the time of three
+// streaming rows for SmolLM2-135M's 90 layer products (zen-avx2: 1 / 3 / 4 / 5 rows 24.8 / 30.8 / 42.6 /
+// 46.5 ms), which made a speculative 5-token verification cost 1.9x a decode step.
+constexpr int kMaxStreamInputs = 5;
+constexpr int num_streams(int64_t num_inputs) {
+  return num_inputs <= 2 ? kMaxStreams : num_inputs == 3 ? 4 : num_inputs == 4 ? 3 : 2;
+}
+#endif
 
 template <int kInputs, int kStreams>
 inline void row_streams(const float* x, int64_t x_stride, const float* const* weight_rows, int64_t k, float* out) {
   Vector acc[kStreams][kInputs];
 #pragma GCC unroll 8
   for (int stream = 0; stream < kStreams; ++stream)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < kInputs; ++i) acc[stream][i] = zero_vector();
   for (int64_t offset = 0; offset < k; offset += kLanes) {
-    Vector inputs[kInputs];
-#pragma GCC unroll 4
-    for (int i = 0; i < kInputs; ++i) inputs[i] = load_lanes(x + i * x_stride + offset, k - offset);
+    if constexpr (kStreams < kInputs) {
+      // More inputs than streams (AVX2's 4 and 5 rows): the streams' weights stay in registers and each input is
+      // loaded in turn, kStreams + 1 live vectors beside the accumulators instead of kInputs + 1. Each
+      // accumulator still sums over K in order: the same bits either way.
+      Vector w[kStreams];
 #pragma GCC unroll 8
-    for (int stream = 0; stream < kStreams; ++stream) {
-      const Vector w = load_lanes(weight_rows[stream] + offset, k - offset);
+      for (int stream = 0; stream < kStreams; ++stream) w[stream] = load_lanes(weight_rows[stream] + offset, k - offset);
+#pragma GCC unroll 8
+      for (int i = 0; i < kInputs; ++i) {
+        const Vector input = load_lanes(x + i * x_stride + offset, k - offset);
+#pragma GCC unroll 8
+        for (int stream = 0; stream < kStreams; ++stream)
+          acc[stream][i] = multiply_add(w[stream], input, acc[stream][i]);
+      }
+    } else {
+      Vector inputs[kInputs];
 #pragma GCC unroll 4
-      for (int i = 0; i < kInputs; ++i) acc[stream][i] = multiply_add(w, inputs[i], acc[stream][i]);
+      for (int i = 0; i < kInputs; ++i) inputs[i] = load_lanes(x + i * x_stride + offset, k - offset);
+#pragma GCC unroll 8
+      for (int stream = 0; stream < kStreams; ++stream) {
+        const Vector w = load_lanes(weight_rows[stream] + offset, k - offset);
+#pragma GCC unroll 4
+        for (int i = 0; i < kInputs; ++i) acc[stream][i] = multiply_add(w, inputs[i], acc[stream][i]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -191,13 +218,32 @@ inline void row_streams(const float* x, int64_t x_stride, const float* const* we
     for (int i = 0; i < kInputs; ++i) out[stream * kInputs + i] = reduce_add(acc[stream][i]);
 }
 
-// Columns [begin, end) of y for kInputs input rows, num_streams(kInputs) stretches at a time.
+// row_streams for `count` (1 to kMaxStreams) streams.
+template <int kInputs>
+inline void streams_of(int count, const float* x, int64_t x_stride, const float* const* weight_rows, int64_t k,
+                       float* out) {
+  switch (count) {
+    case 6: row_streams<kInputs, 6>(x, x_stride, weight_rows, k, out); break;
+    case 5: row_streams<kInputs, 5>(x, x_stride, weight_rows, k, out); break;
+    case 4: row_streams<kInputs, 4>(x, x_stride, weight_rows, k, out); break;
+    case 3: row_streams<kInputs, 3>(x, x_stride, weight_rows, k, out); break;
+    case 2: row_streams<kInputs, 2>(x, x_stride, weight_rows, k, out); break;
+    default: row_streams<kInputs, 1>(x, x_stride, weight_rows, k, out); break;
+  }
+}
+
+// Columns [begin, end) of y for kInputs input rows, num_streams stretches at a time. Five rows go as a group of
+// three, streaming the weights from memory, then a group of two over the same weight rows, read again from L1/L2
+// (five rows in one group leave AVX2 registers for two streams only, and two streams are too few to keep memory
+// busy: 66 ms against 34.9 ms for four rows over SmolLM2's layer products, zen-avx2).
 template <int kInputs>
 void stream_rows(const float* x, int64_t x_stride, const float* weight, int64_t k, const float* bias, float* y,
                  int64_t y_stride, int64_t begin, int64_t end) {
+  constexpr int kFirst = kInputs <= 4 ? kInputs : 4;
+  constexpr int kSecond = kInputs - kFirst;
   const int64_t num_rows = end - begin;
   if (num_rows <= 0) return;
-  const int64_t stretch = (num_rows + num_streams(kInputs) - 1) / num_streams(kInputs);
+  const int64_t stretch = (num_rows + num_streams(kFirst) - 1) / num_streams(kFirst);
   for (int64_t i = 0; i < stretch; ++i) {
     const float* weight_rows[kMaxStreams];
     int64_t columns[kMaxStreams];
@@ -206,18 +252,13 @@ void stream_rows(const float* x, int64_t x_stride, const float* weight, int64_t 
       weight_rows[count] = weight + column * k;
       columns[count++] = column;
     }
-    float out[kMaxStreams * kInputs];
-    switch (count) {
-      case 6: row_streams<kInputs, 6>(x, x_stride, weight_rows, k, out); break;
-      case 5: row_streams<kInputs, 5>(x, x_stride, weight_rows, k, out); break;
-      case 4: row_streams<kInputs, 4>(x, x_stride, weight_rows, k, out); break;
-      case 3: row_streams<kInputs, 3>(x, x_stride, weight_rows, k, out); break;
-      case 2: row_streams<kInputs, 2>(x, x_stride, weight_rows, k, out); break;
-      default: row_streams<kInputs, 1>(x, x_stride, weight_rows, k, out); break;
-    }
+    float first[kMaxStreams * kFirst];
+    streams_of<kFirst>(count, x, x_stride, weight_rows, k, first);
+    float second[kMaxStreams * (kSecond > 0 ? kSecond : 1)];
+    if constexpr (kSecond > 0) streams_of<kSecond>(count, x + kFirst * x_stride, x_stride, weight_rows, k, second);
     for (int j = 0; j < count; ++j)
       for (int input = 0; input < kInputs; ++input) {
-        float value = out[j * kInputs + input];
+        float value = input < kFirst ? first[j * kFirst + input] : second[j * (kSecond > 0 ? kSecond : 1) + input - kFirst];
         if (bias != nullptr) value += bias[columns[j]];
         y[input * y_stride + columns[j]] = value;
       }
@@ -296,7 +337,11 @@ void SmallBatchLinearCall::run_units(int64_t begin, int64_t end) const {
   if (s.m <= kMaxStreamInputs) {
     if (s.m == 1) stream_rows<1>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
     else if (s.m == 2) stream_rows<2>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
-    else stream_rows<3>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    else if (s.m == 3) stream_rows<3>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    else if constexpr (kMaxStreamInputs >= 5) {
+      if (s.m == 4) stream_rows<4>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+      else stream_rows<5>(s.x, s.x_stride, s.weight, s.k, s.bias_data, s.y, s.n, first_column, end_column);
+    }
     return;
   }
   // Measured best from four rows on (up to three stream without software prefetch, above).
