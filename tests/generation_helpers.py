@@ -7,6 +7,10 @@ import random
 from pagedserve import LLM, SamplingParams
 
 
+# Greedy, 36 tokens, EOS ignored: the drafter tests' reference and comparisons (tests/spec_decode/conftest.py).
+GREEDY_36 = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+
+
 def random_prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
     """`num` prompts of random token ids in [8, 400), lengths uniform in [low, high]."""
     rng = random.Random(seed)

@@ -90,6 +90,23 @@ class HiddenStateDrafter(LlamaForCausalLM):
             raise ValueError(f"checkpoint tensor 'd2t' maps draft ids to target ids outside [0, {self.vocab_size})")
         self.draft_id_to_target_id.copy_(tensor.to(torch.long))
 
+    def load_vocab_mapped_weights(self, weights: Any) -> set[str]:
+        """Load an EAGLE-3 / DFlash / DSpark checkpoint: an optional leading 'model.' dropped, 'midlayer.' read as
+        'layers.0.', d2t into the vocabulary map, t2d (the reverse map) and mask_embedding (unused) skipped."""
+        def drafter_weights() -> Any:
+            for name, tensor in weights:
+                name = strip_prefix(name)
+                if name.startswith("midlayer."):
+                    name = "layers.0." + name[len("midlayer."):]
+                if name in ("t2d", "mask_embedding"):
+                    continue
+                if name == "d2t":
+                    self.load_vocab_map(tensor)
+                    continue
+                yield name, tensor
+
+        return self.load_stage_weights(drafter_weights())
+
     def map_draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.draft_id_to_target_id[draft_ids] if self.has_vocab_map else draft_ids
 

@@ -115,19 +115,7 @@ class Eagle3LlamaForCausalLM(HiddenStateDrafter):
         return self.to_target_vocab(self.lm_head.compute_logits(hidden_states, torch.float32))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def drafter_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = strip_prefix(name)
-                if name.startswith("midlayer."):
-                    name = "layers.0." + name[len("midlayer."):]
-                if name == "t2d":
-                    continue
-                if name == "d2t":
-                    self.load_vocab_map(tensor)
-                    continue
-                yield name, tensor
-
-        return self.load_stage_weights(drafter_weights())
+        return self.load_vocab_mapped_weights(weights)
 
 
 __all__ = ["Eagle3LlamaForCausalLM", "aux_hidden_state_layer_ids"]

@@ -130,19 +130,7 @@ class DFlashQwen3ForCausalLM(HiddenStateDrafter):
 
     # ---- loading -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def drafter_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = strip_prefix(name)
-                if name.startswith("midlayer."):
-                    name = "layers.0." + name[len("midlayer."):]
-                if name in ("t2d", "mask_embedding"):
-                    continue
-                if name == "d2t":
-                    self.load_vocab_map(tensor)
-                    continue
-                yield name, tensor
-
-        return self.load_stage_weights(drafter_weights())
+        return self.load_vocab_mapped_weights(weights)
 
 
 __all__ = ["DFlashQwen3ForCausalLM", "block_drafter_setting"]

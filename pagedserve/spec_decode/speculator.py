@@ -6,7 +6,8 @@ The runner calls three things, and carries nothing else of speculation:
   verify        scores every draft position of the step at once: logits at the last known position and at
                 each draft, processed as the sampler would (penalties with the drafts before them counted,
                 temperature, truncation), the rejection sampler's accepted drafts plus one token of the
-                target's own, written back to the batch, with logprobs of the emitted tokens;
+                target's own, written back to the batch, with logprobs of the emitted tokens (a step whose
+                requests are all plain greedy takes the argmax and the greedy rule directly);
   observe_forward  keeps the target's step inputs and hidden states for drafters that read them;
   propose       drafts the next step's tokens for every request that sampled this step.
 The scheduler learns the drafts from ModelRunnerOutput.spec_token_ids, schedules them after the known tokens,

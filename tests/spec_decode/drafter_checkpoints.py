@@ -24,6 +24,16 @@ def _target(folder: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     return config, tensors
 
 
+def edit_config(folder: str, **changes: Any) -> None:
+    """Rewrite keys of a checkpoint folder's config.json (a drafter made for another target, ...)."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as handle:
+        config = json.load(handle)
+    config.update(changes)
+    with open(path, "w") as handle:
+        json.dump(config, handle)
+
+
 def _llama_layer(prefix: str, config: dict[str, Any], generator: torch.Generator, qkv_input: int,
                  with_input_norm: bool = True, scale: float = 0.2) -> dict[str, torch.Tensor]:
     hidden = config["hidden_size"]

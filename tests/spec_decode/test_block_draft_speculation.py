@@ -9,20 +9,15 @@ import pytest
 import torch
 
 from drafter_checkpoints import write_dflash_checkpoint
-from generation_helpers import generated_token_ids, random_prompts, seeded_tokens_alone_and_in_batch
+from generation_helpers import GREEDY_36, generated_token_ids, seeded_tokens_alone_and_in_batch
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.layers.block_draft_attention import BlockDraftMetadata
 from pagedserve.worker.kv_cache_allocation import attention_layers
 from paged_inputs import build_attention_metadata
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+GREEDY = GREEDY_36  # the reference fixture's (conftest.py)
 DYNAMIC = {"method": "dflash", "method_params": {"budget_update_interval": 2, "initial_verify_budget_per_req": 2}}
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +29,6 @@ def drafters(folder: str, tmp_path_factory) -> dict[str, str]:
         "dspark-rows": write_dflash_checkpoint(str(root / "dspark-rows"), folder, seed=3, dspark=True,
                                                sample_from_anchor=False),
     }
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_prompts(4, 5, 40, seed=11)
-
-
-@pytest.fixture(scope="module")
-def reference(folder: str, prompts) -> list[list[int]]:
-    return generated_token_ids(LLM(folder, max_model_len=256, num_kv_blocks=256), prompts, GREEDY)
 
 
 def _config(method: str, model: str, num_speculative_tokens: int, **extra: object) -> dict[str, object]:

@@ -5,31 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from generation_helpers import generated_token_ids, random_prompts
+from generation_helpers import GREEDY_36, generated_token_ids
 from pagedserve import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
+GREEDY = GREEDY_36  # the reference fixture's (conftest.py)
 
 
 @pytest.fixture(scope="module")
 def other_drafter(tiny_model_dir) -> str:
     """Another random llama with the same tokenizer and vocabulary, one layer."""
     return tiny_model_dir("llama", seed=5, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_prompts(4, 5, 40, seed=11)
-
-
-@pytest.fixture(scope="module")
-def reference(folder: str, prompts) -> list[list[int]]:
-    return generated_token_ids(LLM(folder, max_model_len=256, num_kv_blocks=256), prompts, GREEDY)
 
 
 def _drafter(model: str, num_speculative_tokens: int) -> dict[str, object]:

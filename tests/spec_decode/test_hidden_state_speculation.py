@@ -5,24 +5,18 @@ every draft the engine proposes equals a from-scratch reference (target prefill 
 tokens -> autoregressive drafts, on a fresh KV cache); clear errors for broken checkpoints and bad settings."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from drafter_checkpoints import add_mtp_layers, write_eagle3_checkpoint, write_eagle_checkpoint
-from generation_helpers import generated_token_ids, random_prompts, seeded_tokens_alone_and_in_batch
+from drafter_checkpoints import add_mtp_layers, edit_config, write_eagle3_checkpoint, write_eagle_checkpoint
+from generation_helpers import GREEDY_36, generated_token_ids, seeded_tokens_alone_and_in_batch
 from paged_inputs import build_attention_metadata
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.worker.kv_cache_allocation import attention_layers
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir) -> str:
-    return tiny_model_dir("llama")
+GREEDY = GREEDY_36  # the reference fixture's (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +26,6 @@ def drafters(folder: str, tmp_path_factory) -> dict[str, str]:
         "eagle": write_eagle_checkpoint(str(root / "eagle"), folder, seed=1),
         "eagle3": write_eagle3_checkpoint(str(root / "eagle3"), folder, seed=2, draft_vocab_size=256),
     }
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_prompts(4, 5, 40, seed=11)
-
-
-@pytest.fixture(scope="module")
-def reference(folder: str, prompts) -> list[list[int]]:
-    return generated_token_ids(LLM(folder, max_model_len=256, num_kv_blocks=256), prompts, GREEDY)
 
 
 def _config(method: str, model: str | None, num_speculative_tokens: int) -> dict[str, object]:
@@ -210,14 +194,8 @@ def test_a_missing_tensor_is_named(folder, tmp_path) -> None:
 
 
 def test_a_wrong_shape_is_named(folder, tmp_path) -> None:
-    import json
-
     drafter = write_eagle_checkpoint(str(tmp_path / "wide"), folder)
-    with open(os.path.join(drafter, "config.json")) as handle:
-        config = json.load(handle)
-    config["intermediate_size"] *= 2
-    with open(os.path.join(drafter, "config.json"), "w") as handle:
-        json.dump(config, handle)
+    edit_config(drafter, intermediate_size=256)  # the checkpoint's MLP is 128 wide
     with pytest.raises(ValueError, match="gate_up_proj|down_proj"):
         LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config("eagle", drafter, 2))
 
@@ -249,14 +227,8 @@ def test_bad_settings_fail_at_start(folder, speculative_config, message) -> None
 
 
 def test_a_drafter_for_another_hidden_size_is_rejected(folder, tmp_path) -> None:
-    import json
-
     drafter = write_eagle_checkpoint(str(tmp_path / "other"), folder)
-    with open(os.path.join(drafter, "config.json")) as handle:
-        config = json.load(handle)
-    config["hidden_size"] *= 2
-    with open(os.path.join(drafter, "config.json"), "w") as handle:
-        json.dump(config, handle)
+    edit_config(drafter, hidden_size=2 * 64)  # the target's hidden states are 64 wide
     with pytest.raises(ValueError, match="hidden states of size"):
         LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_config("eagle", drafter, 2))
 
