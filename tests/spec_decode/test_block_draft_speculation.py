@@ -15,6 +15,7 @@ from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.layers.block_draft_attention import BlockDraftMetadata
 from pagedserve.worker.kv_cache_allocation import attention_layers
 from paged_inputs import build_attention_metadata
+from proposal_recorder import recorded_proposals
 
 GREEDY = GREEDY_36  # the reference fixture's (conftest.py)
 DYNAMIC = {"method": "dflash", "method_params": {"budget_update_interval": 2, "initial_verify_budget_per_req": 2}}
@@ -130,20 +131,8 @@ def test_blocks_equal_a_from_scratch_reference(folder, drafters, prompts, drafte
               speculative_config=_config(drafter.split("-")[0], drafters[drafter], k))
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     proposer = runner.speculator.hidden_state_proposer
-    recorded: list[tuple[list[int], list[int]]] = []
-    propose = proposer.propose
-
-    def recording_propose(batch, target, sampled_token_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
-        drafts = propose(batch, target, sampled_token_ids, *args, **kwargs)
-        for request_id, request_drafts in zip(target.step.request_ids, drafts):
-            if len(request_drafts) == k:
-                row = batch.requests[request_id].row
-                recorded.append((batch.token_ids[row, :int(batch.num_tokens[row])].tolist(), request_drafts))
-        return drafts
-
-    proposer.propose = recording_propose
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=10,
-                                                                               ignore_eos=True), use_tqdm=False)
+    recorded = recorded_proposals(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                  min_num_drafts=k)
     assert len(recorded) >= 4
     for tokens, drafts in recorded:
         assert _reference_block(runner.model, proposer.drafter, tokens, k) == drafts, tokens

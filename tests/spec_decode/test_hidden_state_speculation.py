@@ -12,6 +12,7 @@ import torch
 from drafter_checkpoints import add_mtp_layers, edit_config, write_eagle3_checkpoint, write_eagle_checkpoint
 from generation_helpers import GREEDY_36, generated_token_ids, seeded_tokens_alone_and_in_batch
 from paged_inputs import build_attention_metadata
+from proposal_recorder import recorded_proposals
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.worker.kv_cache_allocation import attention_layers
@@ -119,24 +120,11 @@ def _reference_drafts(target, drafter, capture_ids, tokens: list[int], num_draft
 
 
 def _check_drafts_against_reference(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> int:
-    """Generate while recording every proposal (the request's tokens so far, its drafts); then recompute each from
+    """Every proposal made while generating (the request's tokens so far, its drafts), recomputed from
     scratch with the engine's own target and drafter. Returns how many proposals were checked."""
     runner = _runner(llm)
-    proposer = runner.speculator.hidden_state_proposer
-    recorded: list[tuple[list[int], list[int]]] = []
-    propose = proposer.propose
-
-    def recording_propose(batch, target, sampled_token_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
-        drafts = propose(batch, target, sampled_token_ids, *args, **kwargs)
-        for request_id, request_drafts in zip(target.step.request_ids, drafts):
-            if request_drafts:
-                row = batch.requests[request_id].row
-                recorded.append((batch.token_ids[row, :int(batch.num_tokens[row])].tolist(), request_drafts))
-        return drafts
-
-    proposer.propose = recording_propose
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    drafter = proposer.drafter
+    recorded = recorded_proposals(llm, prompts, params)
+    drafter = runner.speculator.hidden_state_proposer.drafter
     capture_ids = list(drafter.aux_hidden_state_layer_ids)
     for tokens, drafts in recorded:
         assert _reference_drafts(runner.model, drafter, capture_ids, tokens, len(drafts)) == drafts, tokens
