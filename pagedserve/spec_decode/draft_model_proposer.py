@@ -29,7 +29,7 @@ from pagedserve.sample.sampler import Sampler, random_sample
 from pagedserve.sample.sampling_metadata import build_sampling_metadata
 from pagedserve.sampling_params import SamplingType
 from pagedserve.spec_decode.draft_limits import num_drafts_allowed
-from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, step_over_positions
+from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, as_decode_rows, step_over_positions
 
 
 @dataclass
@@ -42,9 +42,15 @@ class Drafts:
 
 class DraftModelProposer:
     def __init__(self, draft_model: nn.Module, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
-                 device: torch.device, greedy_drafting: bool = False) -> None:
-        """`greedy_drafting` (draft_sample_method 'greedy'): every request drafts the drafter's argmax."""
+                 device: torch.device, greedy_drafting: bool = False,
+                 forward: Callable[..., torch.Tensor] | None = None, max_decode_rows: int = 0) -> None:
+        """`greedy_drafting` (draft_sample_method 'greedy'): every request drafts the drafter's argmax. `forward`:
+        the drafter's forward (the runner may give a native decode stack over it; default the module itself);
+        forwards whose every request runs at most `max_decode_rows` tokens (the catch-up after a verification)
+        take it as decode rows, as the target's verifications do."""
         self.model = draft_model
+        self.forward = forward if forward is not None else draft_model
+        self.max_decode_rows = max_decode_rows
         self.greedy_drafting = greedy_drafting
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -141,8 +147,9 @@ class DraftModelProposer:
         computed = np.array(starts, dtype=np.int64)
         step = step_over_positions(batch, [s.request_id for s in states], rows, computed,
                                    np.array(ends, dtype=np.int64) - computed, self.device)
-        with set_forward_context(build_attention_metadata(step)):
-            hidden_states = self.model(step.input_ids, step.positions)
+        attention_step = as_decode_rows(step) if int(step.num_scheduled.max()) <= self.max_decode_rows else step
+        with set_forward_context(build_attention_metadata(attention_step)):
+            hidden_states = self.forward(step.input_ids, step.positions)
         if not with_logits:
             return None
         last = torch.from_numpy(step.query_start_loc[1:] - 1).to(hidden_states.device)

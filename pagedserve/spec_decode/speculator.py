@@ -63,11 +63,13 @@ class Speculator:
                  block_size: int, device: torch.device,
                  draft_model: "nn.Module | None" = None,
                  build_attention_metadata: "Callable[[StepInputs], AttentionMetadata] | None" = None,
-                 target_model: "nn.Module | None" = None) -> None:
+                 target_model: "nn.Module | None" = None,
+                 build_decode_forward: "Callable[[nn.Module], Callable[..., torch.Tensor]] | None" = None) -> None:
         """`draft_model` (methods with a drafter network): the loaded drafter, whose attention layers the runner
         binds to KV caches of their own; `build_attention_metadata` builds its forwards' metadata as the runner's;
         `target_model`: the target (its LM head takes greedy verification's argmax; EAGLE-3, DFlash and DSpark
-        drafters read its inner layers)."""
+        drafters read its inner layers); `build_decode_forward`: the runner's decode-stack forward for a model,
+        which a draft model's short forwards take."""
         self.config = config
         self.vocab_size = vocab_size
         self.device = device
@@ -85,8 +87,11 @@ class Speculator:
             assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
             self.ngram_proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         elif config.method == "draft_model":
+            forward = build_decode_forward(draft_model) if build_decode_forward is not None else None
             self.draft_proposer = DraftModelProposer(draft_model, vocab_size, max_model_len, max_num_batched_tokens,
-                                                     device, greedy_drafting=config.draft_sample_method == "greedy")
+                                                     device, greedy_drafting=config.draft_sample_method == "greedy",
+                                                     forward=forward,
+                                                     max_decode_rows=1 + (config.num_speculative_tokens or 0))
         elif config.method in BLOCK_DRAFT_METHODS:
             assert target_model is not None
             dynamic = config.dynamic_spec_config

@@ -88,7 +88,8 @@ class ModelRunner:
             self.speculator = Speculator(config.speculative_config, self.vocab_size,
                                          config.model_config.max_model_len,
                                          config.scheduler_config.max_num_batched_tokens, self.block_size, device,
-                                         draft_model, self._build_attention_metadata, model)
+                                         draft_model, self._build_attention_metadata, model,
+                                         lambda module: build_native_decode_forward(module, config, module, device))
         # Verification steps run on the native decode stack, their tokens as decode rows (worker/input_batch.py
         # as_decode_rows), instead of the modules' multi-token path (benchmarks/README.md, speculative decoding).
         self.verifies_as_decode_rows = self.speculator is not None and isinstance(self.forward, NativeDecodeForward)
