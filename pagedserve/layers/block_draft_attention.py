@@ -25,12 +25,20 @@ from pagedserve.attention.kv_cache_spec import KVCacheSpec
 @dataclass
 class BlockDraftMetadata:
     """A draft block forward: request b's query rows are query_start_loc[b]:query_start_loc[b + 1], its context
-    the positions [0, context_lens[b]) read through block_table[b]."""
+    the cache slots context_slots[b] (positions 0, 1, ... in order), shared by every layer."""
 
     query_start_loc: list[int]
-    context_lens: list[int]
-    block_table: torch.Tensor  # [num requests, max blocks] int
-    block_size: int
+    context_slots: list[torch.Tensor]
+
+    @staticmethod
+    def over(query_start_loc: list[int], context_lens: list[int], block_table: torch.Tensor,
+             block_size: int) -> "BlockDraftMetadata":
+        """Request b's context: positions [0, context_lens[b]) through its row of `block_table`."""
+        slots = []
+        for b, context_len in enumerate(context_lens):
+            positions = torch.arange(context_len, device=block_table.device)
+            slots.append(block_table[b, positions // block_size].long() * block_size + positions % block_size)
+        return BlockDraftMetadata(query_start_loc=query_start_loc, context_slots=slots)
 
 
 class BlockDraftAttention(nn.Module):
@@ -69,11 +77,8 @@ class BlockDraftAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         output = torch.empty_like(query)
         group_size = self.num_heads // self.num_kv_heads
-        block_size = metadata.block_size
-        for b, context_len in enumerate(metadata.context_lens):
+        for b, slots in enumerate(metadata.context_slots):
             start, end = metadata.query_start_loc[b], metadata.query_start_loc[b + 1]
-            positions = torch.arange(context_len, device=query.device)
-            slots = metadata.block_table[b, positions // block_size].long() * block_size + positions % block_size
             request_keys = torch.cat([keys[slots].to(key.dtype), key[start:end]])
             request_values = torch.cat([values[slots].to(value.dtype), value[start:end]])
             attended = F.scaled_dot_product_attention(

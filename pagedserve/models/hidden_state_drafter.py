@@ -18,6 +18,7 @@ The interface the proposer (spec_decode/hidden_state_proposer.py) uses:
 """
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from typing import Any
 
 import torch
@@ -26,19 +27,22 @@ from torch import nn
 from pagedserve.models.llama import LlamaForCausalLM
 
 
-class HiddenStateDrafter(LlamaForCausalLM):
+class HiddenStateDrafter(LlamaForCausalLM, metaclass=ABCMeta):
     """Subclasses build their own modules (nn.Module.__init__, not Llama's) and reuse Llama's loader, which fuses
-    q/k/v and gate/up and names any checkpoint tensor that matches no parameter."""
+    q/k/v and gate/up and names any checkpoint tensor that matches no parameter. `checkpoint_names` (the tensors
+    the checkpoint holds) decide the optional parts (biases, own embedding or head, vocabulary map)."""
 
     aux_hidden_state_layer_ids: tuple[int, ...] = ()
     # True: aux_hidden_state_layer_ids name layer outputs (DFlash, DSpark); False: layer inputs (EAGLE-3).
     reads_layer_outputs = False
     lm_head_is_tied = False
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, checkpoint_names: frozenset[str] = frozenset()) -> None:
         nn.Module.__init__(self)
         self.config = hf_config
         self.dtype = dtype
+        # The checkpoint's tensor names, an optional leading 'model.' dropped.
+        self.checkpoint_tensor_names = frozenset(strip_prefix(name) for name in checkpoint_names)
         self.target_embed_tokens: nn.Module | None = None
         self.target_lm_head: nn.Module | None = None
 
@@ -57,9 +61,10 @@ class HiddenStateDrafter(LlamaForCausalLM):
     def combine_hidden_states(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         return target_hidden_states
 
+    @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 hidden_states: torch.Tensor, step_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """(hidden states for compute_logits, hidden states the next draft step takes)."""
 
     def compute_logits(self, hidden_states: torch.Tensor,  # type: ignore[override]
                        step_index: int = 0) -> torch.Tensor:
@@ -70,8 +75,10 @@ class HiddenStateDrafter(LlamaForCausalLM):
         return weights  # a drafter is never split over pipeline stages (speculation rejects them)
 
     # ---- a draft vocabulary smaller than the target's (EAGLE-3, DFlash, DSpark) -----------------
-    def init_vocab_map(self, hf_config: Any, has_vocab_map: bool) -> None:
-        """draft_vocab_size and the d2t buffer (target id of draft id i: i + draft_id_to_target_id[i])."""
+    def init_vocab_map(self, hf_config: Any) -> None:
+        """draft_vocab_size and the d2t buffer (target id of draft id i: i + draft_id_to_target_id[i]), loaded when
+        the checkpoint has a d2t tensor."""
+        has_vocab_map = "d2t" in self.checkpoint_tensor_names
         self.vocab_size = int(hf_config.vocab_size)
         self.draft_vocab_size = int(getattr(hf_config, "draft_vocab_size", None) or self.vocab_size)
         self.register_buffer("draft_id_to_target_id", torch.zeros(self.draft_vocab_size, dtype=torch.long))

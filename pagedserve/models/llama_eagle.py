@@ -25,10 +25,9 @@ from pagedserve.layers.rotary import get_rope, rope_parameters_from_config
 class EagleLlamaForCausalLM(HiddenStateDrafter):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, *,
                  checkpoint_names: frozenset[str] = frozenset()) -> None:
-        super().__init__(hf_config, dtype)
+        super().__init__(hf_config, dtype, checkpoint_names)
         hidden_size = hf_config.hidden_size
-        has_bias = "fc.bias" in {strip_prefix(name) for name in checkpoint_names}
-        self.fc = ReplicatedLinear(2 * hidden_size, hidden_size, bias=has_bias, params_dtype=dtype, prefix="fc")
+        self.fc = ReplicatedLinear(2 * hidden_size, hidden_size, bias="fc.bias" in self.checkpoint_tensor_names, params_dtype=dtype, prefix="fc")
         self.rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),
                                    rope_parameters_from_config(hf_config))
         self.layers = nn.ModuleList([

@@ -22,7 +22,7 @@ from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
-from pagedserve.models.hidden_state_drafter import HiddenStateDrafter, strip_prefix
+from pagedserve.models.hidden_state_drafter import HiddenStateDrafter
 from pagedserve.models.llama import LlamaAttention, LlamaDecoderLayer, config_head_dim
 
 
@@ -73,14 +73,13 @@ class Eagle3DecoderLayer(LlamaDecoderLayer):
 class Eagle3LlamaForCausalLM(HiddenStateDrafter):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, *,
                  checkpoint_names: frozenset[str] = frozenset(), target_num_layers: int) -> None:
-        super().__init__(hf_config, dtype)
-        names = {strip_prefix(name) for name in checkpoint_names}
+        super().__init__(hf_config, dtype, checkpoint_names)
         hidden_size = hf_config.hidden_size
-        self.init_vocab_map(hf_config, has_vocab_map="d2t" in names)
+        self.init_vocab_map(hf_config)
         self.aux_hidden_state_layer_ids = aux_hidden_state_layer_ids(hf_config, target_num_layers)
         target_hidden_size = int(getattr(hf_config, "target_hidden_size", None) or hidden_size)
         self.fc = ReplicatedLinear(3 * target_hidden_size, hidden_size, bias=False, params_dtype=dtype, prefix="fc")
-        if "embed_tokens.weight" in names:
+        if "embed_tokens.weight" in self.checkpoint_tensor_names:
             self.embed_tokens = VocabParallelEmbedding(self.vocab_size, hidden_size, params_dtype=dtype,
                                                        prefix="embed_tokens")
         self.rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),

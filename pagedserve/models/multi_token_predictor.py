@@ -65,7 +65,7 @@ class MultiTokenPredictor(HiddenStateDrafter, MoeForCausalLM):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, *, target: MoeForCausalLM,
                  checkpoint_names: frozenset[str] = frozenset()) -> None:
-        HiddenStateDrafter.__init__(self, hf_config, dtype)
+        HiddenStateDrafter.__init__(self, hf_config, dtype, checkpoint_names)
         # The target family's loader mappings (DeepSeek's MLA has no fused q/k/v).
         self.packed_modules_mapping = type(target).packed_modules_mapping
         self.stacked_params_mapping = type(target).stacked_params_mapping
@@ -79,7 +79,7 @@ class MultiTokenPredictor(HiddenStateDrafter, MoeForCausalLM):
             layers[str(index)] = MultiTokenPredictorLayer(
                 target.build_attention(hf_config, index, self.rotary_emb, dtype, f"{prefix}.self_attn"),
                 target.build_mlp(hf_config, index, self.rotary_emb, dtype, f"{prefix}.mlp"),
-                hf_config, dtype, has_head=f"{prefix}.shared_head.head.weight" in checkpoint_names, prefix=prefix)
+                hf_config, dtype, has_head=f"layers.{index}.shared_head.head.weight" in self.checkpoint_tensor_names, prefix=prefix)
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict(layers)
 

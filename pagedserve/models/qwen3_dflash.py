@@ -24,7 +24,7 @@ from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import ReplicatedLinear
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import get_rope, rope_parameters_from_config
-from pagedserve.models.hidden_state_drafter import HiddenStateDrafter, strip_prefix
+from pagedserve.models.hidden_state_drafter import HiddenStateDrafter
 from pagedserve.models.llama import LlamaDecoderLayer, config_head_dim
 from pagedserve.models.qwen3 import Qwen3Attention
 
@@ -50,10 +50,9 @@ class DFlashQwen3ForCausalLM(HiddenStateDrafter):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, *,
                  checkpoint_names: frozenset[str] = frozenset(), target_num_layers: int) -> None:
-        super().__init__(hf_config, dtype)
-        names = {strip_prefix(name) for name in checkpoint_names}
+        super().__init__(hf_config, dtype, checkpoint_names)
         hidden_size = hf_config.hidden_size
-        self.init_vocab_map(hf_config, has_vocab_map="d2t" in names)
+        self.init_vocab_map(hf_config)
         layer_ids = tuple(int(index) for index in block_drafter_setting(hf_config, "target_layer_ids"))
         if not layer_ids or not all(-1 <= index < target_num_layers for index in layer_ids):
             raise ValueError(f"target_layer_ids={list(layer_ids)} must be layer indices in [-1, {target_num_layers}) "
@@ -66,7 +65,7 @@ class DFlashQwen3ForCausalLM(HiddenStateDrafter):
         self.fc = ReplicatedLinear(len(layer_ids) * target_hidden_size, hidden_size, bias=False, params_dtype=dtype,
                                    prefix="fc")
         self.hidden_norm = RMSNorm(hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
-        if "embed_tokens.weight" in names:
+        if "embed_tokens.weight" in self.checkpoint_tensor_names:
             self.embed_tokens = VocabParallelEmbedding(self.vocab_size, hidden_size, params_dtype=dtype,
                                                        prefix="embed_tokens")
         self.rotary_emb = get_rope(config_head_dim(hf_config), int(hf_config.max_position_embeddings),
@@ -81,7 +80,7 @@ class DFlashQwen3ForCausalLM(HiddenStateDrafter):
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
-        if "lm_head.weight" in names:
+        if "lm_head.weight" in self.checkpoint_tensor_names:
             self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden_size, params_dtype=dtype, prefix="lm_head",
                                           group=get_lmhead_tp_group())
         elif self.draft_vocab_size != self.vocab_size:

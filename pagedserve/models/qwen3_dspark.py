@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.models.hidden_state_drafter import strip_prefix
 from pagedserve.models.qwen3_dflash import DFlashQwen3ForCausalLM, block_drafter_setting
 
 
@@ -26,7 +25,6 @@ class DSparkQwen3ForCausalLM(DFlashQwen3ForCausalLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32, *,
                  checkpoint_names: frozenset[str] = frozenset(), target_num_layers: int) -> None:
         super().__init__(hf_config, dtype, checkpoint_names=checkpoint_names, target_num_layers=target_num_layers)
-        names = {strip_prefix(name) for name in checkpoint_names}
         rank = int(block_drafter_setting(hf_config, "markov_rank"))
         if rank < 1:
             raise ValueError(f"markov_rank={rank} must be >= 1")
@@ -35,12 +33,12 @@ class DSparkQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self.markov_head.markov_w1 = nn.Embedding(self.vocab_size, rank, dtype=dtype)
         self.markov_head.markov_w2 = nn.Linear(rank, self.draft_vocab_size, bias=False, dtype=dtype)
         self.has_confidence_head = bool(block_drafter_setting(hf_config, "enable_confidence_head", False)) \
-            and "confidence_head.proj.weight" in names
+            and "confidence_head.proj.weight" in self.checkpoint_tensor_names
         self.confidence_with_markov = bool(block_drafter_setting(hf_config, "confidence_head_with_markov", False))
         if self.has_confidence_head:
             width = hf_config.hidden_size + (rank if self.confidence_with_markov else 0)
             self.confidence_head = nn.Module()
-            self.confidence_head.proj = nn.Linear(width, 1, bias="confidence_head.proj.bias" in names,
+            self.confidence_head.proj = nn.Linear(width, 1, bias="confidence_head.proj.bias" in self.checkpoint_tensor_names,
                                                   dtype=torch.float32)
 
     def markov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

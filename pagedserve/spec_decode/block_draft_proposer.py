@@ -99,7 +99,7 @@ class BlockDraftProposer:
         # are cut anyway, and the rows before them differ only in what they attend.
         positions = np.minimum(positions, drafter.rotary_emb.max_positions - 1)
         max_num_blocks = -(-int(anchor_positions.max()) // self.block_size) or 1
-        metadata = BlockDraftMetadata(
+        metadata = BlockDraftMetadata.over(
             query_start_loc=list(range(0, (num_requests + 1) * num_rows, num_rows)),
             context_lens=anchor_positions.tolist(),
             block_table=torch.from_numpy(np.ascontiguousarray(batch.block_table[rows, :max_num_blocks])).to(self.device),

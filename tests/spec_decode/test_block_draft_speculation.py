@@ -106,8 +106,8 @@ def _reference_block(target, drafter, tokens: list[int], k: int) -> list[int]:
     from_anchor = hasattr(drafter, "markov_head") and drafter.sample_from_anchor
     num_rows = k if from_anchor else k + 1
     block_ids = torch.tensor([tokens[-1]] + [drafter.mask_token_id] * (num_rows - 1))
-    block_metadata = BlockDraftMetadata(query_start_loc=[0, num_rows], context_lens=[n - 1],
-                                        block_table=torch.tensor([blocks]), block_size=block_size)
+    block_metadata = BlockDraftMetadata.over(query_start_loc=[0, num_rows], context_lens=[n - 1],
+                                             block_table=torch.tensor([blocks]), block_size=block_size)
     with set_forward_context(block_metadata):
         hidden, _ = drafter(block_ids, torch.arange(n - 1, n - 1 + num_rows))
     logits = drafter.compute_draft_logits(hidden[num_rows - k:])
