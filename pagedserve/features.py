@@ -263,6 +263,20 @@ FEATURES: tuple[Feature, ...] = (
                "tests/sample/test_fused_greedy_head.py"),
     ),
     Feature(
+        line="model", family="quantization", feature="GGUF weights kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                                    "Q4_K, Q5_K and Q6_K linears, embedding and LM head computed on "
+                                                    "their blocks (int16 activation dot products for Q8_0/Q4_0/Q4_1, "
+                                                    "decoded blocks for the others, dequantized tiles for prefill), "
+                                                    "in the native decode stack too; gguf_dequantize=True keeps the "
+                                                    "float path",
+        modules=("pagedserve.layers.gguf_linear", "pagedserve.model_loader.gguf_quantized_load",
+                 "pagedserve.models.native_decode_stack"),
+        knobs=("gguf_dequantize",),
+        docs="docs/quantization.md",
+        tests=("tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_kept_quantized.py",
+               "tests/model_loader/test_gguf_decode_stack.py", "tests/accuracy/test_quantized_perplexity.py"),
+    ),
+    Feature(
         line="framework", family="batch invariance", feature="batch-invariant mode: bitwise-identical logits "
                                                             "alone or in any batch (fixed-tile GEMMs, fixed-order "
                                                             "paged attention, invariant reductions)",

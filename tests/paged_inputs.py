@@ -64,7 +64,8 @@ class ScratchPagedRunner:
         self.num_blocks = num_blocks
         # Every attention layer (dense or MLA) gets a cache of the shape its kv_cache_spec() declares.
         layers = attention_layers(model)
-        parameter = next(model.parameters())
+        # The model dtype: the first float parameter (GGUF blocks kept quantized are uint8).
+        parameter = next(parameter for parameter in model.parameters() if parameter.is_floating_point())
         for layer in layers:
             layer.kv_cache = torch.zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size),
                                          dtype=dtype or parameter.dtype, device=parameter.device)

@@ -95,11 +95,14 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--huge-page-weights", action=argparse.BooleanOptionalAction, default=True,
                       help="move the loaded weights into one arena on transparent huge pages (CPU; faster "
                            "weight streaming in decode); --no-huge-page-weights keeps them where loading put them")
+    load.add_argument("--gguf-dequantize", action=argparse.BooleanOptionalAction, default=False,
+                      help="dequantize a .gguf file's weights to the model dtype at load (default: keep the "
+                           "quantized blocks and compute on them)")
 
 
 def load_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     names = ("enable_multithread_load", "num_threads", "safetensors_load_strategy", "weight_layout",
-             "huge_page_weights")
+             "huge_page_weights", "gguf_dequantize")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

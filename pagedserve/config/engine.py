@@ -92,6 +92,7 @@ class EngineConfig:
         safetensors_load_strategy: str = "lazy",
         weight_layout: str = "auto",
         huge_page_weights: bool = True,
+        gguf_dequantize: bool = False,
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
@@ -202,7 +203,7 @@ class EngineConfig:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form
         load_config = LoadConfig(enable_multithread_load=enable_multithread_load, num_threads=num_threads,
                                  safetensors_load_strategy=safetensors_load_strategy, weight_layout=weight_layout,
-                                 huge_page_weights=huge_page_weights)
+                                 huge_page_weights=huge_page_weights, gguf_dequantize=gguf_dequantize)
         from pagedserve.layers.weight_layout import resolve_weight_layout
 
         # Fails here, not in the worker, when the layout cannot be honoured (platform, dtype, modes).

@@ -35,6 +35,9 @@ class LoadConfig:
     # After the layout transform, move the weights into one arena on transparent huge pages where the
     # platform has them (the CPU: platforms/huge_page_weights.py); False keeps them where loading put them.
     huge_page_weights: bool = True
+    # A .gguf file's quantized weights are kept in their blocks and computed on the fly (layers/gguf_linear.py);
+    # True dequantizes every weight to the model dtype at load instead.
+    gguf_dequantize: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_multithread_load, bool):
@@ -45,6 +48,8 @@ class LoadConfig:
         if self.safetensors_load_strategy not in SAFETENSORS_LOAD_STRATEGIES:
             raise ValueError(f"safetensors_load_strategy={self.safetensors_load_strategy!r} must be one of "
                              f"{list(SAFETENSORS_LOAD_STRATEGIES)}")
+        if not isinstance(self.gguf_dequantize, bool):
+            raise ValueError(f"gguf_dequantize={self.gguf_dequantize!r} must be true or false")
         if not isinstance(self.huge_page_weights, bool):
             raise ValueError(f"huge_page_weights={self.huge_page_weights!r} must be true or false")
         if self.weight_layout not in WEIGHT_LAYOUTS:

@@ -13,8 +13,9 @@ makes once per token (the decode stack's decode_rows_greedy) skips torch's dispa
 Sources (kernels/cpu/): paged_attention.cpp (paged decode attention, K/V write; attention/cpu_native.py),
 prefill_attention.cpp, elementwise.cpp (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-mul;
 kernels/elementwise.py), small_batch_linear.cpp and amx_linear.cpp (layers/small_batch_linear.py,
-layers/amx_linear.py), decode_stack.cpp (a decode step's layers in one call; models/native_decode_stack.py) and
-first_argmax.cpp (greedy sampling's argmax; sample/greedy.py). They are compiled together at first use with
+layers/amx_linear.py), gguf_linear.cpp (linears and embeddings on GGUF blocks; layers/gguf_linear.py),
+decode_stack.cpp (a decode step's layers in one call; models/native_decode_stack.py) and first_argmax.cpp (greedy
+sampling's argmax; sample/greedy.py). They are compiled together at first use with
 torch.utils.cpp_extension (needs a C++ compiler and `ninja`) into ~/.cache/pagedserve/extensions/<key>/, where
 <key> hashes every source, the level's compiler flags, the compiler and the torch/Python versions. A later start
 finds the built library there and just loads it (no compiler needed). Every load marks its directory as used
@@ -49,11 +50,11 @@ logger = logging.getLogger(__name__)
 # The C++ sources and headers (kernels/cpu/).
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "small_batch_linear.cpp",
-           "amx_linear.cpp", "decode_stack.cpp", "first_argmax.cpp")
+           "amx_linear.cpp", "decode_stack.cpp", "first_argmax.cpp", "gguf_linear.cpp")
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("paged_decode_attention.h", "amx_linear.h", "amx_tiles.h", "bfloat16_rounding.h", "bfloat16_silu_table.h",
            "elementwise.h", "exp_polynomial.h", "float_vector.h", "small_batch_linear.h", "spin_barrier.h",
-           "first_argmax.h", "vector_avx2.h")
+           "first_argmax.h", "vector_avx2.h", "gguf_linear.h")
 # Flags of every level's build; cpu_isa.compile_flags(level) adds the level's instruction sets.
 BASE_COMPILE_FLAGS = ("-O3", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)

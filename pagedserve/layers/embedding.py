@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import GroupCoordinator, get_tp_group, resolve_tensor_parallel
+from pagedserve.layers.gguf_linear import quantized_rows
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearMethodBase
 from pagedserve.layers.watched_attributes import WatchedAttributes
 
@@ -43,18 +44,23 @@ class VocabParallelEmbedding(WatchedAttributes, nn.Module):
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        self.params_dtype = dtype  # the rows' dtype (a GGUF-quantized table's weight is uint8)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # A ggml block type when `weight` holds a GGUF file's blocks [rows, bytes per row] (layers/gguf_linear.py;
+        # set before loading by model_loader/gguf_quantized_load.py); None for a float table.
+        self.ggml_type: int | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's rows of the [org_vocab_size, embedding_dim] checkpoint table; zero the padding."""
         if shard_id is not None:
             raise ValueError(f"{self.prefix}: shard_id={shard_id!r} given for a vocabulary-parallel table")
-        if tuple(loaded_weight.shape) != (self.org_vocab_size, self.embedding_dim):
+        # A float table has embedding_dim columns; a GGUF-quantized one its bytes per row.
+        if tuple(loaded_weight.shape) != (self.org_vocab_size, param.shape[1]):
             raise ValueError(
                 f"{self.prefix or type(self).__name__}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
-                f"expected ({self.org_vocab_size}, {self.embedding_dim})"
+                f"expected ({self.org_vocab_size}, {param.shape[1]})"
             )
         start = min(self.vocab_start_index, self.org_vocab_size)
         end = min(self.vocab_end_index, self.org_vocab_size)
@@ -64,13 +70,18 @@ class VocabParallelEmbedding(WatchedAttributes, nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         # Ids outside this rank's range look up row 0 and are zeroed; the all-reduce fills them in.
         is_outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = torch.where(is_outside, torch.zeros_like(input_ids), input_ids - self.vocab_start_index)
-        output = F.embedding(local_ids, self.weight)
+        output = self._rows(local_ids)
         output = output.masked_fill(is_outside.unsqueeze(-1), 0)
         return self._group().all_reduce(output)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ggml_type is None:
+            return F.embedding(ids, self.weight)
+        return quantized_rows(self.weight, self.ggml_type, self.embedding_dim, ids, self.params_dtype)
 
     def _group(self) -> GroupCoordinator:
         return self.group if self.group is not None else get_tp_group()

@@ -47,6 +47,7 @@ from pagedserve.config.load import WEIGHT_LAYOUTS
 from pagedserve.kernels import cpu_isa
 from pagedserve.layers.amx_linear import AMX_PACKED_LAYOUT, AMX_PACKED_LINEAR_METHOD, amx_linear_available, amx_pack
 from pagedserve.layers.embedding import ParallelLMHead
+from pagedserve.layers.gguf_linear import GGUF_LAYOUT
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase, packed_weight_of
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 from pagedserve.layers.small_batch_linear import (PLAIN_NATIVE_LAYOUT, SMALL_BATCH_LINEAR_METHOD,
@@ -282,8 +283,8 @@ def restore_plain_layout(model: nn.Module) -> int:
     count = 0
     with torch.no_grad():
         for module in _linear_layers(model) + _lm_heads(model):
-            if module.linear_method is UNQUANTIZED_LINEAR_METHOD:
-                continue
+            if module.linear_method is UNQUANTIZED_LINEAR_METHOD or module.linear_method.layout == GGUF_LAYOUT:
+                continue  # GGUF blocks have no plain float layout to go back to
             _restore_plain_weight(module)
             module.linear_method = UNQUANTIZED_LINEAR_METHOD
             count += 1

@@ -309,8 +309,6 @@ class GGUFModel:
         if self._reader is None:
             self._reader = _open_reader(self.path)
         payloads = {tensor.name: tensor for tensor in self._reader.tensors}
-        num_heads = int(self.hf_config.num_attention_heads)
-        num_kv_heads = int(self.hf_config.num_key_value_heads)
         for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
             if name is None:
@@ -318,14 +316,64 @@ class GGUFModel:
             payload = payloads.get(tensor.name)
             if payload is None or int(payload.tensor_type) != tensor.ggml_type:
                 raise ValueError(f"GGUF file {self.path!r} changed while loading: tensor {tensor.name!r} differs")
-            values = gguf_dequant.dequantize(payload.data, tensor.ggml_type, tensor.shape, tensor.name)
-            if self.architecture == "llama":
-                if ".attn_q." in tensor.name:
-                    values = unpermute_rotary_rows(values, num_heads)
-                elif ".attn_k." in tensor.name:
-                    values = unpermute_rotary_rows(values, num_kv_heads)
-            weight = torch.from_numpy(np.ascontiguousarray(values))
-            yield name, weight if dtype == torch.float32 else weight.to(dtype)
+            yield name, self._dequantized_tensor(tensor, payload, dtype)
+
+    def _in_hf_row_order(self, tensor: TensorInfo, rows: np.ndarray) -> np.ndarray:
+        """`rows` (values, or a quantized tensor's block rows) with llama.cpp's Q/K rotary row order undone."""
+        if self.architecture == "llama":
+            if ".attn_q." in tensor.name:
+                return unpermute_rotary_rows(rows, int(self.hf_config.num_attention_heads))
+            if ".attn_k." in tensor.name:
+                return unpermute_rotary_rows(rows, int(self.hf_config.num_key_value_heads))
+        return rows
+
+    def _dequantized_tensor(self, tensor: TensorInfo, payload: Any, dtype: torch.dtype) -> torch.Tensor:
+        values = gguf_dequant.dequantize(payload.data, tensor.ggml_type, tensor.shape, tensor.name)
+        weight = torch.from_numpy(np.ascontiguousarray(self._in_hf_row_order(tensor, values)))
+        return weight if dtype == torch.float32 else weight.to(dtype)
+
+    def _block_rows(self, tensor: TensorInfo, payload: Any) -> torch.Tensor:
+        """A quantized tensor's blocks as uint8 [rows, bytes per row], rows in HF order."""
+        rows = int(np.prod(tensor.shape[:-1], dtype=np.int64))
+        expected = gguf_dequant.num_payload_bytes(tensor.ggml_type, int(np.prod(tensor.shape, dtype=np.int64)))
+        raw = np.asarray(payload.data).reshape(-1).view(np.uint8)
+        if raw.size != expected:
+            raise ValueError(f"GGUF tensor {tensor.name!r} of shape {tensor.shape} should hold {expected} bytes, but "
+                             f"its payload has {raw.size}")
+        blocks = self._in_hf_row_order(tensor, raw.reshape(rows, -1))
+        return torch.from_numpy(np.array(blocks))  # a writable copy: the file map is read-only
+
+    def quantized_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weight stream for `model` with every module that can keep its blocks turned into a quantized module
+        first (model_loader/gguf_quantized_load.py): those tensors come as uint8 block rows, the others as
+        `weights(dtype)` gives them."""
+        from pagedserve.model_loader.gguf_quantized_load import convert_kept_modules, describe_kept, \
+            plan_kept_quantized
+
+        types = {name: tensor.ggml_type for tensor in self.tensors if (name := hf_tensor_name(tensor.name))}
+        kept = plan_kept_quantized(model, types)
+        if not kept:
+            logger.info("GGUF file %s: no module can keep its quantized blocks here; weights dequantized", self.path)
+            return self.weights(dtype)
+        convert_kept_modules(model, kept)
+        logger.info("%s", describe_kept(kept, len(types)))
+        return self._kept_quantized_weights(dtype, {name for entry in kept for name in entry.checkpoint_names})
+
+    def _kept_quantized_weights(self, dtype: torch.dtype, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        reader = self._reader if self._reader is not None else _open_reader(self.path)
+        self._reader = None  # the file map goes when the stream ends: its pages are not the weights' memory
+        payloads = {tensor.name: tensor for tensor in reader.tensors}
+        for tensor in self.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                continue
+            payload = payloads.get(tensor.name)
+            if payload is None or int(payload.tensor_type) != tensor.ggml_type:
+                raise ValueError(f"GGUF file {self.path!r} changed while loading: tensor {tensor.name!r} differs")
+            if name in kept:
+                yield name, self._block_rows(tensor, payload)
+                continue
+            yield name, self._dequantized_tensor(tensor, payload, dtype)
 
     def weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) for every weight, in `dtype` (default: the load dtype).

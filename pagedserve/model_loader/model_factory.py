@@ -28,7 +28,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
                weight_layout: str = "plain") -> nn.Module:
     """Build the model for `model_config` on `device` in `model_config.dtype` and load its weights.
 
-    `weights` is any stream of (HF parameter name, tensor) pairs (e.g. from a GGUF file); when None,
+    `weights` is any stream of (HF parameter name, tensor) pairs (e.g. from a GGUF file), or a function of the
+    built model returning one (ModelSource.weights with keep_quantized); when None,
     the *.safetensors files of the `model_config.model` folder are read with `load_config`'s strategy
     and threads (model_loader/load_strategies.py), as tensor-parallel slices when `read_slices`. Every
     parameter must be loaded, else ValueError names the missing ones. Then the linear layers take
@@ -46,6 +47,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     if weights is None:
         loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices)
     else:
+        if callable(weights):  # a stream that adapts the built model first (GGUF blocks kept quantized)
+            weights = weights(model)
         loaded = model.load_weights(weights)
     missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)
     if missing:

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import functools
 import glob
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# What load_model takes as weights: a stream, a function of the built model returning one, or None (the
+# safetensors files of the model folder).
+WeightSource = Union[Iterable[tuple[str, torch.Tensor]], Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]],
+                     None]
 
 
 @dataclass
@@ -24,6 +32,10 @@ class ModelSource:
     # Yields (name, tensor) pairs in HF naming for the given dtype.
     weight_stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] | None = field(
         default=None, repr=False)
+    # A GGUF file's stream that keeps the quantized blocks: given the built model and the dtype, turns the modules
+    # that can keep them into quantized ones and yields their blocks (GGUFModel.quantized_weights).
+    quantized_weight_stream: Callable[[torch.nn.Module, torch.dtype], Iterator[tuple[str, torch.Tensor]]] | None \
+        = field(default=None, repr=False)
     # Builds the tokenizer shipped inside the model file (GGUF metadata); called once, on first use, so a
     # process that never needs it (an engine core or worker process) never pays for it. None for an HF
     # folder, whose tokenizer files load with AutoTokenizer.
@@ -31,8 +43,19 @@ class ModelSource:
     _built_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
     _build_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
-    def weights(self, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]] | None:
-        """The weight stream, or None when the default safetensors loader reads `path` itself."""
+    def weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> WeightSource:
+        """The weight stream, or None when the default safetensors loader reads `path` itself. With
+        `keep_quantized`, a GGUF file whose blocks the native kernels can read gives a function of the built model
+        that returns the stream keeping them (load_model calls it); otherwise every weight comes dequantized."""
+        if keep_quantized and self.quantized_weight_stream is not None:
+            from pagedserve.kernels import cpu_isa
+            from pagedserve.layers.gguf_linear import gguf_kernels_available
+
+            if gguf_kernels_available():
+                stream = self.quantized_weight_stream
+                return lambda model: stream(model, dtype)
+            logger.info("GGUF weights dequantized at load: the native kernels that read the blocks are not "
+                        "available (CPU ISA %s)", cpu_isa.describe())
         return None if self.weight_stream is None else self.weight_stream(dtype)
 
     def load_tokenizer(self, tokenizer_path: str | None = None) -> Any:
@@ -111,5 +134,6 @@ def _open_gguf_file(path: str) -> ModelSource:
         tokenizer_path=path,
         kind="gguf",
         weight_stream=gguf_model.weights,
+        quantized_weight_stream=gguf_model.quantized_weights,
         tokenizer_builder=lambda: gguf_model.tokenizer,
     )

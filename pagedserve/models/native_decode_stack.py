@@ -54,6 +54,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
 from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.forward_hooks import ForwardHookCheck, hook_registries
+from pagedserve.layers.gguf_linear import GGUFLinearMethod
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -68,7 +69,9 @@ logger = logging.getLogger(__name__)
 
 # linear_kind of the op, by the layers' linear method.
 LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
-                                 OneDnnPrepackedLinearMethod: 3}
+                                 OneDnnPrepackedLinearMethod: 3, GGUFLinearMethod: 5}
+# Kind 5: GGUF blocks kept quantized (float32 models only: the kernel computes in float32, as the method does).
+GGUF_KIND = LINEAR_KINDS[GGUFLinearMethod]
 # Kind 1 off Intel: up to 128 rows on the kernel, oneDNN's GEMM above (small_batch_linear.large_batches_on_onednn).
 SMALL_BATCH_ONEDNN_KIND = 4
 # Decode steps of up to this many rows run the layers in one parallel region (decode_stack.cpp
@@ -102,6 +105,11 @@ class NativeDecodeStackPlan:
     eps: float = 0.0
     scale: float = 0.0
     linear_kind: int = 0
+    # Kind 5 (GGUF): the block types of the linears (qkv, o, gate_up, down per layer), of the embedding table and of
+    # the greedy head (0: a float table or head).
+    weight_types: tuple[int, ...] = ()
+    embedding_type: int = 0
+    head_type: int = 0
     # The LM head greedy_rows samples from (_greedy_head; None: greedy_rows is off).
     greedy_head: tuple[torch.Tensor, torch.Tensor | None, int, int] | None = None
     # watched_attributes_epoch() when the sources below were last found current.
@@ -132,6 +140,8 @@ class NativeDecodeStackPlan:
                 self.cos_sin_cache, list(self.output_sizes), list(self.sliding_windows), self.num_heads,
                 self.num_kv_heads, self.head_dim, self.eps, self.scale, self.linear_kind,
                 native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS, ONE_REGION_MAX_ROWS)
+            if self.linear_kind == GGUF_KIND:
+                self.native.set_gguf_types(list(self.weight_types), self.embedding_type, self.head_type)
             if self.greedy_head is not None:
                 self.native.set_greedy_head(*self.greedy_head)
             self.block_size = kv_caches[0].shape[2]
@@ -195,10 +205,16 @@ def _is_native_norm(norm: nn.Module, dtype: torch.dtype) -> bool:
 
 def _greedy_head(lm_head: nn.Module, linear_kind: int) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
     """(weight, bias, output size, columns sampled) of an LM head the stack's region samples from as the module path
-    would: tile-packed bfloat16 beside amx_packed layers (the fused head op's arguments), or a plain float32 head on
-    small_batch_linear beside plain_native layers (its logits, then the greedy sampler's argmax); None otherwise."""
+    would: tile-packed bfloat16 beside amx_packed layers (the fused head op's arguments), a plain float32 head on
+    small_batch_linear beside plain_native layers, or a GGUF head beside GGUF layers (its logits, then the greedy
+    sampler's argmax); None otherwise."""
     if linear_kind == LINEAR_KINDS[AmxPackedLinearMethod]:
         return greedy_head_arguments(lm_head)
+    if linear_kind == GGUF_KIND:
+        if type(getattr(lm_head, "linear_method", None)) is GGUFLinearMethod and lm_head.parallel_group.world_size == 1 \
+                and lm_head.vocab_start_index == 0 and (lm_head.bias is None or lm_head.bias.dtype == torch.float32):
+            return lm_head.weight, lm_head.bias, lm_head.num_embeddings_per_partition, lm_head.org_vocab_size
+        return None
     if linear_kind in (LINEAR_KINDS[SmallBatchLinearMethod], SMALL_BATCH_ONEDNN_KIND) \
             and type(getattr(lm_head, "linear_method", None)) is SmallBatchLinearMethod \
             and lm_head.parallel_group.world_size == 1 and lm_head.vocab_start_index == 0 \
@@ -228,11 +244,13 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         return NativeDecodeStackPlan(reason="no layers or a final norm without the native path")
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
+    weight_types: list[int] = []
     kinds: set[int] = set()
     epoch = watched_attributes_epoch()  # read before the sources: a change while planning makes the next check
     embed_tokens = decoder.embed_tokens
     if type(embed_tokens) is not VocabParallelEmbedding or type(embed_tokens).forward \
-            is not VocabParallelEmbedding.forward or embed_tokens.tp_size != 1 or embed_tokens.weight.dtype != dtype:
+            is not VocabParallelEmbedding.forward or embed_tokens.tp_size != 1 \
+            or embed_tokens.weight.dtype != (dtype if embed_tokens.ggml_type is None else torch.uint8):
         return NativeDecodeStackPlan(reason="the embedding is not a one-rank VocabParallelEmbedding")
     sources: list[nn.Module] = [embed_tokens, decoder.norm, rotary]
     first_attention = layers[0].self_attn
@@ -264,12 +282,19 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
                 return NativeDecodeStackPlan(reason=part)
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
+        weight_types += [getattr(linear, "ggml_type", None) or 0 for linear in linears]
         sources += [layer.input_layernorm, layer.post_attention_layernorm, *linears, attention.attn]
         weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         biases += [qkv_bias, o_bias, gu_bias, d_bias]
     if len(kinds) != 1:
         return NativeDecodeStackPlan(reason="the layers' linears use different methods")
     linear_kind = kinds.pop()
+    if linear_kind == GGUF_KIND and dtype != torch.float32:
+        # The kernel computes in float32 between bfloat16 activations in the module path; the stack's region would
+        # keep float32 activations: not the modules' bits.
+        return NativeDecodeStackPlan(reason="GGUF blocks in a bfloat16 model (the stack runs them in float32 only)")
+    if embed_tokens.ggml_type is not None and linear_kind != GGUF_KIND:
+        return NativeDecodeStackPlan(reason="a GGUF-quantized embedding beside float linears")
     lm_head = getattr(model, "lm_head", None)
     greedy_head = None if lm_head is None else _greedy_head(lm_head, linear_kind)
     if greedy_head is not None:
@@ -285,7 +310,10 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         sliding_windows=tuple(layer.self_attn.attn.sliding_window or 0 for layer in layers),
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
-        scale=float(first_attention.attn.scale), linear_kind=linear_kind, greedy_head=greedy_head, epoch=epoch,
+        scale=float(first_attention.attn.scale), linear_kind=linear_kind, weight_types=tuple(weight_types),
+        embedding_type=embed_tokens.ggml_type or 0,
+        head_type=(getattr(lm_head, "ggml_type", None) or 0) if greedy_head is not None else 0,
+        greedy_head=greedy_head, epoch=epoch,
         **_sources(sources))
 
 

@@ -57,7 +57,7 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         model_config = config.model_config
         source = open_model_source(model_config.model)
-        weights = source.weights(model_config.dtype)
+        weights = source.weights(model_config.dtype, keep_quantized=not config.load_config.gguf_dequantize)
         # After loading, linear weights take the platform's preferred layout (layers/weight_layout.py).
         weight_layout = resolve_weight_layout(config.load_config.weight_layout, self.device.type,
                                               model_config.dtype, config.batch_invariant)

@@ -38,8 +38,13 @@ def write_tiny_gguf(
     add_bos: bool = False,
     seed: int = 0,
     extra_tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+    tensor_types: dict[str, GGMLQuantizationType] | None = None,
+    norm_weights_near_one: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Write a tiny model to `path`; returns the float32 values each tensor was quantized from."""
+    """Write a tiny model to `path`; returns the float32 values each tensor was quantized from. `tensor_types`
+    overrides the type of single tensors (by GGUF name), as mixed files such as Q4_K_M do. `norm_weights_near_one`
+    draws the RMSNorm weights around 1 (as trained models have them) instead of around 0, so that the logits spread
+    and greedy picks have margins."""
     rng = np.random.default_rng(seed)
     tokens, token_types, merges = tiny_vocabulary()
     writer = GGUFWriter(path, architecture)
@@ -68,7 +73,10 @@ def write_tiny_gguf(
     values: dict[str, np.ndarray] = {}
 
     def add(name: str, shape: tuple[int, ...], ggml_type: GGMLQuantizationType) -> None:
+        ggml_type = (tensor_types or {}).get(name, ggml_type)
         array = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if norm_weights_near_one and name.endswith("norm.weight"):
+            array += 1
         values[name] = array
         if ggml_type == GGMLQuantizationType.F32:
             writer.add_tensor(name, array)

@@ -36,8 +36,11 @@
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
-//   on the plain weight above (small_batch_linear.py off Intel). Every M row is one decoding request.
-// Steps on kinds 2 (bfloat16) and 1 / 4 (float32, while small_batch_linear takes the rows) of up to
+//   on the plain weight above (small_batch_linear.py off Intel), 5 GGUF blocks kept quantized (float32 models;
+//   layers/gguf_linear.py: gguf_linear up to 8 rows, the dequantized weight on at::linear above; the block types
+//   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types). Every M row is one
+//   decoding request.
+// Steps on kinds 2 (bfloat16) and 1 / 4 / 5 (float32, while small_batch_linear or gguf_linear takes the rows) of up to
 // one_region_max_rows rows run every layer inside one parallel region (run_layers_in_one_region); the others run op
 // by op, each op with its own (run_layers_op_by_op).
 #include <ATen/ATen.h>
@@ -66,6 +69,7 @@
 #include "elementwise.h"
 #include "small_batch_linear.h"
 #include "first_argmax.h"
+#include "gguf_linear.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -75,8 +79,17 @@ constexpr int64_t kBiasesPerLayer = 4;
 // layers/small_batch_linear.py native_max_rows(): kind 1 (Intel, MKL above) and kind 4 (elsewhere, oneDNN above).
 constexpr int64_t kSmallBatchMaxRows = 16;        // INTEL_MAX_ROWS
 constexpr int64_t kSmallBatchOneDnnMaxRows = 128;  // MAX_ROWS
+// layers/gguf_linear.py KERNEL_MAX_ROWS: kind 5 runs gguf_linear up to this many rows, the dequantized weight above.
+constexpr int64_t kGgufKernelMaxRows = 8;
 
-enum LinearKind : int64_t { kPlain = 0, kSmallBatch = 1, kAmxPacked = 2, kOneDnnPacked = 3, kSmallBatchOneDnn = 4 };
+enum LinearKind : int64_t {
+  kPlain = 0,
+  kSmallBatch = 1,
+  kAmxPacked = 2,
+  kOneDnnPacked = 3,
+  kSmallBatchOneDnn = 4,
+  kGguf = 5,
+};
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 using OptionalTensor = std::optional<at::Tensor>;
@@ -101,6 +114,10 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
                                       c10::string_view)>
       first_argmax;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>
+      gguf_linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t)> gguf_dequantize;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)> gguf_embedding;
 
   static const Kernels& get() {
     static const Kernels kernels = [] {
@@ -126,6 +143,11 @@ struct Kernels {
           find("pagedserve::amx_linear_first_argmax")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
                                 c10::string_view)>(),
+          find("pagedserve::gguf_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(),
+          find("pagedserve::gguf_dequantize").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
+          find("pagedserve::gguf_embedding")
+              .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)>(),
       };
     }();
     return kernels;
@@ -144,9 +166,14 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 }
 
 // What the linear layers' methods run (layers/linear.py UnquantizedLinearMethod, small_batch_linear.py,
-// amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod), for a contiguous 2-D x.
+// amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod, gguf_linear.py GGUFLinearMethod), for a contiguous
+// 2-D x; `ggml_type` is the weight's block type (kind 5 only).
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
-                  const OptionalTensor& bias, int64_t output_size) {
+                  const OptionalTensor& bias, int64_t output_size, int64_t ggml_type) {
+  if (kind == kGguf) {
+    if (x.size(0) <= kGgufKernelMaxRows) return kernels.gguf_linear.call(x, weight, ggml_type, bias);
+    return at::linear(x, kernels.gguf_dequantize.call(weight, ggml_type, x.size(1)), bias);
+  }
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size, "auto");
   const bool is_small_batch = (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) ||
                               (kind == kSmallBatchOneDnn && x.size(0) <= kSmallBatchOneDnnMaxRows);
@@ -196,6 +223,10 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   at::Tensor head_weight;
   OptionalTensor head_bias;
   int64_t head_output_size = 0, head_num_columns = 0;
+  // Kind 5: the block types of the linears (4 per layer: qkv, o, gate_up, down), of the embedding table and of the
+  // head (set_gguf_types; 0: a float table or head).
+  std::vector<int64_t> weight_types;
+  int64_t embedding_type = 0, head_type = 0;
   // The runner's persistent batch (bind_batch; undefined: none): token ids [R, L] int64, token counts [R] int64,
   // computed-token counts [R] int64, block table [R, B] int32 and its filled columns [R] int64, numpy's memory.
   at::Tensor batch_token_ids, batch_num_tokens, batch_num_computed_tokens, batch_block_table, batch_num_blocks;
@@ -233,8 +264,35 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
                 "DecodeStackPlan: one sliding window per layer expected, got ", sliding_windows.size());
     TORCH_CHECK(output_sizes.size() == 4, "DecodeStackPlan: 4 output sizes (qkv, o, gate_up, down) expected");
-    TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kSmallBatchOneDnn, "DecodeStackPlan: linear_kind=",
-                linear_kind, " must be 0, 1, 2, 3 or 4");
+    TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kGguf, "DecodeStackPlan: linear_kind=", linear_kind,
+                " must be 0, 1, 2, 3, 4 or 5");
+    is_one_region_capable = one_region_capable();
+  }
+
+  // The hidden size (a GGUF embedding table's columns are bytes).
+  int64_t hidden_size() const { return final_norm.numel(); }
+
+  // Kind 5's block types (see the fields): checked against the weights' bytes per row.
+  void set_gguf_types(std::vector<int64_t> linear_types, int64_t embedding_type_, int64_t head_type_) {
+    TORCH_CHECK(linear_kind == kGguf, "DecodeStackPlan.set_gguf_types: the plan's linear_kind is ", linear_kind);
+    const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+    TORCH_CHECK(static_cast<int64_t>(linear_types.size()) == kBiasesPerLayer * num_layers,
+                "DecodeStackPlan.set_gguf_types: ", kBiasesPerLayer * num_layers, " linear types expected, got ",
+                linear_types.size());
+    const int64_t slots[kBiasesPerLayer] = {1, 2, 4, 5};  // qkv, o, gate_up, down in a layer's weights
+    for (int64_t layer = 0; layer < num_layers; ++layer)
+      for (int64_t part = 0; part < kBiasesPerLayer; ++part) {
+        const at::Tensor& weight = weights[layer * kWeightsPerLayer + slots[part]];
+        const int64_t type = linear_types[layer * kBiasesPerLayer + part];
+        const pagedserve_native::GgmlBlockFormat format = pagedserve_native::ggml_block_format(type);
+        TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
+                        weight.size(1) % format.bytes == 0,
+                    "DecodeStackPlan.set_gguf_types: layer ", layer, " linear ", part, " holds no type ", type,
+                    " blocks");
+      }
+    weight_types = std::move(linear_types);
+    embedding_type = embedding_type_;
+    head_type = head_type_;
     is_one_region_capable = one_region_capable();
   }
 
@@ -243,6 +301,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t one_region_rows_limit() const {
     if (!is_one_region_capable) return 0;
     if (linear_kind == kAmxPacked) return one_region_max_rows;
+    if (linear_kind == kGguf) return std::min(one_region_max_rows, kGgufKernelMaxRows);
     return std::min(one_region_max_rows, linear_kind == kSmallBatch ? kSmallBatchMaxRows : kSmallBatchOneDnnMaxRows);
   }
 
@@ -254,10 +313,14 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     const auto is_of_dtype = [dtype](const at::Tensor& tensor) {
       return tensor.scalar_type() == dtype && tensor.is_contiguous() && tensor.device().is_cpu();
     };
-    const bool is_kernel_kind =
-        linear_kind == kAmxPacked || linear_kind == kSmallBatch || linear_kind == kSmallBatchOneDnn;
-    if (!is_kernel_kind || !is_of_dtype(embedding) || embedding.dim() != 2 || head_dim % 2 != 0) return false;
-    const int64_t hidden = embedding.size(1);
+    const bool is_kernel_kind = linear_kind == kAmxPacked || linear_kind == kSmallBatch ||
+                                linear_kind == kSmallBatchOneDnn || linear_kind == kGguf;
+    if (linear_kind == kGguf && weight_types.empty()) return false;  // set_gguf_types not called yet
+    const bool is_table_of_rows = embedding_type != 0
+                                      ? embedding.scalar_type() == at::kByte && embedding.is_contiguous()
+                                      : is_of_dtype(embedding);
+    if (!is_kernel_kind || !is_table_of_rows || embedding.dim() != 2 || head_dim % 2 != 0) return false;
+    const int64_t hidden = hidden_size();
     if (output_sizes[0] != (num_heads + 2 * num_kv_heads) * head_dim || output_sizes[1] != hidden ||
         output_sizes[2] % 2 != 0 || output_sizes[3] != hidden)
       return false;
@@ -360,7 +423,13 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const std::vector<int64_t> split_sizes{q_size, kv_size, kv_size};
 
-  at::Tensor states = at::embedding(plan.embedding, step.input_ids), residual, normed;
+  at::Tensor states = plan.embedding_type != 0 ? kernels.gguf_embedding.call(plan.embedding, plan.embedding_type,
+                                                                            plan.hidden_size(), step.input_ids)
+                                               : at::embedding(plan.embedding, step.input_ids);
+  at::Tensor residual, normed;
+  const auto type_of = [&](int64_t layer, int64_t part) {
+    return plan.weight_types.empty() ? int64_t{0} : plan.weight_types[layer * kBiasesPerLayer + part];
+  };
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
     const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
@@ -372,7 +441,8 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
       std::tie(normed, residual) = kernels.add_rms_norm.call(states, residual, w[0], plan.eps, plan.reduction_lanes);
     }
     // LlamaAttention.forward.
-    const at::Tensor qkv = linear(kernels, plan.linear_kind, normed, w[1], layer_biases[0], plan.output_sizes[0]);
+    const at::Tensor qkv =
+        linear(kernels, plan.linear_kind, normed, w[1], layer_biases[0], plan.output_sizes[0], type_of(layer, 0));
     const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
     at::Tensor query, key;
     std::tie(query, key) =
@@ -388,12 +458,13 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
                                           sliding_window(plan, layer), plan.partition_size)
                                     .reshape({num_tokens, q_size});
     const at::Tensor projected =
-        linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1]);
+        linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1], type_of(layer, 1));
     // The post-attention norm and LlamaMLP.
     std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], plan.eps, plan.reduction_lanes);
-    const at::Tensor gate_up = linear(kernels, plan.linear_kind, normed, w[4], layer_biases[2], plan.output_sizes[2]);
+    const at::Tensor gate_up =
+        linear(kernels, plan.linear_kind, normed, w[4], layer_biases[2], plan.output_sizes[2], type_of(layer, 2));
     states = linear(kernels, plan.linear_kind, kernels.silu_and_mul.call(gate_up), w[5], layer_biases[3],
-                    plan.output_sizes[3]);
+                    plan.output_sizes[3], type_of(layer, 3));
   }
   return std::get<0>(kernels.add_rms_norm.call(states, residual, plan.final_norm, plan.eps, plan.reduction_lanes));
 }
@@ -428,17 +499,18 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   using pagedserve_native::AmxFirstArgmaxCall;
   using pagedserve_native::AmxLinearCall;
   using pagedserve_native::DecodeAttentionCall;
+  using pagedserve_native::GgufLinearCall;
   using pagedserve_native::SmallBatchLinearCall;
   const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
   const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
   const int64_t num_tokens = step.input_ids.size(0);
-  const int64_t hidden = plan.embedding.size(1);
+  const int64_t hidden = plan.hidden_size();
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const std::vector<int64_t>& output_sizes = plan.output_sizes;
   const int64_t qkv_size = output_sizes[0], gate_up_size = output_sizes[2], inter = gate_up_size / 2;
   const float eps = static_cast<float>(plan.eps);
   const int64_t lanes = plan.reduction_lanes;
-  const at::TensorOptions options = plan.embedding.options();
+  const at::TensorOptions options = plan.final_norm.options();
 
   // Checked here, before any thread starts: what the ops would raise inside the region.
   const int64_t* ids = step.input_ids.data_ptr<int64_t>();
@@ -469,7 +541,8 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   const at::Tensor out = at::empty({num_tokens, hidden}, options);
   const int requested_threads = std::max(1, at::get_num_threads());
   std::unique_ptr<AmxFirstArgmaxCall> head;  // bfloat16: each thread's units into its own slot
-  std::unique_ptr<SmallBatchLinearCall> head_linear;  // float32: the logits
+  std::unique_ptr<SmallBatchLinearCall> head_linear;  // float32: the logits (a GGUF head's call is made per thread
+                                                      // in the region: it reads x when made)
   at::Tensor token_ids, logits;
   if (is_greedy) {
     token_ids = at::empty({num_tokens}, options.dtype(at::kLong));
@@ -478,7 +551,8 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
                                                   plan.head_num_columns, "auto", requested_threads);
     } else {
       logits = at::empty({num_tokens, plan.head_output_size}, options);
-      head_linear = std::make_unique<SmallBatchLinearCall>(out, plan.head_weight, plan.head_bias, logits);
+      if (plan.head_type == 0)
+        head_linear = std::make_unique<SmallBatchLinearCall>(out, plan.head_weight, plan.head_bias, logits);
     }
   }
   // One attention plan per distinct sliding window (the items depend on the window, not on the layer's cache,
@@ -507,7 +581,9 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   scalar_t* const gate_up_data = data(gate_up);
   scalar_t* const activated_data = data(activated);
   scalar_t* const states_data = data(states);
-  const scalar_t* const embedding_data = data(plan.embedding);
+  // A float table's rows are copied; a GGUF table's decoded (embedding_type != 0).
+  const scalar_t* const embedding_data = plan.embedding_type == 0 ? data(plan.embedding) : nullptr;
+  const uint8_t* const embedding_blocks = plan.embedding_type != 0 ? plan.embedding.data_ptr<uint8_t>() : nullptr;
   const float* const cos_sin_data = plan.cos_sin_cache.data_ptr<float>();
   const int64_t* const positions = step.positions.data_ptr<int64_t>();
   const int64_t cache_token_elements = kv_size;  // one slot of one plane
@@ -521,11 +597,15 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   {
     const int64_t thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
     barrier.set_num_threads(static_cast<int>(num_threads));
-    // Thread `thread`'s share of one product.
+    // Thread `thread`'s share of one product (`ggml_type`: the weight's block type, kind 5).
     const auto product = [&](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
-                             const at::Tensor& y) {
+                             const at::Tensor& y, int64_t ggml_type) {
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         const AmxLinearCall call(x, weight, bias, n, "auto", y);
+        const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+        call.run_units(begin, end);
+      } else if (plan.linear_kind == kGguf) {
+        const GgufLinearCall call(x, weight, ggml_type, bias, y);
         const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
         call.run_units(begin, end);
       } else {
@@ -543,20 +623,28 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
       const auto stage_done = [&] { return is_running = barrier.wait(); };
       // LlamaDecoderLayer.forward of layer 0: the residual is the embedding.
       for (int64_t row = first_row; row < end_row; ++row) {
-        std::memcpy(residual_data + row * hidden, embedding_data + ids[row] * hidden, hidden * sizeof(scalar_t));
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (embedding_blocks != nullptr)
+            pagedserve_native::gguf_decode_row(embedding_blocks + ids[row] * plan.embedding.size(1), plan.embedding_type,
+                                               hidden, residual_data + row * hidden);
+        }
+        if (embedding_data != nullptr)
+          std::memcpy(residual_data + row * hidden, embedding_data + ids[row] * hidden, hidden * sizeof(scalar_t));
         pagedserve_native::rms_norm_row(residual_data + row * hidden, data(plan.weights[0]), normed_data + row * hidden,
                                         hidden, eps, lanes);
       }
       for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
         const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
         const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
+        const int64_t* types = plan.weight_types.empty() ? nullptr : plan.weight_types.data() + layer * kBiasesPerLayer;
+        const auto type_of = [types](int64_t part) { return types == nullptr ? int64_t{0} : types[part]; };
         if (layer > 0)
           for (int64_t row = first_row; row < end_row; ++row)
             pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden, data(w[0]),
                                                 normed_data + row * hidden, residual_data + row * hidden, hidden,
                                                 eps, lanes);
         if (!stage_done()) break;
-        product(normed, w[1], layer_biases[0], qkv_size, qkv);
+        product(normed, w[1], layer_biases[0], qkv_size, qkv, type_of(0));
         if (!stage_done()) break;
         {
           // RoPE on q and k, then the K/V write into the layer's cache.
@@ -586,19 +674,19 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           layer_attention.merge(begin, end);
           if (!stage_done()) break;
         }
-        product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected);
+        product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected, type_of(1));
         if (!stage_done()) break;
         for (int64_t row = first_row; row < end_row; ++row)
           pagedserve_native::add_rms_norm_row(projected_data + row * hidden, residual_data + row * hidden, data(w[3]),
                                               normed_data + row * hidden, residual_data + row * hidden, hidden, eps,
                                               lanes);
         if (!stage_done()) break;
-        product(normed, w[4], layer_biases[2], gate_up_size, gate_up);
+        product(normed, w[4], layer_biases[2], gate_up_size, gate_up, type_of(2));
         if (!stage_done()) break;
         for (int64_t row = first_row; row < end_row; ++row)
           pagedserve_native::silu_and_mul_row(gate_up_data + row * gate_up_size, activated_data + row * inter, inter);
         if (!stage_done()) break;
-        product(activated, w[5], layer_biases[3], output_sizes[3], states);
+        product(activated, w[5], layer_biases[3], output_sizes[3], states, type_of(3));
         stage_done();
       }
       if (is_running)
@@ -611,8 +699,12 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           const auto [begin, end] = thread_share(head->num_units(), thread, num_threads);
           head->run_units(begin, end, thread);
         } else {
-          const auto [begin, end] = thread_share(head_linear->num_units(), thread, num_threads);
-          head_linear->run_units(begin, end);
+          if (plan.head_type != 0) {
+            product(out, plan.head_weight, plan.head_bias, plan.head_output_size, logits, plan.head_type);
+          } else {
+            const auto [begin, end] = thread_share(head_linear->num_units(), thread, num_threads);
+            head_linear->run_units(begin, end);
+          }
           if (stage_done()) {
             const float* const logits_data = logits.data_ptr<float>();
             int64_t* const token_data = token_ids.data_ptr<int64_t>();
@@ -666,7 +758,7 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
     // The head joins the region, in bfloat16 when its call reads x only as its units run.
     const bool is_greedy_in_region =
         is_greedy && (plan.linear_kind != kAmxPacked ||
-                      !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.embedding.size(1)));
+                      !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.hidden_size()));
     ++plan.num_one_region_steps;
     const at::Tensor result =
         plan.linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(plan, step, is_greedy_in_region)
@@ -771,6 +863,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("num_one_region_steps",
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
+      .def("set_gguf_types", &DecodeStackPlan::set_gguf_types)
       .def("bind_batch", &DecodeStackPlan::bind_batch)
       .def("handle", &DecodeStackPlan::handle)
       .def("has_greedy_head",

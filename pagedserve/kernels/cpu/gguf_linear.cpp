@@ -1,0 +1,663 @@
+// Linear layers on GGUF-quantized weights: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T (+ bias), the weight kept in
+// its ggml blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and dequantized on the fly.
+//
+// Python side: layers/gguf_linear.py. A batch-1 decode step is bound by the bytes it reads: a Q4_1 weight is 5 bits
+// per value where float32 is 32, so keeping the blocks and decoding them in registers reads 6.4x fewer bytes.
+//
+// Work split and numerics:
+// - Weight rows (output columns) are split between threads in units of kRows rows; each thread walks its rows'
+//   blocks front to back and decodes each block once into an L1 buffer for every input row.
+// - Dequantization is ggml's reference arithmetic operation for operation (dequantize_row_* in ggml-quants.c:
+//   d * q + m as a product then a sum, never a fused multiply-add; this file is compiled with fp-contract off), so
+//   `gguf_dequantize` is bitwise the values model_loader/gguf_dequant.py (and llama.cpp's reference) produce.
+// - One output element = one 8-lane float32 accumulator over K in order (one FMA per lane), then a horizontal sum,
+//   then + bias. The order depends only on K: a row's result does not depend on M, the other rows or the thread
+//   count, but it is not bitwise F.linear on the dequantized weight (another summation order); tests compare them
+//   within a float tolerance.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_linear.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDSERVE_GGUF_AVX2 1
+#endif
+
+namespace pagedserve_native {
+
+namespace {
+
+constexpr int64_t kRows = 4;          // weight rows per work unit
+constexpr int64_t kMaxInputs = 64;    // largest M the op accepts (larger batches dequantize tiles: Python side)
+constexpr int64_t kMaxBlockValues = 256;
+
+inline float half_to_float(const uint8_t* bytes) {
+  uint16_t bits;
+  std::memcpy(&bits, bytes, sizeof(bits));
+#if defined(PAGEDSERVE_GGUF_AVX2)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Q4_K / Q5_K: scale and min of sub-block j (0..7) from the 12 packed bytes (ggml's get_scale_min_k4).
+inline void k_scale_min(int j, const uint8_t* q, uint8_t* scale, uint8_t* minimum) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *minimum = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    *minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The reference decoders, one block each (written so the compiler vectorises the 16- and 32-value loops).
+void dequantize_q8_0(const uint8_t* block, float* out) {
+  const float d = half_to_float(block);
+  const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+}
+
+void dequantize_q4_0(const uint8_t* block, float* out) {
+  const float d = half_to_float(block);
+  const uint8_t* q = block + 2;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = static_cast<float>(static_cast<int>(q[i] & 0x0F) - 8) * d;
+    out[i + 16] = static_cast<float>(static_cast<int>(q[i] >> 4) - 8) * d;
+  }
+}
+
+void dequantize_q4_1(const uint8_t* block, float* out) {
+  const float d = half_to_float(block), m = half_to_float(block + 2);
+  const uint8_t* q = block + 4;
+  for (int i = 0; i < 16; ++i) {
+    out[i] = static_cast<float>(q[i] & 0x0F) * d + m;
+    out[i + 16] = static_cast<float>(q[i] >> 4) * d + m;
+  }
+}
+
+void dequantize_q5_0(const uint8_t* block, float* out) {
+  const float d = half_to_float(block);
+  uint32_t high;
+  std::memcpy(&high, block + 2, sizeof(high));
+  const uint8_t* q = block + 6;
+  for (int i = 0; i < 16; ++i) {
+    const int low_fifth = static_cast<int>(((high >> i) << 4) & 0x10);
+    const int high_fifth = static_cast<int>((high >> (i + 12)) & 0x10);
+    out[i] = static_cast<float>(((q[i] & 0x0F) | low_fifth) - 16) * d;
+    out[i + 16] = static_cast<float>(((q[i] >> 4) | high_fifth) - 16) * d;
+  }
+}
+
+void dequantize_q5_1(const uint8_t* block, float* out) {
+  const float d = half_to_float(block), m = half_to_float(block + 2);
+  uint32_t high;
+  std::memcpy(&high, block + 4, sizeof(high));
+  const uint8_t* q = block + 8;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t low_fifth = ((high >> i) << 4) & 0x10;
+    const uint32_t high_fifth = (high >> (i + 12)) & 0x10;
+    out[i] = static_cast<float>((q[i] & 0x0F) | low_fifth) * d + m;
+    out[i + 16] = static_cast<float>((q[i] >> 4) | high_fifth) * d + m;
+  }
+}
+
+void dequantize_q4_k(const uint8_t* block, float* out) {
+  const float d = half_to_float(block), dmin = half_to_float(block + 2);
+  const uint8_t* scales = block + 4;
+  const uint8_t* q = block + 16;
+  for (int j = 0; j < 8; j += 2, q += 32, out += 64) {
+    uint8_t scale, minimum;
+    k_scale_min(j, scales, &scale, &minimum);
+    const float d1 = d * static_cast<float>(scale), m1 = dmin * static_cast<float>(minimum);
+    k_scale_min(j + 1, scales, &scale, &minimum);
+    const float d2 = d * static_cast<float>(scale), m2 = dmin * static_cast<float>(minimum);
+    for (int l = 0; l < 32; ++l) out[l] = d1 * static_cast<float>(q[l] & 0x0F) - m1;
+    for (int l = 0; l < 32; ++l) out[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+  }
+}
+
+void dequantize_q5_k(const uint8_t* block, float* out) {
+  const float d = half_to_float(block), dmin = half_to_float(block + 2);
+  const uint8_t* scales = block + 4;
+  const uint8_t* high = block + 16;
+  const uint8_t* q = block + 48;
+  for (int j = 0; j < 8; j += 2, q += 32, out += 64) {
+    uint8_t scale, minimum;
+    k_scale_min(j, scales, &scale, &minimum);
+    const float d1 = d * static_cast<float>(scale), m1 = dmin * static_cast<float>(minimum);
+    k_scale_min(j + 1, scales, &scale, &minimum);
+    const float d2 = d * static_cast<float>(scale), m2 = dmin * static_cast<float>(minimum);
+    const uint8_t bit1 = static_cast<uint8_t>(1u << j), bit2 = static_cast<uint8_t>(2u << j);
+    for (int l = 0; l < 32; ++l)
+      out[l] = d1 * static_cast<float>((q[l] & 0x0F) + ((high[l] & bit1) ? 16 : 0)) - m1;
+    for (int l = 0; l < 32; ++l)
+      out[l + 32] = d2 * static_cast<float>((q[l] >> 4) + ((high[l] & bit2) ? 16 : 0)) - m2;
+  }
+}
+
+void dequantize_q6_k(const uint8_t* block, float* out) {
+  const uint8_t* low = block;
+  const uint8_t* high = block + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_to_float(block + 208);
+  for (int half = 0; half < 2; ++half, low += 64, high += 32, scales += 8, out += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int group = l / 16;
+      const int q1 = static_cast<int>((low[l] & 0x0F) | (((high[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = static_cast<int>((low[l + 32] & 0x0F) | (((high[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = static_cast<int>((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = static_cast<int>((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) - 32;
+      out[l] = d * static_cast<float>(scales[group]) * static_cast<float>(q1);
+      out[l + 32] = d * static_cast<float>(scales[group + 2]) * static_cast<float>(q2);
+      out[l + 64] = d * static_cast<float>(scales[group + 4]) * static_cast<float>(q3);
+      out[l + 96] = d * static_cast<float>(scales[group + 6]) * static_cast<float>(q4);
+    }
+  }
+}
+
+#if defined(PAGEDSERVE_GGUF_AVX2)
+// The 32-value types decoded in registers (the same operations as the reference decoders above, 8 lanes at a time).
+inline void store_scaled(__m256i quants, __m256 d, float* out) {
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(quants), d));
+}
+
+inline void store_affine(__m256i quants, __m256 d, __m256 m, float* out) {
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(quants), d), m));
+}
+
+void dequantize_q8_0_avx2(const uint8_t* block, float* out) {
+  const __m256 d = _mm256_set1_ps(half_to_float(block));
+  const uint8_t* q = block + 2;
+  for (int i = 0; i < 32; i += 8)
+    store_scaled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i))), d, out + i);
+}
+
+// The 16 low nibbles (values 0..15) and 16 high nibbles (values 16..31) of a 16-byte run.
+inline void nibbles(const uint8_t* q, __m128i* low, __m128i* high) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  *low = _mm_and_si128(packed, mask);
+  *high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+}
+
+void dequantize_q4_0_avx2(const uint8_t* block, float* out) {
+  const __m256 d = _mm256_set1_ps(half_to_float(block));
+  __m128i low, high;
+  nibbles(block + 2, &low, &high);
+  const __m128i eight = _mm_set1_epi8(8);
+  low = _mm_sub_epi8(low, eight);
+  high = _mm_sub_epi8(high, eight);
+  store_scaled(_mm256_cvtepi8_epi32(low), d, out);
+  store_scaled(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8)), d, out + 8);
+  store_scaled(_mm256_cvtepi8_epi32(high), d, out + 16);
+  store_scaled(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8)), d, out + 24);
+}
+
+void dequantize_q4_1_avx2(const uint8_t* block, float* out) {
+  const __m256 d = _mm256_set1_ps(half_to_float(block)), m = _mm256_set1_ps(half_to_float(block + 2));
+  __m128i low, high;
+  nibbles(block + 4, &low, &high);
+  store_affine(_mm256_cvtepu8_epi32(low), d, m, out);
+  store_affine(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)), d, m, out + 8);
+  store_affine(_mm256_cvtepu8_epi32(high), d, m, out + 16);
+  store_affine(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)), d, m, out + 24);
+}
+#endif
+
+constexpr int kQuantBlock = 32;
+
+// x's quants span [-kQuantMax, kQuantMax] (int16: a product error ~1e-5 of the float one).
+constexpr float kQuantMax = 32767.0f;
+
+void quantize_row_of_x(const float* x, int64_t k, int16_t* quants, float* scales, float* sums) {
+  for (int64_t block = 0; block < k / kQuantBlock; ++block) {
+    const float* values = x + block * kQuantBlock;
+    int16_t* q = quants + block * kQuantBlock;
+    float absmax = 0.0f;
+    for (int i = 0; i < kQuantBlock; ++i) absmax = std::max(absmax, std::fabs(values[i]));
+    const float d = absmax / kQuantMax, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < kQuantBlock; ++i) {
+      q[i] = static_cast<int16_t>(std::nearbyint(values[i] * inverse));
+      sum += q[i];
+    }
+    scales[block] = d;
+    sums[block] = d * static_cast<float>(sum);
+  }
+}
+
+inline bool is_integer_product_type(int64_t ggml_type) {
+  return ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;
+}
+
+using BlockDecoder = void (*)(const uint8_t*, float*);
+
+// A type's block decoder as a class, so the column loop below is compiled once per type with the decoder inlined.
+template <int64_t kType, int kValues, BlockDecoder kDecode>
+struct Decoder {
+  static constexpr int64_t type = kType;
+  static constexpr int values = kValues;
+  static inline void decode(const uint8_t* block, float* out) { kDecode(block, out); }
+};
+
+#if defined(PAGEDSERVE_GGUF_AVX2)
+using DecoderQ8_0 = Decoder<kGgmlQ8_0, 32, dequantize_q8_0_avx2>;
+using DecoderQ4_0 = Decoder<kGgmlQ4_0, 32, dequantize_q4_0_avx2>;
+using DecoderQ4_1 = Decoder<kGgmlQ4_1, 32, dequantize_q4_1_avx2>;
+#else
+using DecoderQ8_0 = Decoder<kGgmlQ8_0, 32, dequantize_q8_0>;
+using DecoderQ4_0 = Decoder<kGgmlQ4_0, 32, dequantize_q4_0>;
+using DecoderQ4_1 = Decoder<kGgmlQ4_1, 32, dequantize_q4_1>;
+#endif
+using DecoderQ5_0 = Decoder<kGgmlQ5_0, 32, dequantize_q5_0>;
+using DecoderQ5_1 = Decoder<kGgmlQ5_1, 32, dequantize_q5_1>;
+using DecoderQ4_K = Decoder<kGgmlQ4_K, 256, dequantize_q4_k>;
+using DecoderQ5_K = Decoder<kGgmlQ5_K, 256, dequantize_q5_k>;
+using DecoderQ6_K = Decoder<kGgmlQ6_K, 256, dequantize_q6_k>;
+
+BlockDecoder block_decoder(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kGgmlQ8_0: return DecoderQ8_0::decode;
+    case kGgmlQ4_0: return DecoderQ4_0::decode;
+    case kGgmlQ4_1: return DecoderQ4_1::decode;
+    case kGgmlQ5_0: return DecoderQ5_0::decode;
+    case kGgmlQ5_1: return DecoderQ5_1::decode;
+    case kGgmlQ4_K: return DecoderQ4_K::decode;
+    case kGgmlQ5_K: return DecoderQ5_K::decode;
+    case kGgmlQ6_K: return DecoderQ6_K::decode;
+    default: TORCH_CHECK(false, "gguf: ggml type ", ggml_type, " has no kernel (Q8_0=8, Q4_0=2, Q4_1=3, Q5_0=6, "
+                         "Q5_1=7, Q4_K=12, Q5_K=13, Q6_K=14)");
+  }
+  return nullptr;
+}
+
+// The 8-lane accumulator of one output element.
+#if defined(PAGEDSERVE_GGUF_AVX2)
+using Lanes = __m256;
+inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
+inline Lanes load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum_lanes(__m256 v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#else
+struct Lanes {
+  float lane[8];
+};
+inline Lanes zero_lanes() { return Lanes{}; }
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(v.lane, p, sizeof(v.lane));
+  return v;
+}
+inline Lanes multiply_add(const Lanes& a, const Lanes& b, Lanes c) {
+  for (int i = 0; i < 8; ++i) c.lane[i] = std::fma(a.lane[i], b.lane[i], c.lane[i]);
+  return c;
+}
+// The same pairing as the AVX2 path's horizontal sum.
+inline float sum_lanes(const Lanes& v) {
+  const float quad[4] = {v.lane[0] + v.lane[4], v.lane[1] + v.lane[5], v.lane[2] + v.lane[6], v.lane[3] + v.lane[7]};
+  const float pair[2] = {quad[0] + quad[2], quad[1] + quad[3]};
+  return pair[0] + pair[1];
+}
+#endif
+
+int64_t grain_units(int64_t row_bytes) {
+  // At least ~64 KiB of weight per task: smaller tasks cost more to hand out than they take to run.
+  return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, row_bytes * kRows));
+}
+
+}  // namespace
+
+GgmlBlockFormat ggml_block_format(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kGgmlQ8_0: return {32, 34};
+    case kGgmlQ4_0: return {32, 18};
+    case kGgmlQ4_1: return {32, 20};
+    case kGgmlQ5_0: return {32, 22};
+    case kGgmlQ5_1: return {32, 24};
+    case kGgmlQ4_K: return {256, 144};
+    case kGgmlQ5_K: return {256, 176};
+    case kGgmlQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "gguf: ggml type ", ggml_type, " has no kernel (Q8_0=8, Q4_0=2, Q4_1=3, Q5_0=6, "
+                         "Q5_1=7, Q4_K=12, Q5_K=13, Q6_K=14)");
+  }
+  return {0, 0};
+}
+
+struct GgufLinearCall::State {
+  const float* x = nullptr;
+  int64_t x_stride = 0;
+  const uint8_t* weight = nullptr;
+  int64_t row_bytes = 0;
+  const float* bias = nullptr;
+  at::Tensor bias_tensor;
+  float* y = nullptr;
+  int64_t m = 0, n = 0, k = 0;
+  GgmlBlockFormat format{};
+  int64_t format_type = 0;
+  // The 32-value integer types' products (is_integer_product): x quantized per row and 32-value block to int16
+  // (d = absmax / 32767, q = round(x / d)), with each block's d and d * sum(q).
+  bool is_integer_product = false;
+  std::vector<int16_t> x_quants;
+  std::vector<float> x_scales, x_sums;
+};
+
+namespace {
+
+// Checks `weight` holds [N, K / values * bytes] blocks of `ggml_type` and returns the format.
+GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int64_t k, const char* op) {
+  const GgmlBlockFormat format = ggml_block_format(ggml_type);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), op,
+              ": a contiguous uint8 weight [N, bytes per row] expected, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  TORCH_CHECK(k > 0 && k % format.values == 0, op, ": K=", k, " is not a multiple of the block's ", format.values,
+              " values");
+  TORCH_CHECK(weight.size(1) == k / format.values * format.bytes, op, ": weight rows hold ", weight.size(1),
+              " bytes, K=", k, " needs ", k / format.values * format.bytes);
+  return format;
+}
+
+}  // namespace
+
+GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
+                               const c10::optional<at::Tensor>& bias, at::Tensor y)
+    : state_(std::make_unique<State>()) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "gguf_linear: a float32 x [M, K] with unit column stride expected, got ", x.sizes(), " ",
+              x.scalar_type());
+  TORCH_CHECK(x.size(0) <= kMaxInputs, "gguf_linear: M=", x.size(0), " exceeds ", kMaxInputs);
+  State& s = *state_;
+  s.format = checked_format(weight, ggml_type, x.size(1), "gguf_linear");
+  s.format_type = ggml_type;
+  s.m = x.size(0);
+  s.n = weight.size(0);
+  s.k = x.size(1);
+  s.row_bytes = weight.size(1);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == s.n && bias->scalar_type() == at::kFloat,
+                "gguf_linear: a float32 bias of ", s.n, " values expected");
+    s.bias_tensor = bias->contiguous();
+    s.bias = s.bias_tensor.data_ptr<float>();
+  }
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.sizes() == at::IntArrayRef({s.m, s.n}),
+              "gguf_linear: the output must be a contiguous float32 [", s.m, ", ", s.n, "] tensor");
+  s.x = x.data_ptr<float>();
+  s.x_stride = x.stride(0);
+  s.weight = weight.data_ptr<uint8_t>();
+  s.y = y.data_ptr<float>();
+  s.is_integer_product = is_integer_product_type(ggml_type);
+  if (s.is_integer_product) {
+    const int64_t num_blocks = s.k / kQuantBlock;
+    s.x_quants.resize(s.m * s.k);
+    s.x_scales.resize(s.m * num_blocks);
+    s.x_sums.resize(s.m * num_blocks);
+    for (int64_t r = 0; r < s.m; ++r)
+      quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
+                        s.x_sums.data() + r * num_blocks);
+  }
+}
+
+GgufLinearCall::~GgufLinearCall() = default;
+
+int64_t GgufLinearCall::num_units() const {
+  const State& s = *state_;
+  return s.m == 0 ? 0 : (s.n + kRows - 1) / kRows;
+}
+
+int64_t GgufLinearCall::grain() const { return grain_units(state_->row_bytes); }
+
+namespace {
+
+// Columns [first_column, end_column) for input rows [first_input, first_input + kInputs): each block decoded once
+// into an L1 buffer, its values multiplied into kInputs accumulators held in registers.
+template <class BlockDecoder, int kInputs>
+void run_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
+  constexpr int kValues = BlockDecoder::values;
+  alignas(64) float values[kValues];
+  const float* x = s.x + first_input * s.x_stride;
+  const int64_t num_blocks = s.k / kValues, block_bytes = s.format.bytes;
+  for (int64_t column = first_column; column < end_column; ++column) {
+    const uint8_t* row = s.weight + column * s.row_bytes;
+    Lanes acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = zero_lanes();
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      BlockDecoder::decode(row + block * block_bytes, values);
+      const float* x_block = x + block * kValues;
+      for (int i = 0; i < kValues; i += 8) {
+        const Lanes w = load_lanes(values + i);
+        for (int r = 0; r < kInputs; ++r) acc[r] = multiply_add(w, load_lanes(x_block + r * s.x_stride + i), acc[r]);
+      }
+    }
+    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+    for (int r = 0; r < kInputs; ++r) s.y[(first_input + r) * s.n + column] = sum_lanes(acc[r]) + bias;
+  }
+}
+
+// Q8_0, Q4_0 and Q4_1 multiply integer quants (is_integer_product): the weight's quants widened to int16 times x's
+// int16 quants, summed in int32 (AVX2 madd). Per 32-value block of weights (d_w, m_w, q_w) and of x (d_x, q_x,
+// s_x = d_x * sum(q_x)):
+//   Q8_0: d_w d_x sum(q_w q_x);  Q4_0 (q_w - 8): d_w d_x sum(q_w q_x) - 8 d_w s_x;  Q4_1: d_w d_x sum(q_w q_x) + m_w s_x.
+// The integer sums are exact; the float terms accumulate per block in order. The quantization of x moves a product
+// by at most sum over blocks of (absmax_x / 65534) sum |w| (tests/layers/test_gguf_linear.py bounds it so): about
+// 1e-5 of the product, where llama.cpp's int8 activations (Q8_1) move it ~250x more, enough to change SmolLM2's
+// answers.
+#if defined(PAGEDSERVE_GGUF_AVX2)
+// A block's 32 weight quants as two vectors of 16 int16 (values 0..15, then 16..31).
+template <int64_t kType>
+inline void weight_quants(const uint8_t* block, __m256i* first, __m256i* second) {
+  if constexpr (kType == kGgmlQ8_0) {
+    const __m256i quants = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    *first = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(quants));
+    *second = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(quants, 1));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kGgmlQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
+    *second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+  }
+}
+
+// sum(q_w q_x) of one block, in eight int32 lanes, as float.
+inline __m256 block_dot(__m256i first, __m256i second, const int16_t* x_quants) {
+  const __m256i low = _mm256_madd_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_quants)));
+  const __m256i high = _mm256_madd_epi16(second, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_quants + 16)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high));
+}
+#endif
+
+template <int64_t kType, int kInputs>
+void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
+  const int64_t num_blocks = s.k / kQuantBlock, block_bytes = s.format.bytes;
+  for (int64_t column = first_column; column < end_column; ++column) {
+    const uint8_t* row = s.weight + column * s.row_bytes;
+    float offsets[kInputs] = {};
+#if defined(PAGEDSERVE_GGUF_AVX2)
+    __m256 acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
+#else
+    float acc[kInputs] = {};
+#endif
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const uint8_t* weight_block = row + block * block_bytes;
+      const float d = half_to_float(weight_block);
+      const float m = kType == kGgmlQ4_1 ? half_to_float(weight_block + 2) : 0.0f;
+#if defined(PAGEDSERVE_GGUF_AVX2)
+      __m256i first, second;
+      weight_quants<kType>(weight_block, &first, &second);
+#else
+      int weight[kQuantBlock];
+      for (int i = 0; i < kQuantBlock; ++i) {
+        if constexpr (kType == kGgmlQ8_0) {
+          weight[i] = reinterpret_cast<const int8_t*>(weight_block + 2)[i];
+        } else {
+          const uint8_t* q = weight_block + (kType == kGgmlQ4_1 ? 4 : 2);
+          weight[i] = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
+        }
+      }
+#endif
+      for (int r = 0; r < kInputs; ++r) {
+        const int64_t input = first_input + r, index = input * num_blocks + block;
+        const int16_t* x_block = s.x_quants.data() + index * kQuantBlock;
+#if defined(PAGEDSERVE_GGUF_AVX2)
+        acc[r] = _mm256_fmadd_ps(block_dot(first, second, x_block), _mm256_set1_ps(d * s.x_scales[index]), acc[r]);
+#else
+        int dot = 0;
+        for (int i = 0; i < kQuantBlock; ++i) dot += weight[i] * x_block[i];
+        acc[r] += static_cast<float>(dot) * (d * s.x_scales[index]);
+#endif
+        if constexpr (kType == kGgmlQ4_1) offsets[r] += m * s.x_sums[index];
+        if constexpr (kType == kGgmlQ4_0) offsets[r] -= 8.0f * d * s.x_sums[index];
+      }
+    }
+    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+    for (int r = 0; r < kInputs; ++r) {
+#if defined(PAGEDSERVE_GGUF_AVX2)
+      const float sum = sum_lanes(acc[r]);
+#else
+      const float sum = acc[r];
+#endif
+      s.y[(first_input + r) * s.n + column] = (sum + offsets[r]) + bias;
+    }
+  }
+}
+
+template <int64_t kType>
+void run_all_integer_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  int64_t input = 0;
+  for (; input + 4 <= s.m; input += 4) run_integer_columns<kType, 4>(s, first_column, end_column, input);
+  switch (s.m - input) {
+    case 3: run_integer_columns<kType, 3>(s, first_column, end_column, input); break;
+    case 2: run_integer_columns<kType, 2>(s, first_column, end_column, input); break;
+    case 1: run_integer_columns<kType, 1>(s, first_column, end_column, input); break;
+    default: break;
+  }
+}
+
+// Every input row, up to four at a time against each column range.
+template <class BlockDecoder>
+void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  int64_t input = 0;
+  for (; input + 4 <= s.m; input += 4) run_columns<BlockDecoder, 4>(s, first_column, end_column, input);
+  switch (s.m - input) {
+    case 3: run_columns<BlockDecoder, 3>(s, first_column, end_column, input); break;
+    case 2: run_columns<BlockDecoder, 2>(s, first_column, end_column, input); break;
+    case 1: run_columns<BlockDecoder, 1>(s, first_column, end_column, input); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
+  const State& s = *state_;
+  const int64_t first_column = begin * kRows, end_column = std::min(s.n, end * kRows);
+  if (first_column >= end_column) return;
+  switch (s.format_type) {
+    case kGgmlQ8_0: run_all_integer_inputs<kGgmlQ8_0>(s, first_column, end_column); break;
+    case kGgmlQ4_0: run_all_integer_inputs<kGgmlQ4_0>(s, first_column, end_column); break;
+    case kGgmlQ4_1: run_all_integer_inputs<kGgmlQ4_1>(s, first_column, end_column); break;
+    case kGgmlQ5_0: run_all_inputs<DecoderQ5_0>(s, first_column, end_column); break;
+    case kGgmlQ5_1: run_all_inputs<DecoderQ5_1>(s, first_column, end_column); break;
+    case kGgmlQ4_K: run_all_inputs<DecoderQ4_K>(s, first_column, end_column); break;
+    case kGgmlQ5_K: run_all_inputs<DecoderQ5_K>(s, first_column, end_column); break;
+    case kGgmlQ6_K: run_all_inputs<DecoderQ6_K>(s, first_column, end_column); break;
+    default: break;  // the constructor checked the type
+  }
+}
+
+void gguf_decode_row(const uint8_t* row, int64_t ggml_type, int64_t k, float* out) {
+  const GgmlBlockFormat format = ggml_block_format(ggml_type);
+  const BlockDecoder decode = block_decoder(ggml_type);
+  for (int64_t block = 0; block < k / format.values; ++block)
+    decode(row + block * format.bytes, out + block * format.values);
+}
+
+at::Tensor gguf_rows(const at::Tensor& weight, int64_t ggml_type, int64_t k, const at::Tensor& row_ids) {
+  const GgmlBlockFormat format = checked_format(weight, ggml_type, k, "gguf_rows");
+  const BlockDecoder decode = block_decoder(ggml_type);
+  const at::Tensor ids = row_ids.to(at::kLong).contiguous().reshape({-1});
+  const int64_t num_rows = weight.size(0), num_ids = ids.size(0);
+  const int64_t* id_data = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_ids; ++i)
+    TORCH_CHECK_INDEX(id_data[i] >= 0 && id_data[i] < num_rows, "gguf_rows: row id ", id_data[i],
+                      " is outside the table's ", num_rows, " rows");
+  at::Tensor out = at::empty({num_ids, k}, at::TensorOptions().dtype(at::kFloat));
+  float* out_data = out.data_ptr<float>();
+  const uint8_t* table = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.size(1), num_blocks = k / format.values;
+  at::parallel_for(0, num_ids, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i) {
+                       const uint8_t* row = table + id_data[i] * row_bytes;
+                       for (int64_t block = 0; block < num_blocks; ++block)
+                         decode(row + block * format.bytes, out_data + i * k + block * format.values);
+                     }
+                   });
+  return out;
+}
+
+}  // namespace pagedserve_native
+
+namespace {
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gguf_linear: x [M, K] and weight [N, bytes per row] expected, got ",
+              x.sizes(), " and ", weight.sizes());
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  const pagedserve_native::GgufLinearCall call(x, weight, ggml_type, bias, y);
+  at::parallel_for(0, call.num_units(), call.grain(), [&](int64_t begin, int64_t end) { call.run_units(begin, end); });
+  return y;
+}
+
+// The whole table as float32 [N, K]: the blocks of a prefill-sized product, which then runs as a GEMM.
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t ggml_type, int64_t k) {
+  return pagedserve_native::gguf_rows(weight, ggml_type, k, at::arange(weight.size(0), at::kLong));
+}
+
+at::Tensor gguf_embedding(const at::Tensor& weight, int64_t ggml_type, int64_t k, const at::Tensor& ids) {
+  at::Tensor rows = pagedserve_native::gguf_rows(weight, ggml_type, k, ids);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  return rows.reshape(shape);
+}
+
+int64_t gguf_linear_max_rows() { return pagedserve_native::kMaxInputs; }
+
+// Every build has the kernels (the AVX2 decoders where the level has AVX2, the reference decoders elsewhere).
+bool is_gguf_linear_supported() { return true; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, Tensor? bias) -> Tensor");
+  m.def("gguf_dequantize(Tensor weight, int ggml_type, int k) -> Tensor");
+  m.def("gguf_embedding(Tensor weight, int ggml_type, int k, Tensor ids) -> Tensor");
+  // No tensor arguments to dispatch on: a catch-all kernel.
+  m.def("gguf_linear_max_rows() -> int", &gguf_linear_max_rows);
+  m.def("is_gguf_linear_supported() -> bool", &is_gguf_linear_supported);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_embedding", &gguf_embedding);
+}

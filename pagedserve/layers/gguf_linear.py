@@ -1,0 +1,130 @@
+"""GGUF weights kept quantized: linear layers, LM heads and embedding tables that hold their ggml blocks.
+
+A GGUF file's Q4_1 matrix is 5 bits per value; dequantized to float32 at load it is 32. At batch 1 a decode step
+reads every weight once, so its time is the bytes it reads: the embedded SmolLM2-135M Q4_1 file is 96 MB of
+blocks and 540 MB of float32. Kept quantized, a layer's `weight` is a uint8 tensor [output rows, bytes per row]
+holding the file's blocks along each row (rows are independent: fused layers stack their parts' rows, Q/K row
+permutations and tensor-parallel row splits move whole rows), and `ggml_type` names the block layout.
+
+Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
+- decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp) decodes
+  each block in registers with ggml's reference arithmetic and multiplies it into every row;
+- larger batches (prefill chunks): the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time
+  (the same values, bitwise, as the file dequantized at load) and multiplied with F.linear.
+Embedding tables look up their rows the same way (`quantized_rows`).
+
+The kernels need the native CPU library; without it (PAGEDSERVE_CPU_ISA=none, a CPU without a build) the loader
+dequantizes at load instead (model_loader/gguf_quantized_load.py says so in the log).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.cpu_library import load_native_op
+from pagedserve.layers.linear import LinearMethodBase
+
+GGUF_LAYOUT = "gguf"
+# ggml type ids the kernels read, by name (kernels/cpu/gguf_linear.h GgmlType).
+KERNEL_TYPES: dict[int, str] = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K",
+                                14: "Q6_K"}
+# (values, bytes) per block of each kernel type.
+BLOCK_FORMATS: dict[int, tuple[int, int]] = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+                                             12: (256, 144), 13: (256, 176), 14: (256, 210)}
+# Batches of up to this many rows take the kernel; larger ones dequantize tiles for F.linear (the kernel's rows
+# reuse each decoded block only four at a time, a GEMM reuses it across the whole batch).
+KERNEL_MAX_ROWS = 8
+# Values of the float32 tile a large batch dequantizes at once (16 MiB): bounds the memory a prefill chunk takes
+# for a vocabulary-sized LM head.
+DEQUANTIZE_TILE_VALUES = 1 << 22
+
+_ops: dict[str, Any] | None = None
+
+
+def gguf_kernels_available() -> bool:
+    """Whether the native GGUF kernels are loaded (building the native library at first use)."""
+    global _ops
+    if _ops is None:
+        linear = load_native_op("gguf_linear", "is_gguf_linear_supported", _gguf_linear_fake)
+        if linear is None:
+            _ops = {}
+        else:
+            # Shapes for torch.compile's tracing (the linear's is registered by load_native_op).
+            torch.library.register_fake("pagedserve::gguf_dequantize")(
+                lambda weight, ggml_type, k: weight.new_empty((weight.shape[0], k), dtype=torch.float32))
+            torch.library.register_fake("pagedserve::gguf_embedding")(
+                lambda weight, ggml_type, k, ids: weight.new_empty((*ids.shape, k), dtype=torch.float32))
+            _ops = {"linear": linear, "dequantize": torch.ops.pagedserve.gguf_dequantize.default,
+                    "embedding": torch.ops.pagedserve.gguf_embedding.default}
+    return bool(_ops)
+
+
+def _gguf_linear_fake(x: torch.Tensor, weight: torch.Tensor, ggml_type: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def row_bytes(ggml_type: int, num_values: int) -> int:
+    """Bytes one row of `num_values` values takes in `ggml_type` blocks (ValueError when it is not whole blocks)."""
+    values, num_bytes = BLOCK_FORMATS[ggml_type]
+    if num_values % values:
+        raise ValueError(f"a {KERNEL_TYPES[ggml_type]} row of {num_values} values is not a whole number of "
+                         f"{values}-value blocks")
+    return num_values // values * num_bytes
+
+
+def dequantize_weight(weight: torch.Tensor, ggml_type: int, num_values: int) -> torch.Tensor:
+    """The float32 [rows, num_values] values of a kept-quantized weight (ggml's reference values, bitwise)."""
+    return _ops["dequantize"](weight, ggml_type, num_values)
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, num_values: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ dequantize(weight)^T + bias for x [..., num_values] in any float dtype (computed in float32, returned in
+    x's dtype)."""
+    rows = x.reshape(-1, num_values)
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    float_bias = None if bias is None else bias.float()
+    if rows.shape[0] <= KERNEL_MAX_ROWS:
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        output = _ops["linear"](rows, weight, ggml_type, float_bias)
+    else:
+        tile_rows = max(1, DEQUANTIZE_TILE_VALUES // num_values)
+        if weight.shape[0] <= tile_rows:
+            output = F.linear(rows, dequantize_weight(weight, ggml_type, num_values), float_bias)
+        else:
+            output = torch.cat([
+                F.linear(rows, dequantize_weight(weight[start:start + tile_rows], ggml_type, num_values),
+                         None if float_bias is None else float_bias[start:start + tile_rows])
+                for start in range(0, weight.shape[0], tile_rows)], dim=-1)
+    output = output.reshape(*x.shape[:-1], weight.shape[0])
+    return output if output.dtype == x.dtype else output.to(x.dtype)
+
+
+def quantized_rows(weight: torch.Tensor, ggml_type: int, num_values: int, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a kept-quantized table, shaped [*ids.shape, num_values], in `dtype` (an embedding lookup)."""
+    rows = _ops["embedding"](weight, ggml_type, num_values, ids)
+    return rows if dtype == torch.float32 else rows.to(dtype)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """A linear layer (or LM head) whose `weight` holds ggml blocks of type `layer.ggml_type` over
+    `layer.input_size_per_partition` values per row."""
+
+    layout = GGUF_LAYOUT
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return quantized_linear(x, layer.weight, layer.ggml_type, layer.input_size_per_partition, bias)
+
+
+GGUF_LINEAR_METHOD = GGUFLinearMethod()
+
+
+__all__ = ["BLOCK_FORMATS", "DEQUANTIZE_TILE_VALUES", "GGUFLinearMethod", "GGUF_LAYOUT", "GGUF_LINEAR_METHOD",
+           "KERNEL_MAX_ROWS", "KERNEL_TYPES", "dequantize_weight", "gguf_kernels_available", "quantized_linear",
+           "quantized_rows", "row_bytes"]

@@ -1,0 +1,221 @@
+"""The GGUF kernels (kernels/cpu/gguf_linear.cpp) against their references, for every type the kernels read, on
+synthetic blocks and on every tensor of the SmolLM2 file:
+- dequantization bitwise equal to ggml's reference decoders (model_loader/gguf_dequant.py);
+- products of the K types and Q5_0 / Q5_1 (float32 x times the decoded blocks) within float32 rounding of a float64
+  product on the dequantized weight;
+- products of Q8_0, Q4_0 and Q4_1 (x quantized to int16 per 32-value block, integer dot products) equal to an exact
+  integer reference of that arithmetic within float32 rounding, and within the activation quantization's bound,
+  sum over blocks of absmax(x) / 65534 * sum |w|, of the float64 product on the dequantized weight."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFReader, quants
+
+from pagedserve.layers import gguf_linear
+from pagedserve.layers.gguf_linear import (BLOCK_FORMATS, KERNEL_MAX_ROWS, KERNEL_TYPES, dequantize_weight,
+                                           gguf_kernels_available, quantized_linear, quantized_rows)
+from pagedserve.model_loader.default_model import resolve_model_path
+from pagedserve.model_loader.gguf_dequant import dequantize
+
+pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+
+# Types gguf-py quantizes (real blocks); the K types are random payload bytes with sane float16 scales.
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# A product's error bound relative to sum(|x| |w|): float32 accumulation over K <= 4096 values in 8 lanes.
+RELATIVE_TOLERANCE = 1e-5
+# The types whose products quantize x to int16 (kernels/cpu/gguf_linear.cpp is_integer_product_type).
+INTEGER_PRODUCT_TYPES = {GGMLQuantizationType.Q8_0.value, GGMLQuantizationType.Q4_0.value,
+                      GGMLQuantizationType.Q4_1.value}
+
+
+def blocks_of(type_name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, bytes per row] of `type_name` blocks."""
+    ggml_type = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed + ggml_type.value)
+    if type_name in QUANTIZABLE:
+        values = (rng.standard_normal((rows, k)) * rng.uniform(0.05, 3)).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(values, ggml_type)).view(np.uint8).reshape(rows, -1))
+    values_per_block, bytes_per_block = BLOCK_FORMATS[ggml_type.value]
+    raw = rng.integers(0, 256, size=(rows * k // values_per_block, bytes_per_block), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[type_name]:
+        raw[:, offset:offset + 2] = rng.uniform(-0.05, 0.05, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference_values(blocks: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:
+    return torch.from_numpy(dequantize(blocks.numpy(), ggml_type, (blocks.shape[0], k)))
+
+
+def assert_close_to_float64(output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None, ggml_type: int | None = None) -> None:
+    """`output` within float32 rounding of x @ weight^T + bias in float64, plus for the integer-product types the
+    bound of quantizing x to int16 per 32-value block."""
+    expected = x.double() @ weight.double().T
+    bound = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        expected += bias.double()
+        bound += bias.double().abs()
+    allowed = RELATIVE_TOLERANCE * bound + 1e-30
+    if ggml_type in INTEGER_PRODUCT_TYPES:
+        x_absmax = x.double().reshape(x.shape[0], -1, 32).abs().amax(-1)  # [M, blocks]
+        weight_sums = weight.double().abs().reshape(weight.shape[0], -1, 32).sum(-1)  # [N, blocks]
+        allowed = allowed + (x_absmax / 65534) @ weight_sums.T
+    error = (output.double() - expected).abs()
+    assert bool((error <= allowed).all()), float((error / allowed).max())
+
+
+def integer_product_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The integer-product arithmetic in float64 with exact integer dot products: x quantized per 32-value block as the
+    kernel does (d = absmax / 32767 in float32, q = round-half-even(x * (1 / d))), then per block
+    d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w d_x sum(q_x) for Q4_0)."""
+    num_rows, k = x.shape
+    x_blocks = x.float().reshape(num_rows, -1, 32)
+    d_x = x_blocks.abs().amax(-1) / 32767
+    inverse = torch.where(d_x != 0, 1 / d_x, torch.zeros_like(d_x))
+    q_x = torch.round(x_blocks * inverse.unsqueeze(-1)).to(torch.int64)  # [M, B, 32]
+    s_x = (d_x * q_x.sum(-1).float()).double()  # d * sum(q), in float32 as the kernel
+    raw = blocks.numpy().reshape(blocks.shape[0], -1, BLOCK_FORMATS[ggml_type][1])
+    d_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float64))
+    if ggml_type == GGMLQuantizationType.Q8_0.value:
+        q_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:34]).view(np.int8).astype(np.int64))
+    else:
+        packed = raw[:, :, 4:20] if ggml_type == GGMLQuantizationType.Q4_1.value else raw[:, :, 2:18]
+        q_w = torch.from_numpy(np.concatenate((packed & 0x0F, packed >> 4), axis=-1).astype(np.int64))
+    dots = torch.einsum("mbi,nbi->mnb", q_x, q_w).double()  # exact integers
+    scale = (d_w.float().unsqueeze(0) * d_x.unsqueeze(1)).double()  # d_w d_x in float32, as the kernel
+    result = (scale * dots).sum(-1)
+    if ggml_type == GGMLQuantizationType.Q4_1.value:
+        m_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float64))
+        result += (m_w.unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
+    elif ggml_type == GGMLQuantizationType.Q4_0.value:
+        result -= (8 * d_w.unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
+    return result
+
+
+def test_kernel_types_are_the_loaders_quantized_types() -> None:
+    assert set(KERNEL_TYPES.values()) == set(QUANTIZABLE) | set(SCALE_OFFSETS)
+    for ggml_type, (values, num_bytes) in BLOCK_FORMATS.items():
+        assert GGMLQuantizationType(ggml_type).name == KERNEL_TYPES[ggml_type]
+        from gguf import GGML_QUANT_SIZES
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] == (values, num_bytes)
+
+
+@pytest.mark.parametrize("type_name", list(KERNEL_TYPES.values()))
+def test_dequantize_and_rows_bitwise_the_reference(type_name: str) -> None:
+    ggml_type = GGMLQuantizationType[type_name].value
+    k = 512
+    blocks = blocks_of(type_name, 24, k)
+    reference = reference_values(blocks, ggml_type, k)
+    assert torch.equal(dequantize_weight(blocks, ggml_type, k).view(torch.int32), reference.view(torch.int32))
+    ids = torch.tensor([[3, 0], [23, 3]])
+    rows = quantized_rows(blocks, ggml_type, k, ids, torch.float32)
+    assert rows.shape == (2, 2, k) and torch.equal(rows, reference[ids])
+    assert torch.equal(quantized_rows(blocks, ggml_type, k, ids, torch.bfloat16), reference[ids].bfloat16())
+
+
+@pytest.mark.parametrize("type_name", list(KERNEL_TYPES.values()))
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 9, 40])
+def test_product_matches_float64_on_the_dequantized_weight(type_name: str, num_rows: int) -> None:
+    ggml_type = GGMLQuantizationType[type_name].value
+    k, n = 768, 37  # n not a multiple of the kernel's four-row units
+    blocks = blocks_of(type_name, n, k, seed=num_rows)
+    weight = reference_values(blocks, ggml_type, k)
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows))
+    bias = torch.randn(n)
+    product_type = ggml_type if num_rows <= KERNEL_MAX_ROWS else None  # larger batches: dequantized tiles
+    assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, None), x, weight, ggml_type=product_type)
+    assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, bias), x, weight, bias, ggml_type=product_type)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("num_rows", [1, 3, 6])
+def test_integer_products_equal_the_exact_integer_reference(type_name: str, num_rows: int) -> None:
+    ggml_type = GGMLQuantizationType[type_name].value
+    k, n = 1024, 21
+    blocks = blocks_of(type_name, n, k, seed=7 * num_rows)
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)) * 3
+    x[0, :32] = 0  # an all-zero block: d = 0
+    output = quantized_linear(x, blocks, ggml_type, k, None)
+    expected = integer_product_reference(x, blocks, ggml_type)
+    scale = x.double().abs() @ reference_values(blocks, ggml_type, k).double().abs().T
+    assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
+
+
+def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch) -> None:
+    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 256, 50
+    blocks = blocks_of("Q4_1", n, k)
+    x = torch.randn(KERNEL_MAX_ROWS + 3, k)
+    weight = reference_values(blocks, ggml_type, k)
+    whole = quantized_linear(x, blocks, ggml_type, k, None)
+    torch.testing.assert_close(whole, F.linear(x, weight), rtol=0, atol=0)
+    monkeypatch.setattr(gguf_linear, "DEQUANTIZE_TILE_VALUES", 16 * k)  # 16-row tiles: 4 of them, the last short
+    # Another GEMM shape: the same values up to the GEMM's blocking.
+    torch.testing.assert_close(quantized_linear(x, blocks, ggml_type, k, None), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
+    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 576, 300
+    blocks = blocks_of("Q4_1", n, k)
+    x = torch.randn(KERNEL_MAX_ROWS, k)
+    batch = quantized_linear(x, blocks, ggml_type, k, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for row in range(x.shape[0]):
+            assert torch.equal(quantized_linear(x[row:row + 1], blocks, ggml_type, k, None), batch[row:row + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bfloat16_inputs_compute_in_float32() -> None:
+    ggml_type, k, n = GGMLQuantizationType.Q8_0.value, 128, 16
+    blocks = blocks_of("Q8_0", n, k)
+    x = torch.randn(3, 2, k).bfloat16()
+    output = quantized_linear(x, blocks, ggml_type, k, None)
+    assert output.dtype == torch.bfloat16 and output.shape == (3, 2, n)
+    expected = quantized_linear(x.float().reshape(6, k), blocks, ggml_type, k, None).reshape(3, 2, n).bfloat16()
+    assert torch.equal(output, expected)
+
+
+def test_errors_name_the_problem() -> None:
+    blocks = blocks_of("Q4_1", 4, 64)
+    op = torch.ops.pagedserve
+    with pytest.raises(RuntimeError, match="K=96 is not a multiple"):
+        op.gguf_linear(torch.randn(1, 96), blocks_of("Q4_K", 4, 256), 12, None)
+    with pytest.raises(RuntimeError, match="weight rows hold 40 bytes, K=128 needs 80"):
+        op.gguf_linear(torch.randn(1, 128), blocks, 3, None)
+    with pytest.raises(RuntimeError, match="ggml type 1 has no kernel"):
+        op.gguf_linear(torch.randn(1, 64), blocks, 1, None)
+    with pytest.raises(RuntimeError, match="M=65 exceeds 64"):
+        op.gguf_linear(torch.randn(65, 64), blocks, 3, None)
+    with pytest.raises(RuntimeError, match="a float32 bias of 4 values"):
+        op.gguf_linear(torch.randn(1, 64), blocks, 3, torch.randn(5))
+    with pytest.raises(IndexError, match="row id 4 is outside the table's 4 rows"):
+        quantized_rows(blocks, 3, 64, torch.tensor([1, 4]), torch.float32)
+
+
+def test_every_tensor_of_the_smollm2_file() -> None:
+    try:
+        path = resolve_model_path(None)
+    except ValueError as error:
+        pytest.skip(str(error))
+    reader = GGUFReader(path)
+    x_by_k: dict[int, torch.Tensor] = {}
+    num_checked = 0
+    for tensor in reader.tensors:
+        ggml_type = int(tensor.tensor_type)
+        if ggml_type not in KERNEL_TYPES:
+            continue
+        rows, k = (int(d) for d in reversed(tensor.shape.tolist()))
+        blocks = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(rows, -1))
+        reference = torch.from_numpy(dequantize(tensor.data, ggml_type, (rows, k)))
+        assert torch.equal(dequantize_weight(blocks, ggml_type, k).view(torch.int32), reference.view(torch.int32)), \
+            tensor.name
+        x = x_by_k.setdefault(k, torch.randn(2, k, generator=torch.Generator().manual_seed(k)))
+        assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, None), x, reference, ggml_type=ggml_type)
+        num_checked += 1
+    assert num_checked == 211  # 30 layers x 7 Q4_1 matrices and the Q8_0 embedding

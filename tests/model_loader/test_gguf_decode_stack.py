@@ -1,0 +1,105 @@
+"""The native decode stack on GGUF blocks kept quantized (linear kind 5, models/native_decode_stack.py): decode steps
+bitwise equal to the modules' (layers/gguf_linear.py) in one region, op by op and past the kernel's 8 rows, with
+the greedy head sampling in the stack; the modules themselves are checked against transformers in
+test_gguf_kept_quantized.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.gguf_linear import gguf_kernels_available
+from pagedserve.models.native_decode_stack import GGUF_KIND, NativeDecodeForward, native_decode_stack_plan
+from test_gguf_tiny_files import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+
+NUM_STEPS = 24
+
+
+def random_prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """`num` prompts of random ids inside the tiny files' 268-token vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 268) for _ in range(rng.randint(low, high))] for _ in range(num)]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("gguf-stack")
+    files = {}
+    for name, architecture, ggml_type, with_output in (
+            ("llama-q4_1-tied", "llama", GGMLQuantizationType.Q4_1, False),
+            ("qwen2-q8_0", "qwen2", GGMLQuantizationType.Q8_0, True)):  # q/k/v biases, a Q8_0 head of its own
+        files[name] = str(folder / f"{name}.gguf")
+        write_tiny_gguf(files[name], architecture, ggml_type, with_output=with_output, seed=7,
+                        norm_weights_near_one=True)
+    return files
+
+
+def _llm(path: str, **options) -> LLM:
+    return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=160, **options)
+
+
+def _forward(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
+
+
+def _generate(llm: LLM, prompts: list[list[int]], **params) -> list[tuple[list[int], list]]:
+    sampling = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
+                                      for step in (o.outputs[0].logprobs or [])]) for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
+@pytest.mark.parametrize("num_prompts", [1, 3, 10])  # 10 rows: past the kernel's 8, dequantized tiles op by op
+def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: str, num_prompts: int) -> None:
+    import pagedserve.models.native_decode_stack as stack_module
+
+    prompts = random_prompts(num_prompts, 4, 30, seed=num_prompts)
+    results = []
+    for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
+        monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
+        llm = _llm(gguf_files[name], native_decode_stack=enabled)
+        results.append(_generate(llm, prompts, logprobs=5))
+        forward = _forward(llm)
+        if enabled:
+            assert isinstance(forward, NativeDecodeForward)
+            assert forward.plan.linear_kind == GGUF_KIND and forward.num_stack_steps == NUM_STEPS - 1
+            in_region = forward.plan.native.num_one_region_steps()
+            assert in_region == (NUM_STEPS - 1 if num_prompts <= min(8, one_region_max_rows) else 0)
+        else:
+            assert not isinstance(forward, NativeDecodeForward)
+    assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
+def test_greedy_steps_sample_on_the_quantized_head_in_the_stack(gguf_files, name: str) -> None:
+    prompts = random_prompts(3, 4, 30, seed=5)
+    llm = _llm(gguf_files[name])
+    forward = _forward(llm)
+    assert forward.plan.greedy_head is not None and forward.plan.head_type != 0
+    greedy = _generate(llm, prompts)
+    assert forward.num_greedy_steps == NUM_STEPS - 1
+    assert greedy == _generate(_llm(gguf_files[name], native_decode_stack=False), prompts)
+
+
+def test_bfloat16_gguf_model_keeps_the_modules(gguf_files) -> None:
+    llm = LLM(gguf_files["llama-q4_1-tied"], dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    assert "bfloat16" in native_decode_stack_plan(model, torch.bfloat16).reason
+    assert not isinstance(_forward(llm), NativeDecodeForward)
+
+
+def test_plan_object_checks_the_block_types(gguf_files) -> None:
+    llm = _llm(gguf_files["llama-q4_1-tied"])
+    _generate(llm, [[5, 6, 7]])  # the native plan is made at the first decode step
+    forward = _forward(llm)
+    native = forward.plan.native
+    with pytest.raises(RuntimeError, match="linear types expected"):
+        native.set_gguf_types([3], 8, 8)
+    with pytest.raises(RuntimeError, match="has no kernel"):
+        native.set_gguf_types([1] * len(forward.plan.weight_types), 3, 3)

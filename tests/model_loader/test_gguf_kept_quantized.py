@@ -1,0 +1,156 @@
+"""GGUF weights kept quantized (model_loader/gguf_quantized_load.py, layers/gguf_linear.py): which modules keep
+their blocks, that the engine then generates what transformers generates from the same file's dequantized weights,
+and that it is the default with `gguf_dequantize=True` and a missing native build keeping the old path."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from safetensors.torch import save_file
+
+from hf_reference import hf_greedy_with_logprobs
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.embedding import VocabParallelEmbedding
+from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, gguf_kernels_available
+from pagedserve.layers.linear import LinearBase
+from pagedserve.model_loader.gguf_loader import load_gguf
+from test_gguf_tiny_files import write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+
+NUM_STEPS = 32
+# Logprob by which a pick may trail transformers' argmax (assert_transformers_argmax).
+ARGMAX_TOLERANCE = 0.02
+PROMPTS = [[5, 40, 77, 100, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 200, 150], [260, 4]]
+
+
+def _model_of(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True)
+    return [output.outputs[0].token_ids for output in
+            llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params, use_tqdm=False)]
+
+
+def _hf_folder_of(gguf_path: str, folder: str) -> str:
+    """An HF folder holding the GGUF file's config and its weights dequantized to float32 (by the reference
+    decoders, themselves bitwise gguf-py's)."""
+    model = load_gguf(gguf_path, use_cache=False)
+    os.makedirs(folder, exist_ok=True)
+    model.hf_config.save_pretrained(folder)
+    save_file({name: tensor.contiguous() for name, tensor in model.weights(torch.float32)},
+              os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def assert_transformers_argmax(folder: str, outputs: list[list[int]]) -> None:
+    """Every token of `outputs` (greedy continuations of PROMPTS) is transformers' argmax on the dequantized weights,
+    given the same prefix, or within ARGMAX_TOLERANCE of it: the int8 activations of the Q8_0 / Q4_0 / Q4_1 decode
+    products move logits by ~1e-3 (tests/layers/test_gguf_linear.py bounds them), so a near tie may pick the other
+    token, after which the sequences differ. Also counts that the picks are mostly exact."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    num_exact = num_steps = 0
+    for prompt, tokens in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        best = logprobs.max(dim=-1).values
+        assert bool((picked >= best - ARGMAX_TOLERANCE).all()), (prompt, tokens, (best - picked).max())
+        num_exact += int((picked == best).sum())
+        num_steps += len(tokens)
+    assert num_exact >= 0.9 * num_steps, (num_exact, num_steps)
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("gguf-kept")
+    files = {}
+    for name, architecture, ggml_type, with_output in (
+            ("llama-q4_1", "llama", GGMLQuantizationType.Q4_1, False),
+            ("llama-q8_0-head", "llama", GGMLQuantizationType.Q8_0, True),
+            ("qwen2-q5_0", "qwen2", GGMLQuantizationType.Q5_0, True)):
+        path = str(folder / f"{name}.gguf")
+        write_tiny_gguf(path, architecture, ggml_type, with_output=with_output, seed=len(files) + 3,
+                        norm_weights_near_one=True)
+        files[name] = path
+    return files
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "llama-q8_0-head", "qwen2-q5_0"])
+def test_greedy_picks_are_transformers_argmax_on_the_dequantized_weights(tiny_files, tmp_path, name: str) -> None:
+    path = tiny_files[name]
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    model = _model_of(llm)
+    quantized = [module for module in model.modules() if isinstance(module, LinearBase)
+                 and module.linear_method is GGUF_LINEAR_METHOD]
+    assert len(quantized) == 8  # qkv, o, gate_up, down in both layers
+    assert all(module.weight.dtype == torch.uint8 for module in quantized)
+    assert model.model.embed_tokens.ggml_type is not None and model.lm_head.linear_method is GGUF_LINEAR_METHOD
+    assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(llm))
+
+
+def test_tied_head_shares_the_embedding_blocks_and_memory_is_the_files(tiny_files) -> None:
+    path = tiny_files["llama-q4_1"]
+    model = _model_of(LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.ggml_type == GGMLQuantizationType.Q4_1.value
+    # The blocks themselves: the 2-D weights hold the file's payload bytes, the embedding padded to 64-row groups.
+    file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors if len(tensor.shape) == 2)
+    embedding = model.model.embed_tokens
+    padding = (embedding.num_embeddings_per_partition - embedding.org_vocab_size) * embedding.weight.shape[1]
+    resident = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters()
+                   if parameter.dim() == 2)
+    assert resident == file_bytes + padding
+
+
+def test_mixed_types_in_a_fused_layer_load_that_layer_dequantized(tmp_path) -> None:
+    """Q4_K_M-style: attn_v in another type than attn_q/attn_k, so that qkv_proj cannot keep one block type: it
+    loads dequantized, every other layer keeps its blocks, and the output is still transformers'."""
+    path = str(tmp_path / "mixed.gguf")
+    write_tiny_gguf(path, "llama", GGMLQuantizationType.Q4_1, seed=11,
+                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q8_0}, norm_weights_near_one=True)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    layers = _model_of(llm).model.layers
+    assert layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert layers[0].self_attn.qkv_proj.linear_method is not GGUF_LINEAR_METHOD
+    assert layers[1].self_attn.qkv_proj.linear_method is GGUF_LINEAR_METHOD
+    assert layers[0].mlp.gate_up_proj.linear_method is GGUF_LINEAR_METHOD
+    assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(llm))
+
+
+def test_gguf_dequantize_keeps_the_float_path(tiny_files, tmp_path) -> None:
+    path = tiny_files["llama-q8_0-head"]
+    dequantized = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128, gguf_dequantize=True)
+    model = _model_of(dequantized)
+    assert not any(isinstance(module, VocabParallelEmbedding) and module.ggml_type is not None
+                   for module in model.modules())
+    assert all(module.weight.dtype == torch.float32 for module in model.modules() if isinstance(module, LinearBase))
+    expected = [tokens for tokens, _ in hf_greedy_with_logprobs(_hf_folder_of(path, str(tmp_path / "hf")), PROMPTS,
+                                                                NUM_STEPS, 1)]
+    assert _greedy(dequantized) == expected
+
+
+def test_without_the_native_kernels_the_weights_load_dequantized(tiny_files, monkeypatch) -> None:
+    from pagedserve.layers import gguf_linear
+    from pagedserve.model_loader.model_source import open_model_source
+
+    monkeypatch.setattr(gguf_linear, "_ops", {})
+    weights = open_model_source(tiny_files["llama-q4_1"]).weights(torch.float32, keep_quantized=True)
+    assert not callable(weights)
+    assert all(tensor.dtype == torch.float32 for _, tensor in weights)
+
+
+def test_bfloat16_model_keeps_blocks_and_computes_in_float32(tiny_files) -> None:
+    path = tiny_files["llama-q4_1"]
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
+    assert _model_of(llm).model.embed_tokens.weight.dtype == torch.uint8
+    float32 = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    # bfloat16 activations between the layers: the first token (a wide margin on this model) agrees.
+    assert [tokens[0] for tokens in _greedy(llm)] == [tokens[0] for tokens in _greedy(float32)]
