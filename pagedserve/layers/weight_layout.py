@@ -238,7 +238,8 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
     with torch.no_grad():
         if layout == PREPACKED_LAYOUT:
             for layer in _linear_layers(model):
-                if layer.weight_read_elsewhere or not can_prepack_on_cpu(layer.weight.dtype):
+                if layer.weight_read_elsewhere or layer.linear_method.is_quantized \
+                        or not can_prepack_on_cpu(layer.weight.dtype):
                     continue
                 PREPACKED_LINEAR_METHOD.process_weights_after_loading(layer)
                 layer.linear_method = PREPACKED_LINEAR_METHOD
@@ -282,8 +283,8 @@ def restore_plain_layout(model: nn.Module) -> int:
     count = 0
     with torch.no_grad():
         for module in _linear_layers(model) + _lm_heads(model):
-            if module.linear_method is UNQUANTIZED_LINEAR_METHOD:
-                continue
+            if module.linear_method is UNQUANTIZED_LINEAR_METHOD or module.linear_method.is_quantized:
+                continue  # quantized layers keep their checkpoint layout
             _restore_plain_weight(module)
             module.linear_method = UNQUANTIZED_LINEAR_METHOD
             count += 1

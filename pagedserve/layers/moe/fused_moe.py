@@ -26,6 +26,7 @@ from pagedserve.layers.moe.expert_placement import identity_placement, replica_m
 from pagedserve.layers.moe.fused_experts import fused_experts, group_by_slot, grouped_swiglu_experts
 from pagedserve.layers.moe.moe_options import current_moe_options
 from pagedserve.layers.moe.router import select_experts
+from pagedserve.layers.quantization.quantization_context import check_fused_experts
 
 SHARD_IDS = ("w1", "w2", "w3")
 
@@ -52,6 +53,8 @@ class FusedMoE(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
+        # A checkpoint that quantizes the experts is refused here, before any parameter exists.
+        check_fused_experts(prefix)
         options = current_moe_options()
         if ep_group is None:
             ep_group = get_ep_group() if options.enable_expert_parallel else GroupCoordinator(name="ep")
