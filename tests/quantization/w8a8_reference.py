@@ -1,0 +1,62 @@
+"""The independent oracle of the W8A8 model tests: HF transformers in float32 with the checkpoint's int8 weights
+dequantized into its linears and their inputs fake-quantized to int8 (per token, or with the static scale)."""
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+
+def _dynamic_fake_quant(module: torch.nn.Module, args: tuple) -> tuple:
+    x = args[0]
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (torch.round(x / safe).clamp(-127, 127) * scale,) + args[1:]
+
+
+def _static_fake_quant(scale: torch.Tensor):  # type: ignore[no-untyped-def]
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        return (torch.round(args[0] / scale).clamp(-128, 127) * scale,) + args[1:]
+
+    return hook
+
+
+def dequantized_hf_model(source_folder: str, quantized_folder: str) -> torch.nn.Module:
+    """The float model of `source_folder` running the quantized checkpoint's W8A8 arithmetic in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source_folder, local_files_only=True, dtype=torch.float32).eval()
+    tensors = load_file(f"{quantized_folder}/model.safetensors")
+    num_quantized = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            scale = tensors.get(f"{name}.weight_scale")
+            if scale is None:
+                continue
+            module.weight.copy_(tensors[f"{name}.weight"].float() * scale.float())
+            input_scale = tensors.get(f"{name}.input_scale")
+            module.register_forward_pre_hook(_dynamic_fake_quant if input_scale is None
+                                             else _static_fake_quant(input_scale.float()))
+            num_quantized += 1
+    assert num_quantized > 0
+    return model
+
+
+@torch.no_grad()
+def greedy_with_logprobs(model: torch.nn.Module, prompt: list[int], max_new_tokens: int
+                         ) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each chosen token's logprob (EOS does not stop)."""
+    input_ids = torch.tensor([prompt])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [float(torch.log_softmax(logits[0].float(), -1)[token]) for logits, token in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The logprob `model` gives each of `tokens` after the prompt and the tokens before it."""
+    sequence = torch.tensor([prompt + tokens])
+    logprobs = torch.log_softmax(model(sequence).logits[0].float(), -1)
+    return [float(logprobs[len(prompt) - 1 + step, token]) for step, token in enumerate(tokens)]
