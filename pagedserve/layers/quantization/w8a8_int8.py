@@ -21,8 +21,8 @@ from torch import nn
 from pagedserve.layers.linear import (LinearBase, LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear)
 from pagedserve.layers.quantization.int8_matmul import (half_precision_kernel_fits, int8_matmul_exact,
-                                                         int8_matmul_scaled_half, quantize_per_tensor,
-                                                         quantize_per_token)
+                                                         int8_matmul_scaled_half, quantize_per_tensor)
+from pagedserve.layers.quantization.int8_quant_op import quantize_per_token_traceable
 
 W8A8_INT8_LAYOUT = "w8a8_int8"
 
@@ -138,17 +138,20 @@ class W8A8Int8LinearMethod(LinearMethodBase):
 
     # ---- compute ------------------------------------------------------------------------------------------
     def quantize_input(self, layer: LinearBase, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [M, K] -> (x_q int8 [M, K], x_scale float32 [M, 1] or [1])."""
+        """x [..., K] -> (x_q int8 [..., K], x_scale float32 [..., 1] per token, or [1] static)."""
         if self.is_static_input:
             return quantize_per_tensor(x, layer.input_scale), layer.input_scale
-        return quantize_per_token(x)
+        return quantize_per_token_traceable(x)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        leading = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = self.quantize_input(layer, x2)
-        output = self.apply_quantized(layer, x_q, x_scale, bias, x.dtype)
-        return output.reshape(*leading, output.shape[-1])
+        # Quantized before any reshape: in a traced graph the quantization then consumes the producer's output
+        # directly (an RMSNorm's: the norm+quant fusion pass looks for exactly that).
+        x_q, x_scale = self.quantize_input(layer, x)
+        input_size = x.shape[-1]
+        if not self.is_static_input:
+            x_scale = x_scale.reshape(-1, 1)
+        output = self.apply_quantized(layer, x_q.reshape(-1, input_size), x_scale, bias, x.dtype)
+        return output.reshape(*x.shape[:-1], output.shape[-1])
 
     def apply_quantized(self, layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor,
                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
