@@ -55,7 +55,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     with torch.device(device), building_with_quantization(quantization):
         model = model_class(hf_config, model_config.dtype)
     if weights is None:
-        loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices)
+        loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices,
+                                 keep_file_dtype=quantization.is_scale_tensor if quantization is not None else None)
     else:
         loaded = model.load_weights(weights)
     missing = sorted(set(name for name, _ in model.named_parameters()) - loaded)

@@ -42,9 +42,9 @@ def _copy(folder: str, tmp_path, *, config_change=None, tensors_change=None) -> 
     return target
 
 
-def _load(folder: str) -> torch.nn.Module:
+def _load(folder: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    return load_model(ModelConfig(model=folder, hf_config=hf_config, dtype=torch.float32), "cpu")
+    return load_model(ModelConfig(model=folder, hf_config=hf_config, dtype=dtype), "cpu")
 
 
 def test_good_checkpoint_loads_int8_layers(quantized: str) -> None:
@@ -52,6 +52,15 @@ def test_good_checkpoint_loads_int8_layers(quantized: str) -> None:
     layer = model.model.layers[0].mlp.down_proj
     assert layer.weight.dtype == torch.int8 and layer.linear_method.is_quantized
     assert model.lm_head.weight.dtype == torch.float32  # ignored by the config
+
+
+def test_bfloat16_model_keeps_float32_scales(quantized: str) -> None:
+    model = _load(quantized, torch.bfloat16)
+    layer = model.model.layers[0].self_attn.qkv_proj
+    file_scales = load_file(os.path.join(quantized, "model.safetensors"))
+    expected = torch.cat([file_scales[f"model.layers.0.self_attn.{name}_proj.weight_scale"] for name in "qkv"])
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, expected)
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("change, message", [

@@ -21,6 +21,7 @@ from pagedserve.layers.quantization.w8a8_int8 import W8A8Int8LinearMethod
 
 SUPPORTED_QUANT_METHOD = "compressed-tensors"
 SUPPORTED_FORMATS = ("int-quantized",)
+SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 # vLLM's fused modules; a model's own packed_modules_mapping extends it.
 DEFAULT_PACKED_MODULES: dict[str, list[str]] = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -114,6 +115,12 @@ class CompressedTensorsConfig:
             if (input_strategy, dynamic) not in (("token", True), ("tensor", False)):
                 raise ValueError(f"{where}.input_activations.strategy={input_strategy!r} dynamic={dynamic!r} is not "
                                  f"supported; supported: 'token' with dynamic true, or 'tensor' with dynamic false")
+
+    @staticmethod
+    def is_scale_tensor(name: str) -> bool:
+        """Whether the checkpoint tensor `name` is a quantization scale (loaded in its file dtype, not the model's:
+        the scale parameters are float32)."""
+        return name.endswith(SCALE_SUFFIXES)
 
     # ---- per layer ----------------------------------------------------------------------------------------
     def _parts(self, prefix: str) -> list[str]:
