@@ -9,9 +9,11 @@ weights (`IntQuantizationCompressor`); the scheme is its 'W8A8' preset (per-toke
 with static per-tensor activations whose scales come from the input ranges each linear saw while the float model
 (HF transformers) ran over a calibration text.
 
-Quantized: the decoder layers' linear modules (HF nn.Linear). Kept as they are and listed in `ignore`: the LM head,
-MoE routers and routed experts (pagedserve has no W8A8 experts yet), MLA's kv_b_proj (read outside its forward),
-and every non-linear tensor (embeddings, norms). Tokenizer and other files are copied.
+Quantized: the decoder layers' linear modules (HF nn.Linear) and, with dynamic activations, the MoE routed experts'
+per-expert projections (`...experts.<E>.<projection>.weight`; transformers holds them as 3-D parameters, so they
+are found by name). Kept as they are and listed in `ignore`: the LM head, MoE routers, MLA's kv_b_proj (read outside
+its forward), the routed experts under static activations (the calibration run records nn.Linear inputs only), and
+every non-linear tensor (embeddings, norms). Tokenizer and other files are copied.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ import torch
 
 SCHEMES = ("w8a8",)
 # Linear modules kept in the model dtype (regexes on the HF module name, compressed-tensors 're:' entries).
-_KEPT_LINEARS = (r".*lm_head$", r".*mlp\.gate$", r".*\.experts\..*", r".*shared_expert_gate$", r".*kv_b_proj$")
+_KEPT_LINEARS = (r".*lm_head$", r".*mlp\.gate$", r".*shared_expert_gate$", r".*kv_b_proj$")
+# A routed expert's projection in the checkpoint (HF per-expert names).
+_EXPERT_WEIGHT = re.compile(r"^(?P<module>.+\.experts\.\d+\.\w+)\.weight$")
+_EXPERTS_IGNORE = r"re:.*\.experts\..*"
 _CALIBRATION_SEQUENCE_TOKENS = 512
 _OUTPUT_FILE = "model.safetensors"
 _SKIPPED_FILES = ("model.safetensors.index.json", "config.json")
@@ -154,13 +159,14 @@ def quantize_checkpoint(model: str, out: str, scheme: str = "w8a8", calibration:
 
     quantized = set(quantized_names)
     tensors: dict[str, torch.Tensor] = {}
-    num_quantized = 0
+    num_quantized = num_experts_quantized = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 tensor = handle.get_tensor(name)
                 module_name = name.removesuffix(".weight")
-                if not (name.endswith(".weight") and module_name in quantized):
+                is_expert = not static and _EXPERT_WEIGHT.match(name) is not None
+                if not (name.endswith(".weight") and (module_name in quantized or is_expert)):
                     tensors[name] = tensor
                     continue
                 if tensor.dim() != 2 or not tensor.is_floating_point():
@@ -179,6 +185,7 @@ def quantize_checkpoint(model: str, out: str, scheme: str = "w8a8", calibration:
                                                        quantization_scheme.input_activations)
                     tensors[f"{module_name}.input_scale"] = input_scale.float().reshape(1)
                 num_quantized += 1
+                num_experts_quantized += is_expert
     if num_quantized == 0:
         raise ValueError(f"model={model!r}: no linear layer weight to quantize was found")
 
@@ -190,8 +197,10 @@ def quantize_checkpoint(model: str, out: str, scheme: str = "w8a8", calibration:
     save_file(tensors, os.path.join(out, _OUTPUT_FILE), metadata={"format": "pt"})
     quantization_config = QuantizationConfig(
         config_groups={"group_0": quantization_scheme}, format="int-quantized", quantization_status="compressed",
-        # The routed experts are not nn.Linear modules in transformers 5 (fused 3-D parameters): name them too.
-        ignore=kept_names + [r"re:.*\.experts\..*"])
+        # Routers and routed experts are not nn.Linear modules in transformers 5 (a router module, fused 3-D expert
+        # parameters): the kept kinds are listed by pattern as well as by name.
+        ignore=kept_names + [f"re:{pattern}" for pattern in _KEPT_LINEARS[1:]]
+        + ([] if num_experts_quantized else [_EXPERTS_IGNORE]))
     config_json["quantization_config"] = quantization_config.model_dump(mode="json", exclude_none=True)
     with open(os.path.join(out, "config.json"), "w") as handle:
         json.dump(config_json, handle, indent=2)

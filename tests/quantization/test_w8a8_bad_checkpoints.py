@@ -110,10 +110,11 @@ def test_float_weights_under_a_quantized_config_are_refused(tiny_model_dir, tmp_
         _load(folder)
 
 
-def test_quantized_moe_experts_are_refused_before_building(tiny_model_dir, tmp_path) -> None:
+def test_static_moe_experts_are_refused_before_building(tiny_model_dir, tmp_path) -> None:
     folder = _copy(tiny_model_dir("qwen3-moe"), tmp_path,
-                   config_change=lambda config: config.update(quantization_config=w8a8_config()))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: W8A8 MoE experts are not supported yet"):
+                   config_change=lambda config: config.update(quantization_config=w8a8_config(static=True)))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: W8A8 MoE experts need per-channel "
+                                         r"weight scales and dynamic per-token activations"):
         _load(folder)
 
 

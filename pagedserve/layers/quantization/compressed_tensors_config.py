@@ -7,6 +7,8 @@ weights are 8-bit symmetric int with a 'channel' (or 'tensor') strategy and stat
 group-wise, output activations, a KV-cache scheme, another quant_method or format) is a ValueError naming the group,
 the field and the value, raised before any layer is built.
 
+MoE experts (FusedMoE) are quantized when all their projections fall in one dynamic per-channel group.
+
 A layer gets the scheme of the first group whose targets match it ('Linear' matches every linear; otherwise an
 exact module name or 're:<regex>', compressed-tensors' `match_name`) unless a name in `ignore` matches it. A fused
 layer (qkv_proj, gate_up_proj) is matched through its checkpoint parts (the model's packed_modules_mapping); its
@@ -154,14 +156,23 @@ class CompressedTensorsConfig:
         group = self.group_of(prefix)
         return None if group is None else self._methods[group]
 
-    def check_fused_experts(self, prefix: str) -> None:
-        """MoE experts are not quantized yet: refuse a checkpoint that quantizes them (before anything loads)."""
-        for projection in ("gate_proj", "up_proj", "down_proj"):
-            expert = f"{prefix}.0.{projection}"
-            if self._group_of_name(expert) is not None:
-                raise ValueError(f"{prefix}: W8A8 MoE experts are not supported yet (quantization_config "
-                                 f"quantizes {expert!r}); list the experts in quantization_config.ignore or use an "
-                                 f"unquantized checkpoint")
+    def experts_are_quantized(self, prefix: str) -> bool:
+        """Whether the routed experts named `prefix` (checkpoint `<prefix>.<E>.<projection>`) are quantized: all of
+        their projections in one dynamic group (W8A8 experts run per-token dynamic activations), or none."""
+        projections = {f"{prefix}.0.{projection}": None for projection in ("gate_proj", "up_proj", "down_proj")}
+        groups = {name: self._group_of_name(name) for name in projections}
+        if len(set(groups.values())) > 1:
+            raise ValueError(f"{prefix}: the expert projections are quantized differently ({groups}); pagedserve "
+                             f"stacks them, so quantization_config must treat them alike")
+        group = next(iter(groups.values()))
+        if group is None:
+            return False
+        if self._methods[group].is_static_input or self._methods[group].is_per_tensor_weight:
+            raise ValueError(f"{prefix}: W8A8 MoE experts need per-channel weight scales and dynamic per-token "
+                             f"activations; quantization_config.config_groups.{group} has "
+                             f"{'static activations' if self._methods[group].is_static_input else 'per-tensor weights'}"
+                             f" (list the experts in quantization_config.ignore, or quantize them dynamically)")
+        return True
 
     def check_lm_head(self, name: str = "lm_head") -> None:
         """The LM head is not a quantizable layer: refuse a config that quantizes it."""

@@ -26,7 +26,7 @@ def _quantize_per_token_int8_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def is_tracing() -> bool:
     """Whether the caller is being traced into a graph (Dynamo or torch.fx), where the op form is wanted."""
-    return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_tracing()
+    return torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
 def quantize_per_token_traceable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,9 @@ class LinearQuantization(Protocol):
     def linear_method(self, prefix: str) -> "LinearMethodBase | None":
         """The method of the linear layer named `prefix` (HF module name), None when it stays unquantized."""
 
-    def check_fused_experts(self, prefix: str) -> None:
-        """Raise ValueError when the MoE experts named `prefix` are quantized in the checkpoint and cannot be."""
+    def experts_are_quantized(self, prefix: str) -> bool:
+        """Whether the MoE experts named `prefix` are W8A8 int8 in the checkpoint (ValueError when they are
+        quantized in a way pagedserve cannot run)."""
 
 
 _building_with: ContextVar["LinearQuantization | None"] = ContextVar("pagedserve_quantization", default=None)
@@ -45,8 +46,7 @@ def quantized_linear_method(prefix: str) -> "LinearMethodBase | None":
     return None if config is None else config.linear_method(prefix)
 
 
-def check_fused_experts(prefix: str) -> None:
-    """ValueError when the current config quantizes the experts named `prefix` (see LinearQuantization)."""
+def quantized_experts(prefix: str) -> bool:
+    """Whether the current config quantizes the MoE experts named `prefix` (see LinearQuantization)."""
     config = _building_with.get()
-    if config is not None:
-        config.check_fused_experts(prefix)
+    return config is not None and config.experts_are_quantized(prefix)
