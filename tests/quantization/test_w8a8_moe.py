@@ -99,6 +99,7 @@ def _rank_main(rank: int, port: int, results) -> None:  # type: ignore[no-untype
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned ranks (~25 s); the W8A8 expert compute is covered by the single-layer test
 def test_expert_parallel_and_eplb_move_int8_experts_with_their_scales() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -124,7 +125,7 @@ def test_expert_parallel_and_eplb_move_int8_experts_with_their_scales() -> None:
             torch.testing.assert_close(collected[rank][1][index], expected, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["qwen3-moe", pytest.param("deepseek-v3", marks=pytest.mark.slow)])
 def test_w8a8_moe_model_equals_dequantized_reference(kind: str, tiny_model_dir, tmp_path) -> None:
     source = tiny_model_dir(kind)
     quantized = _quantize(source, str(tmp_path / "w8a8"))
