@@ -128,3 +128,18 @@ def test_quantize_command_refuses_bad_requests(tiny_model_dir, quantized: str, t
         quantize_checkpoint(quantized, str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"exists and is not empty"):
         quantize_checkpoint(source, quantized)
+
+
+def test_weight_layouts_leave_int8_layers_alone(quantized: str) -> None:
+    from pagedserve.layers.weight_layout import (PREPACKED_LAYOUT, apply_weight_layout, can_prepack_on_cpu,
+                                                 restore_plain_layout, weight_layout_of)
+
+    model = _load(quantized)
+    assert weight_layout_of(model) == {"w8a8_int8": 8}  # 2 layers x (qkv, o, gate_up, down)
+    layer = model.model.layers[1].self_attn.o_proj
+    weight, method = layer.weight, layer.linear_method
+    if can_prepack_on_cpu(torch.float32):
+        assert apply_weight_layout(model, PREPACKED_LAYOUT) == 1  # the LM head only
+    assert restore_plain_layout(model) <= 1
+    assert layer.weight is weight and layer.linear_method is method and weight.dtype == torch.int8
+    assert weight_layout_of(model) == {"w8a8_int8": 8}
