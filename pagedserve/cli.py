@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate | chat | serve | bench serve | features."""
+"""The `pagedserve` command: generate | chat | serve | bench serve | features | quantize."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,18 @@ def _cmd_features(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from pagedserve.quantization.quantize_checkpoint import quantize_checkpoint
+
+    summary = quantize_checkpoint(args.model, args.out, scheme=args.scheme, calibration=args.calibration,
+                                  static=args.static)
+    activations = (f"static per-tensor activation scales from {summary.num_calibration_tokens} calibration tokens"
+                   if summary.is_static else "dynamic per-token activations")
+    print(f"wrote {summary.out}: {summary.num_quantized} linear layers int8 ({activations}), "
+          f"{summary.num_kept} tensors kept as they were")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.server.launcher import run_serve
 
@@ -127,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(handler=_cmd_bench_serve)
+
+    quantize = commands.add_parser("quantize", help="write a W8A8 int8 compressed-tensors checkpoint of an HF folder")
+    quantize.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
+    quantize.add_argument("--out", required=True, help="new output folder")
+    quantize.add_argument("--scheme", default="w8a8", help="quantization scheme (w8a8: int8 weights per channel, "
+                                                          "int8 activations)")
+    quantize.add_argument("--static", action="store_true",
+                          help="static per-tensor activation scales from --calibration (default: dynamic per token)")
+    quantize.add_argument("--calibration", default=None, help="UTF-8 text file the float model runs over (--static)")
+    quantize.set_defaults(handler=_cmd_quantize)
 
     features = commands.add_parser("features", help="list the features this build implements")
     features.add_argument("--markdown", action="store_true", help="print docs/features.md")

@@ -161,6 +161,39 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/moe/test_fused_moe.py", "tests/moe/test_moe_hf_parity.py"),
     ),
     Feature(
+        line="model", family="quantization", feature="W8A8 int8 linear layers from compressed-tensors checkpoints "
+                                                     "(int-quantized; per-channel int8 weights, per-token dynamic "
+                                                     "or static per-tensor int8 activations, int32 accumulation), "
+                                                     "loaded with no flag; TP-sharded weights and scales; "
+                                                     "`pagedserve quantize` writes them from an HF folder",
+        modules=("pagedserve.layers.quantization.compressed_tensors_config",
+                 "pagedserve.layers.quantization.w8a8_int8", "pagedserve.layers.quantization.int8_matmul",
+                 "pagedserve.quantization.quantize_checkpoint"),
+        knobs=(),
+        docs="docs/quantization.md",
+        tests=("tests/quantization/test_w8a8_linear.py", "tests/quantization/test_w8a8_models.py",
+               "tests/quantization/test_w8a8_bad_checkpoints.py"),
+    ),
+    Feature(
+        line="model", family="quantization", feature="W8A8 int8 MoE experts: grouped int8 gate_up + SwiGLU + "
+                                                     "re-quant of the down projection's input in one pass "
+                                                     "(gmm_swiglu_quant), EP dispatch, EPLB moves the scales",
+        modules=("pagedserve.layers.moe.w8a8_experts", "pagedserve.layers.moe.fused_moe",
+                 "pagedserve.eplb.rebalancer"),
+        knobs=(),
+        docs="docs/quantization.md",
+        tests=("tests/quantization/test_w8a8_moe.py",),
+    ),
+    Feature(
+        line="model", family="fused ops", feature="norm + quant fusion: a residual RMSNorm feeding a W8A8 dynamic "
+                                                  "linear produces the int8 activation and its scale in one op "
+                                                  "(captured graphs)",
+        modules=("pagedserve.compilation.add_rms_norm_fusion", "pagedserve.layers.quantization.int8_quant_op"),
+        knobs=("compilation_config",),
+        docs="docs/params-03-fused-operators.md",
+        tests=("tests/compilation/test_norm_quant_fusion.py",),
+    ),
+    Feature(
         line="model", family="MLA", feature="multi-head latent attention: latent KV cache, weight absorption, "
                                             "per-layer KV cache specs",
         modules=("pagedserve.layers.mla_attention", "pagedserve.attention.mla_paged",

@@ -13,6 +13,7 @@ import torch
 from torch.library import custom_op, register_fake
 
 from pagedserve.kernels import elementwise as native_elementwise
+from pagedserve.layers.quantization.int8_matmul import quantize_per_token
 
 # ---------------------------------------------------------------- residual add + RMSNorm
 
@@ -46,6 +47,35 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def _fused_add_rms_norm_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(x)
+
+
+# ---------------------------------------------------------------- residual add + RMSNorm + per-token int8 quant
+
+
+def add_rms_norm_quant_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 per-token quantization of weight * rmsnorm(x + residual), its float32 scale [.., 1], x + residual):
+    what a W8A8 dynamic linear consuming the norm's output computes first (layers/quantization/)."""
+    normed, summed = add_rms_norm_reference(x, residual, weight, eps)
+    x_q, scale = quantize_per_token(normed)
+    return x_q, scale, summed
+
+
+@custom_op("pagedserve::fused_add_rms_norm_quant", mutates_args=())
+def fused_add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The norm's output is quantized as soon as it is made and never leaves this op (no graph value, no
+    # allocation the compiler must keep); bitwise the unfused pair (fused_add_rms_norm, then the per-token quant).
+    normed, summed = fused_add_rms_norm(x, residual, weight, eps)
+    x_q, scale = quantize_per_token(normed)
+    return x_q, scale, summed
+
+
+@register_fake("pagedserve::fused_add_rms_norm_quant")
+def _fused_add_rms_norm_quant_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32),
+            torch.empty_like(x))
 
 
 # ---------------------------------------------------------------- per-head q/k RMSNorm + RoPE
@@ -113,5 +143,5 @@ def _muls_add_fake(x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tens
     return torch.empty_like(torch.broadcast_tensors(x, y)[0])
 
 
-__all__ = ["add_rms_norm_reference", "fused_add_rms_norm", "muls_add", "muls_add_reference", "qk_norm_rope",
+__all__ = ["add_rms_norm_quant_reference", "add_rms_norm_reference", "fused_add_rms_norm", "fused_add_rms_norm_quant", "muls_add", "muls_add_reference", "qk_norm_rope",
            "qk_norm_rope_reference"]

@@ -33,33 +33,35 @@ def move_expert_weights(layer, new_placement: torch.Tensor) -> None:
     rank = layer.ep_rank
     old_rows = layer.physical_to_logical.reshape(ep_size, slots).tolist()
     new_rows = new_placement.to(torch.long).reshape(ep_size, slots).tolist()
-    old_w13, old_w2 = layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone()
+    # Every per-slot tensor moves: the weights, and the scales of quantized experts (layer.expert_tensors()).
+    tensors = layer.expert_tensors()
+    old_tensors = [tensor.detach().clone() for tensor in tensors]
     sources = transfer_sources(old_rows, new_rows)
     operations = []
-    receives: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    receives: list[tuple[int, list[torch.Tensor]]] = []
     group = layer.ep_group
     for (destination, expert), source in sorted(sources.items()):
         if source == rank and destination != rank:
             slot = old_rows[rank].index(expert)
-            for tensor in (old_w13[slot], old_w2[slot]):
-                operations.append(torch.distributed.P2POp(torch.distributed.isend, tensor.contiguous(),
+            for old in old_tensors:
+                operations.append(torch.distributed.P2POp(torch.distributed.isend, old[slot].contiguous(),
                                                           group.ranks[destination], group.process_group))
         elif destination == rank:
-            buffers = (torch.empty_like(old_w13[0]), torch.empty_like(old_w2[0]))
+            buffers = [torch.empty_like(old[0]) for old in old_tensors]
             for tensor in buffers:
                 operations.append(torch.distributed.P2POp(torch.distributed.irecv, tensor,
                                                           group.ranks[source], group.process_group))
-            receives.append((expert, *buffers))
+            receives.append((expert, buffers))
     if operations:
         for request in torch.distributed.batch_isend_irecv(operations):
             request.wait()
-    received = {expert: (w13, w2) for expert, w13, w2 in receives}
+    received = dict(receives)
     for slot, expert in enumerate(new_rows[rank]):
         if expert in old_rows[rank]:
             old_slot = old_rows[rank].index(expert)
-            layer.w13_weight[slot].copy_(old_w13[old_slot])
-            layer.w2_weight[slot].copy_(old_w2[old_slot])
+            sources_of_slot = [old[old_slot] for old in old_tensors]
         else:
-            layer.w13_weight[slot].copy_(received[expert][0])
-            layer.w2_weight[slot].copy_(received[expert][1])
+            sources_of_slot = received[expert]
+        for tensor, source_tensor in zip(tensors, sources_of_slot):
+            tensor[slot].copy_(source_tensor)
     layer.set_placement(new_placement)

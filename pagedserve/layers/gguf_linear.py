@@ -117,6 +117,7 @@ class GGUFLinearMethod(LinearMethodBase):
     `layer.input_size_per_partition` values per row."""
 
     layout = GGUF_LAYOUT
+    is_quantized = True  # layout transforms and restore_plain_layout leave the blocks alone
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quantized_linear(x, layer.weight, layer.ggml_type, layer.input_size_per_partition, bias)

@@ -26,6 +26,7 @@ from pagedserve.distributed import (
     resolve_tensor_parallel,
     tensor_model_parallel_all_gather,
 )
+from pagedserve.layers.quantization.quantization_context import quantized_linear_method
 from pagedserve.layers.watched_attributes import WatchedAttributes
 from pagedserve.layers.weight_loading import check_shape, divide
 
@@ -35,6 +36,13 @@ class LinearMethodBase:
 
     # The layout name this method keeps the weight in ('plain' or a platform layout).
     layout: str = "plain"
+    # True for methods whose parameters the checkpoint stores quantized (layers/quantization/): layout transforms
+    # and restore_plain_layout leave such layers alone.
+    is_quantized: bool = False
+
+    def create_weights(self, layer: "LinearBase", params_dtype: torch.dtype) -> None:
+        """Register the layer's parameters (quantized methods only; the plain weight is made by LinearBase)."""
+        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: "LinearBase") -> None:
         """Called once every weight of `layer` is loaded; may replace `layer.weight` by another layout."""
@@ -94,11 +102,17 @@ class LinearBase(WatchedAttributes, nn.Module):
         # __getattr__.
         self.packed_weight: torch.Tensor | None = None
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
-        # Parameters are filled by the loader, so they start uninitialised (no wasted init pass).
-        self.weight = nn.Parameter(
-            torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        # A checkpoint's quantization config (set while load_model builds the model) may quantize this layer.
+        quantized_method = quantized_linear_method(prefix) if prefix else None
+        if quantized_method is not None:
+            self.linear_method = quantized_method
+            quantized_method.create_weights(self, dtype)
+        else:
+            # Parameters are filled by the loader, so they start uninitialised (no wasted init pass).
+            self.weight = nn.Parameter(
+                torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype), requires_grad=False
+            )
+            self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(self._bias_size(), dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader

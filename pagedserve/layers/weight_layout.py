@@ -47,7 +47,6 @@ from pagedserve.config.load import WEIGHT_LAYOUTS
 from pagedserve.kernels import cpu_isa
 from pagedserve.layers.amx_linear import AMX_PACKED_LAYOUT, AMX_PACKED_LINEAR_METHOD, amx_linear_available, amx_pack
 from pagedserve.layers.embedding import ParallelLMHead
-from pagedserve.layers.gguf_linear import GGUF_LAYOUT
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase, LinearMethodBase, packed_weight_of
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 from pagedserve.layers.small_batch_linear import (PLAIN_NATIVE_LAYOUT, SMALL_BATCH_LINEAR_METHOD,
@@ -239,7 +238,8 @@ def apply_weight_layout(model: nn.Module, layout: str) -> int:
     with torch.no_grad():
         if layout == PREPACKED_LAYOUT:
             for layer in _linear_layers(model):
-                if layer.weight_read_elsewhere or not can_prepack_on_cpu(layer.weight.dtype):
+                if layer.weight_read_elsewhere or layer.linear_method.is_quantized \
+                        or not can_prepack_on_cpu(layer.weight.dtype):
                     continue
                 PREPACKED_LINEAR_METHOD.process_weights_after_loading(layer)
                 layer.linear_method = PREPACKED_LINEAR_METHOD
@@ -283,8 +283,8 @@ def restore_plain_layout(model: nn.Module) -> int:
     count = 0
     with torch.no_grad():
         for module in _linear_layers(model) + _lm_heads(model):
-            if module.linear_method is UNQUANTIZED_LINEAR_METHOD or module.linear_method.layout == GGUF_LAYOUT:
-                continue  # GGUF blocks have no plain float layout to go back to
+            if module.linear_method is UNQUANTIZED_LINEAR_METHOD or module.linear_method.is_quantized:
+                continue  # quantized layers keep their checkpoint layout
             _restore_plain_weight(module)
             module.linear_method = UNQUANTIZED_LINEAR_METHOD
             count += 1

@@ -23,7 +23,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -64,13 +64,16 @@ def partition_entries(entries: list[CheckpointEntry], num_parts: int) -> list[li
     return [part for part in parts if part]
 
 
-def _weight_stream(reader: CheckpointReader, entries: list[CheckpointEntry], dtype: torch.dtype | None,
-                   read_slices: bool, failed: threading.Event) -> Iterator[tuple[str, Any]]:
-    """(name, tensor or CheckpointSlice) for `entries`; each is released once the loader asks for the next."""
+def _weight_stream(reader: CheckpointReader, entries: list[CheckpointEntry], model_dtype: torch.dtype | None,
+                   read_slices: bool, failed: threading.Event,
+                   keep_file_dtype: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, tensor or CheckpointSlice) for `entries`; each is released once the loader asks for the next.
+    Floating-point tensors are converted to `model_dtype`, except those `keep_file_dtype` names."""
     for entry in entries:
         if failed.is_set():
             return  # another thread failed: stop early, its error is the one raised
         name = entry.name
+        dtype = None if keep_file_dtype is not None and keep_file_dtype(name) else model_dtype
         try:
             if read_slices:
                 yield name, _checkpoint_slice(reader, name, dtype)
@@ -93,7 +96,8 @@ def _checkpoint_slice(reader: CheckpointReader, name: str, dtype: torch.dtype | 
 
 
 def _load_runs_in_threads(model: nn.Module, reader: CheckpointReader, runs: list[list[CheckpointEntry]],
-                          dtype: torch.dtype | None, read_slices: bool, failed: threading.Event) -> set[str]:
+                          dtype: torch.dtype | None, read_slices: bool, failed: threading.Event,
+                          keep_file_dtype: Callable[[str], bool] | None = None) -> set[str]:
     """One thread per run, each calling model.load_weights on its run; all are joined before returning,
     and the first error (by run order) is raised once they have all stopped."""
     results: list[set[str] | None] = [None] * len(runs)
@@ -101,7 +105,8 @@ def _load_runs_in_threads(model: nn.Module, reader: CheckpointReader, runs: list
 
     def load_run(index: int) -> None:
         try:
-            results[index] = model.load_weights(_weight_stream(reader, runs[index], dtype, read_slices, failed))
+            results[index] = model.load_weights(_weight_stream(reader, runs[index], dtype, read_slices, failed,
+                                                               keep_file_dtype))
         except BaseException as error:  # re-raised in the calling thread below
             errors[index] = error
             failed.set()  # the other runs stop at their next tensor
@@ -125,9 +130,11 @@ def _load_runs_in_threads(model: nn.Module, reader: CheckpointReader, runs: list
 
 
 def load_checkpoint(model: nn.Module, folder: str, dtype: torch.dtype | None,
-                    load_config: LoadConfig | None = None, read_slices: bool = False) -> set[str]:
+                    load_config: LoadConfig | None = None, read_slices: bool = False,
+                    keep_file_dtype: Callable[[str], bool] | None = None) -> set[str]:
     """Load the safetensors checkpoint in `folder` into `model`; returns the loaded parameter names
-    (as `model.load_weights` does)."""
+    (as `model.load_weights` does). Tensors named by `keep_file_dtype` skip the conversion to `dtype` (a
+    quantized checkpoint's float32 scales: their parameters are float32 whatever the model dtype)."""
     load_config = load_config or LoadConfig()
     files = safetensors_weight_files(folder)
     num_threads = load_config.num_load_threads
@@ -135,10 +142,11 @@ def load_checkpoint(model: nn.Module, folder: str, dtype: torch.dtype | None,
     failed = threading.Event()
     with open_checkpoint_reader(files, load_config.safetensors_load_strategy) as reader:
         if num_threads == 1:
-            loaded = model.load_weights(_weight_stream(reader, reader.entries, dtype, read_slices, failed))
+            loaded = model.load_weights(_weight_stream(reader, reader.entries, dtype, read_slices, failed,
+                                                       keep_file_dtype))
         else:
             loaded = _load_runs_in_threads(model, reader, partition_entries(reader.entries, num_threads), dtype,
-                                           read_slices, failed)
+                                           read_slices, failed, keep_file_dtype)
     logger.info("loaded %d checkpoint tensors from %d file(s) in %.2f s (strategy %s, %d thread(s))",
                 len(reader.entries), len(files), time.perf_counter() - started,
                 load_config.safetensors_load_strategy, num_threads)

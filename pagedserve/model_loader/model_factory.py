@@ -8,6 +8,9 @@ from torch import nn
 
 from pagedserve.config.load import LoadConfig
 from pagedserve.config.model import ModelConfig
+from pagedserve.layers.linear import LinearBase
+from pagedserve.layers.quantization.compressed_tensors_config import CompressedTensorsConfig
+from pagedserve.layers.quantization.quantization_context import building_with_quantization
 from pagedserve.layers.weight_layout import apply_weight_layout
 from pagedserve.model_loader.load_strategies import load_checkpoint
 from pagedserve.model_loader.safetensors_loader import safetensors_weight_files
@@ -34,6 +37,10 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     and threads (model_loader/load_strategies.py), as tensor-parallel slices when `read_slices`. Every
     parameter must be loaded, else ValueError names the missing ones. Then the linear layers take
     `weight_layout` ('plain' or 'prepacked', as resolved by layers/weight_layout.resolve_weight_layout).
+
+    A checkpoint whose config.json has a compressed-tensors `quantization_config` (W8A8 int8) builds the layers
+    it quantizes with their quantized method (layers/quantization/); an unsupported config is a ValueError before
+    anything is built, and layout transforms leave quantized layers alone.
     """
     if weights is None:
         # Fail on a bad folder before building anything.
@@ -41,11 +48,16 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     hf_config = _hf_config(model_config)
     model_class = resolve_model_class(hf_config)
     device = torch.device(device)
+    quantization = CompressedTensorsConfig.from_hf_config(
+        hf_config, getattr(model_class, "packed_modules_mapping", None))
+    if quantization is not None:
+        quantization.check_lm_head()
     # Parameters are allocated uninitialised directly on the target device; the loader fills them.
-    with torch.device(device):
+    with torch.device(device), building_with_quantization(quantization):
         model = model_class(hf_config, model_config.dtype)
     if weights is None:
-        loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices)
+        loaded = load_checkpoint(model, model_config.model, model_config.dtype, load_config, read_slices,
+                                 keep_file_dtype=quantization.is_scale_tensor if quantization is not None else None)
     else:
         if callable(weights):  # a stream that adapts the built model first (GGUF blocks kept quantized)
             weights = weights(model)
@@ -55,5 +67,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
         shown = missing[:20] + ([f"... and {len(missing) - 20} more"] if len(missing) > 20 else [])
         raise ValueError(f"model {model_config.model!r}: the checkpoint has no weights for {len(missing)} "
                          f"parameter(s): {shown}")
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.linear_method.is_quantized:
+            module.linear_method.process_weights_after_loading(module)
     apply_weight_layout(model, weight_layout)
     return model.eval()

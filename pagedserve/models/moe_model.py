@@ -28,7 +28,9 @@ from pagedserve.models.pipeline_split import PipelineMissingLayer, PipelineStage
 # checkpoint projection name -> FusedMoE shard id
 EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight$")
+# `field`: the weight, or its per-channel scale in a W8A8 checkpoint.
+_EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.(?P<field>weight|weight_scale)$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -181,7 +183,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 match = _EXPERT_NAME.match(name)
                 if match and match["projection"] in EXPERT_SHARDS:
                     shard_id = EXPERT_SHARDS[match["projection"]]
-                    param_name = f"{match['prefix']}.{'w2_weight' if shard_id == 'w2' else 'w13_weight'}"
+                    param_name = (f"{match['prefix']}.{'w2' if shard_id == 'w2' else 'w13'}_"
+                                  f"{match['field']}")
                     param = self._parameter(params, param_name, name)
                     param.weight_loader(param, tensor, shard_id, int(match["expert"]))
                     # w13 needs gate and up of every expert, w2 the down of every expert.

@@ -11,6 +11,8 @@ single index_add_. This is the CPU realisation of a grouped GEMM.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -50,15 +52,18 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     slot_ids: torch.Tensor,  # [num_tokens, top_k] int64 slot of each pair in w13/w2
+    compute_slots: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """sum_k topk_weights[t, k] * expert_{slot_ids[t, k]}(hidden_states[t]) (the grouped path)."""
+    """sum_k topk_weights[t, k] * expert_{slot_ids[t, k]}(hidden_states[t]) (the grouped path). `compute_slots`
+    (rows sorted by slot, counts) -> unweighted outputs replaces the float SwiGLU (W8A8 experts pass theirs)."""
     num_tokens, top_k = slot_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     order, counts = group_by_slot(slot_ids, w13.shape[0])
     token_of_pair = order // top_k
     rows = hidden_states.index_select(0, token_of_pair)
-    expert_out = grouped_swiglu_experts(rows, counts.tolist(), w13, w2)
+    expert_out = (grouped_swiglu_experts(rows, counts.tolist(), w13, w2) if compute_slots is None
+                  else compute_slots(rows, counts.tolist()))
     weights = topk_weights.reshape(-1).index_select(0, order).to(expert_out.dtype)
     output = torch.zeros_like(hidden_states)
     output.index_add_(0, token_of_pair, expert_out * weights[:, None])

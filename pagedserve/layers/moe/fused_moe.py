@@ -26,6 +26,8 @@ from pagedserve.layers.moe.expert_placement import identity_placement, replica_m
 from pagedserve.layers.moe.fused_experts import fused_experts, group_by_slot, grouped_swiglu_experts
 from pagedserve.layers.moe.moe_options import current_moe_options
 from pagedserve.layers.moe.router import select_experts
+from pagedserve.layers.moe.w8a8_experts import grouped_swiglu_experts_w8a8
+from pagedserve.layers.quantization.quantization_context import quantized_experts
 
 SHARD_IDS = ("w1", "w2", "w3")
 
@@ -52,6 +54,9 @@ class FusedMoE(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
+        # W8A8 int8 experts when the checkpoint's quantization config quantizes them (an unsupported scheme is
+        # refused here, before any parameter exists).
+        self.is_quantized = quantized_experts(prefix)
         options = current_moe_options()
         if ep_group is None:
             ep_group = get_ep_group() if options.enable_expert_parallel else GroupCoordinator(name="ep")
@@ -77,12 +82,21 @@ class FusedMoE(nn.Module):
         placement = identity_placement(num_experts, num_redundant_experts, self.ep_size)
         self.num_local_slots = self.num_physical_experts // self.ep_size
         dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        weight_dtype = torch.int8 if self.is_quantized else dtype
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_slots, 2 * intermediate_size, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
+                                                   dtype=weight_dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_slots, hidden_size, intermediate_size,
-                                                  dtype=dtype), requires_grad=False)
+                                                  dtype=weight_dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        if self.is_quantized:
+            # Per output channel of each expert, sharded with its rows (compressed-tensors' weight_scale).
+            self.w13_weight_scale = nn.Parameter(torch.empty(self.num_local_slots, 2 * intermediate_size, 1,
+                                                             dtype=torch.float32), requires_grad=False)
+            self.w2_weight_scale = nn.Parameter(torch.empty(self.num_local_slots, hidden_size, 1,
+                                                            dtype=torch.float32), requires_grad=False)
+            self.w13_weight_scale.weight_loader = self.weight_loader
+            self.w2_weight_scale.weight_loader = self.weight_loader
         if use_correction_bias:
             # DeepSeek-V3 / GLM-4.5: a checkpoint buffer, biases the expert *choice* only.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
@@ -108,21 +122,35 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.prefix}: shard_id={shard_id!r} must be one of {list(SHARD_IDS)}")
         if not 0 <= expert_id < self.num_logical_experts:
             raise ValueError(f"{self.prefix}: expert_id={expert_id} must be in [0, {self.num_logical_experts - 1}]")
+        # A weight's columns are the input size; a per-channel scale's single column is 1.
+        columns = param.shape[-1]
         if shard_id == "w2":
-            expected = (self.hidden_size, self.intermediate_size)
+            expected = (self.hidden_size, columns)
             rows = slice(None)
         else:
-            expected = (self.intermediate_size, self.hidden_size)
+            expected = (self.intermediate_size, columns)
             offset = 0 if shard_id == "w1" else self.intermediate_size
             rows = slice(offset, offset + self.intermediate_size)
+        field = "weight_scale" if param.dtype == torch.float32 and self.is_quantized else "weight"
         if tuple(loaded_weight.shape) != expected:
-            raise ValueError(f"{self.prefix}: expert {expert_id} {shard_id} has shape {tuple(loaded_weight.shape)}, "
-                             f"expected {expected}")
+            raise ValueError(f"{self.prefix}: expert {expert_id} {shard_id} {field} has shape "
+                             f"{tuple(loaded_weight.shape)}, expected {expected}")
+        if self.is_quantized and field == "weight" and loaded_weight.dtype != torch.int8:
+            raise ValueError(f"{self.prefix}: expert {expert_id} {shard_id} weight has dtype {loaded_weight.dtype}, "
+                             f"but quantization_config quantizes the experts to int8")
         with torch.no_grad():
             for slot in self.local_slots_of(expert_id):
                 param[slot, rows].copy_(loaded_weight)
 
     # ---- placement (EPLB) -------------------------------------------------------------------------
+    def expert_tensors(self) -> list[nn.Parameter]:
+        """Every per-slot tensor of the experts ([num_local_slots, ...]): what a placement change moves (the
+        int8 weights together with their scales)."""
+        tensors = [self.w13_weight, self.w2_weight]
+        if self.is_quantized:
+            tensors += [self.w13_weight_scale, self.w2_weight_scale]
+        return tensors
+
     def set_placement(self, physical_to_logical: torch.Tensor) -> None:
         """Install a new placement; the caller has already put the matching weights into the slots."""
         placement = physical_to_logical.to(torch.long).cpu()
@@ -164,8 +192,16 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = self.route(router_logits)
             self._record(topk_ids)
             slots = self.physical_ids(topk_ids)
-            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, slots)
+            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, slots,
+                                 compute_slots=self._compute_slots if self.is_quantized else None)
         return self._forward_expert_parallel(hidden_states, router_logits)
+
+    def _compute_slots(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows sorted by local slot through their slot's expert MLP (unweighted)."""
+        if self.is_quantized:
+            return grouped_swiglu_experts_w8a8(rows, counts, self.w13_weight, self.w13_weight_scale,
+                                               self.w2_weight, self.w2_weight_scale)
+        return grouped_swiglu_experts(rows, counts, self.w13_weight, self.w2_weight)
 
     def _record(self, topk_ids: torch.Tensor) -> None:
         if self.record_load and topk_ids.numel():
@@ -191,8 +227,7 @@ class FusedMoE(nn.Module):
         recv_rows = ep.all_to_all_single(shard.index_select(0, token_of_pair), recv_splits, send_splits)
         recv_slots = ep.all_to_all_single((physical % self.num_local_slots)[order], recv_splits, send_splits)
         slot_order, slot_counts = group_by_slot(recv_slots, self.num_local_slots)
-        computed = grouped_swiglu_experts(recv_rows.index_select(0, slot_order), slot_counts.tolist(),
-                                          self.w13_weight, self.w2_weight)
+        computed = self._compute_slots(recv_rows.index_select(0, slot_order), slot_counts.tolist())
         expert_out = torch.empty_like(computed)
         expert_out[slot_order] = computed
         # Combine: results travel back along the reverse splits, in the order they were sent.

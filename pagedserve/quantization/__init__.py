@@ -1,0 +1,1 @@
+"""Offline checkpoint quantization (`pagedserve quantize`)."""
