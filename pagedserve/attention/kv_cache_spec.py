@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +44,7 @@ class KVCacheSpec:
         element_size = torch.empty((), dtype=dtype).element_size()
         return block_size * self.elements_per_token() * element_size
 
-    def int8_page_layout(self, block_size: int) -> "Int8KVPageLayout":
+    def int8_page_layout(self, block_size: int) -> Int8KVPageLayout:
         """The int8 page of a dense K/V spec (ValueError for a spec without int8 support)."""
         from pagedserve.attention.kv_quantization import Int8KVPageLayout
 

@@ -151,6 +151,16 @@ def dequantize_kv_cache(kv_cache: torch.Tensor, dtype: torch.dtype = torch.float
     return dequantize(kv_cache, kv_cache_scales(kv_cache), dtype).contiguous()
 
 
-__all__ = ["Int8KVPageLayout", "KV_SCALE_DTYPE", "allocate_int8_kv_cache", "dequantize", "dequantize_kv_cache",
-           "gather_dequantized_blocks", "int8_page_layout", "is_int8_kv_cache", "kv_cache_scales",
-           "quantize_per_token_head", "write_to_int8_kv_cache"]
+__all__ = [
+    "KV_SCALE_DTYPE",
+    "Int8KVPageLayout",
+    "allocate_int8_kv_cache",
+    "dequantize",
+    "dequantize_kv_cache",
+    "gather_dequantized_blocks",
+    "int8_page_layout",
+    "is_int8_kv_cache",
+    "kv_cache_scales",
+    "quantize_per_token_head",
+    "write_to_int8_kv_cache",
+]

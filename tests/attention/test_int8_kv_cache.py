@@ -14,10 +14,20 @@ import torch
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
-from pagedserve.attention.kv_quantization import (Int8KVPageLayout, allocate_int8_kv_cache, dequantize,
-                                                  dequantize_kv_cache, kv_cache_scales, quantize_per_token_head,
-                                                  write_to_int8_kv_cache)
-from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, reference_paged_attention, write_to_kv_cache
+from pagedserve.attention.kv_quantization import (
+    Int8KVPageLayout,
+    allocate_int8_kv_cache,
+    dequantize,
+    dequantize_kv_cache,
+    kv_cache_scales,
+    quantize_per_token_head,
+    write_to_int8_kv_cache,
+)
+from pagedserve.attention.torch_paged import (
+    TorchPagedAttentionBackend,
+    reference_paged_attention,
+    write_to_kv_cache,
+)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

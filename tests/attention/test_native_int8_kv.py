@@ -14,13 +14,21 @@ import math
 
 import pytest
 import torch
+from test_int8_kv_cache import SCHEDULE, dequantized_reference, paged_case
 
-from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, paged_decode_attention, reshape_and_cache
-from pagedserve.attention.kv_quantization import (Int8KVPageLayout, allocate_int8_kv_cache, kv_cache_scales,
-                                                  write_to_int8_kv_cache)
+from pagedserve.attention.cpu_native import (
+    CpuNativeAttentionBackend,
+    paged_decode_attention,
+    reshape_and_cache,
+)
+from pagedserve.attention.kv_quantization import (
+    Int8KVPageLayout,
+    allocate_int8_kv_cache,
+    kv_cache_scales,
+    write_to_int8_kv_cache,
+)
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend
 from pagedserve.kernels import cpu_library
-from test_int8_kv_cache import SCHEDULE, dequantized_reference, paged_case
 
 
 @pytest.fixture(scope="module", autouse=True)
