@@ -72,13 +72,67 @@ class Int8KVPageLayout:
         return data, scales
 
 
+@dataclass(frozen=True)
+class Int8LatentPageLayout:
+    """One MLA latent page: int8 rows [block_size, kv_lora_rank + rope_dim], then (4-aligned) float32 scales
+    [block_size, 2]: scale 0 for the compressed latent c (the first kv_lora_rank values), scale 1 for the rotary
+    key k_pe (the rest). The two parts have unrelated magnitudes, so each gets its own scale."""
+
+    block_size: int
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def scale_offset(self) -> int:
+        return -(-self.block_size * self.width // _SCALE_BYTES) * _SCALE_BYTES
+
+    @property
+    def page_bytes(self) -> int:
+        return self.scale_offset + self.block_size * 2 * _SCALE_BYTES
+
+    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data int8 [nb, bs, width], scales float32 [nb, bs, 2]) over `pages` uint8 [nb, page_bytes]."""
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes \
+                or not pages.is_contiguous():
+            raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] tensor, got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+        num_blocks = pages.shape[0]
+        data = pages.view(torch.int8).as_strided((num_blocks, self.block_size, self.width),
+                                                 (self.page_bytes, self.width, 1))
+        words = pages.view(-1).view(KV_SCALE_DTYPE)
+        scales = words.as_strided((num_blocks, self.block_size, 2), (self.page_bytes // _SCALE_BYTES, 2, 1),
+                                  self.scale_offset // _SCALE_BYTES)
+        return data, scales
+
+
+def quantize_latent(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA latent rows [..., kv_lora_rank + rope] -> (int8 rows, float32 scales [..., 2]): c and k_pe each
+    quantized as one row (quantize_per_token_head)."""
+    parts = [quantize_per_token_head(part) for part in (latent[..., :kv_lora_rank], latent[..., kv_lora_rank:])]
+    return (torch.cat([parts[0][0], parts[1][0]], dim=-1),
+            torch.stack([parts[0][1], parts[1][1]], dim=-1))
+
+
+def dequantize_latent(quantized: torch.Tensor, scales: torch.Tensor, kv_lora_rank: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_latent: [..., kv_lora_rank + rope] in `dtype` (computed in float32)."""
+    values = torch.cat([dequantize(quantized[..., :kv_lora_rank], scales[..., 0]),
+                        dequantize(quantized[..., kv_lora_rank:], scales[..., 1])], dim=-1)
+    return values if dtype == torch.float32 else values.to(dtype)
+
+
 def int8_page_layout(kv_cache: torch.Tensor) -> Int8KVPageLayout:
     """The page layout of an int8 data view [2, num_blocks, block_size, num_kv_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     return Int8KVPageLayout(block_size, num_kv_heads, head_dim)
 
 
-def allocate_int8_kv_cache(num_blocks: int, layout: Int8KVPageLayout, allocate_zeros) -> torch.Tensor:
+def allocate_int8_kv_cache(num_blocks: int, layout: Int8KVPageLayout | Int8LatentPageLayout,
+                           allocate_zeros) -> torch.Tensor:
     """Zeroed pages for `num_blocks` block ids; returns the data view with its scale view attached.
     `allocate_zeros(shape, dtype)` is the platform's allocator (Platform.allocate_zeros)."""
     pages = allocate_zeros((num_blocks, layout.page_bytes), torch.uint8)
@@ -96,6 +150,9 @@ def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
     scales = getattr(kv_cache, _SCALES_ATTRIBUTE, None)
     if scales is not None:
         return scales
+    if kv_cache.dim() != 5:
+        raise ValueError(f"kv_cache (int8, shape {tuple(kv_cache.shape)}) has no attached scale view "
+                         f"(allocate it with allocate_int8_kv_cache)")
     layout = int8_page_layout(kv_cache)
     if kv_cache.stride(1) != layout.page_bytes or kv_cache.storage_offset() != 0:
         raise ValueError(f"kv_cache (int8) is not a page view: block stride {kv_cache.stride(1)} != page bytes "
@@ -154,13 +211,16 @@ def dequantize_kv_cache(kv_cache: torch.Tensor, dtype: torch.dtype = torch.float
 __all__ = [
     "KV_SCALE_DTYPE",
     "Int8KVPageLayout",
+    "Int8LatentPageLayout",
     "allocate_int8_kv_cache",
     "dequantize",
     "dequantize_kv_cache",
+    "dequantize_latent",
     "gather_dequantized_blocks",
     "int8_page_layout",
     "is_int8_kv_cache",
     "kv_cache_scales",
+    "quantize_latent",
     "quantize_per_token_head",
     "write_to_int8_kv_cache",
 ]

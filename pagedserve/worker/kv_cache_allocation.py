@@ -3,7 +3,8 @@
 kv_cache_dtype="auto" gives each layer one tensor of the model's dtype; "int8" gives each dense attention layer
 byte pages holding int8 K/V and their per-token-per-head scales (attention/kv_quantization.py), sized by those
 pages' bytes, so the same memory holds about twice the tokens of a bfloat16 cache (four times float32's, less
-the scales). Layers that cannot read such pages (MLA, the block drafter) are refused at start."""
+the scales); MLA layers get int8 latent pages. Layers that cannot read such pages (the block drafter) are refused
+at start."""
 from __future__ import annotations
 
 import torch
@@ -23,15 +24,14 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_kv_cache_dtype(model: nn.Module, kv_cache_dtype: str) -> None:
-    """ValueError naming kv_cache_dtype when a layer of `model` cannot serve it (int8 with MLA, ...)."""
+    """ValueError naming kv_cache_dtype when a layer of `model` cannot serve it (int8 with a block drafter)."""
     if kv_cache_dtype == "auto":
         return
     for module_name, module in model.named_modules():
         if hasattr(module, "kv_cache") and callable(getattr(module, "kv_cache_spec", None)) \
                 and not module.kv_cache_spec().supports_int8:
             kind = type(module).__name__
-            what = "MLA models" if kind == "MLAAttention" else f"{kind} layers"
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {what} yet (layer "
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {kind} layers yet (layer "
                              f"{module_name or kind}); use kv_cache_dtype='auto'")
 
 

@@ -15,6 +15,7 @@ import logging
 import random
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.attention import kv_quantization
@@ -131,9 +132,29 @@ def test_unsupported_kv_cache_dtype_names_the_value_and_the_supported_ones(folde
         LLM(folder, kv_cache_dtype=value)
 
 
-def test_int8_with_an_mla_model_is_refused_at_start(tiny_model_dir) -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported for MLA models yet"):
-        LLM(tiny_model_dir("deepseek-v2"), max_model_len=128, num_kv_blocks=32, kv_cache_dtype="int8")
+def test_int8_mla_latent_cache_matches_auto_up_to_near_ties(tiny_model_dir) -> None:
+    """DeepSeek-V2 (MLA): the latent cache in int8 with its scales, answers as the auto cache's up to near-ties."""
+    folder = tiny_model_dir("deepseek-v2")
+    prompts = _prompts(6, 10, 60, seed=2)
+    auto = LLM(folder, max_model_len=256, num_kv_blocks=128)
+    reference = _generate(auto, prompts)
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=128, kv_cache_dtype="int8")
+    assert _violations(reference, _generate(llm, prompts)) == []
+    # The pages really are int8: a quarter of the float32 latent's bytes plus two float32 scales a token (3x here).
+    int8_bytes = llm.llm_engine.engine_core.runtime_info.kv_cache_bytes
+    assert int8_bytes < auto.llm_engine.engine_core.runtime_info.kv_cache_bytes / 2.5
+
+
+def test_int8_with_a_block_drafter_is_refused_at_start() -> None:
+    """Layers that cannot read int8 pages (the DFlash / DSpark block drafter's) are refused, naming the knob."""
+    from torch import nn
+
+    from pagedserve.layers.block_draft_attention import BlockDraftAttention
+    from pagedserve.worker.kv_cache_allocation import kv_bytes_per_block
+
+    model = nn.ModuleList([BlockDraftAttention(4, 8, 0.1, 2, prefix="drafter.attn")])
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported for BlockDraftAttention layers"):
+        kv_bytes_per_block(model, 16, torch.float32, "int8")
 
 
 def test_cli_flag() -> None:
