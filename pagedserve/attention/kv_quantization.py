@@ -32,6 +32,14 @@ _INT8_MAX = 127.0
 _SCALES_ATTRIBUTE = "_pagedserve_kv_scales"
 
 
+def _page_storage_offset(pages: torch.Tensor) -> int:
+    """Where `pages` starts in its storage, in bytes (a multiple of 4, so that the float32 view can start there)."""
+    start = pages.storage_offset()
+    if start % _SCALE_BYTES:
+        raise ValueError(f"pages start at byte {start} of their storage; a multiple of {_SCALE_BYTES} is needed")
+    return start
+
+
 @dataclass(frozen=True)
 class Int8KVPageLayout:
     """Byte offsets of one int8 K/V page (see the module docstring)."""
@@ -62,13 +70,16 @@ class Int8KVPageLayout:
                              f"{pages.dtype} {tuple(pages.shape)}")
         num_blocks = pages.shape[0]
         heads, dim, block_size = self.num_kv_heads, self.head_dim, self.block_size
+        # as_strided's storage offsets are absolute: the pages may start inside their storage (the huge-page
+        # allocator aligns them), so every offset adds theirs.
+        start = _page_storage_offset(pages)
         data = pages.view(torch.int8).as_strided(
-            (2, num_blocks, block_size, heads, dim), (self.plane_bytes, self.page_bytes, heads * dim, dim, 1))
+            (2, num_blocks, block_size, heads, dim), (self.plane_bytes, self.page_bytes, heads * dim, dim, 1), start)
         # The float32 view of the same bytes: page_bytes and scale_offset are multiples of 4.
         words = pages.view(-1).view(KV_SCALE_DTYPE)
         page_words, scale_words = self.page_bytes // _SCALE_BYTES, self.scale_offset // _SCALE_BYTES
         scales = words.as_strided((2, num_blocks, block_size, heads), (block_size * heads, page_words, heads, 1),
-                                  scale_words)
+                                  start // _SCALE_BYTES + scale_words)
         return data, scales
 
 
@@ -101,11 +112,12 @@ class Int8LatentPageLayout:
             raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] tensor, got "
                              f"{pages.dtype} {tuple(pages.shape)}")
         num_blocks = pages.shape[0]
+        start = _page_storage_offset(pages)
         data = pages.view(torch.int8).as_strided((num_blocks, self.block_size, self.width),
-                                                 (self.page_bytes, self.width, 1))
+                                                 (self.page_bytes, self.width, 1), start)
         words = pages.view(-1).view(KV_SCALE_DTYPE)
         scales = words.as_strided((num_blocks, self.block_size, 2), (self.page_bytes // _SCALE_BYTES, 2, 1),
-                                  self.scale_offset // _SCALE_BYTES)
+                                  start // _SCALE_BYTES + self.scale_offset // _SCALE_BYTES)
         return data, scales
 
 
@@ -154,11 +166,11 @@ def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv_cache (int8, shape {tuple(kv_cache.shape)}) has no attached scale view "
                          f"(allocate it with allocate_int8_kv_cache)")
     layout = int8_page_layout(kv_cache)
-    if kv_cache.stride(1) != layout.page_bytes or kv_cache.storage_offset() != 0:
+    if kv_cache.stride(1) != layout.page_bytes or kv_cache.stride(0) != layout.plane_bytes:
         raise ValueError(f"kv_cache (int8) is not a page view: block stride {kv_cache.stride(1)} != page bytes "
-                         f"{layout.page_bytes} or storage offset {kv_cache.storage_offset()} != 0")
+                         f"{layout.page_bytes} or plane stride {kv_cache.stride(0)} != {layout.plane_bytes}")
     pages = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(
-        kv_cache.untyped_storage(), 0, (kv_cache.shape[1], layout.page_bytes))
+        kv_cache.untyped_storage(), kv_cache.storage_offset(), (kv_cache.shape[1], layout.page_bytes))
     scales = layout.views(pages)[1]
     setattr(kv_cache, _SCALES_ATTRIBUTE, scales)
     return scales

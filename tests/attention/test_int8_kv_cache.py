@@ -92,6 +92,44 @@ def test_page_views_do_not_overlap_and_scales_live_in_their_page() -> None:
     assert rebuilt.data_ptr() == scales.data_ptr() and rebuilt.stride() == scales.stride()
 
 
+@pytest.mark.parametrize("start", [0, 4096, 2 << 20])
+def test_page_views_of_pages_that_start_inside_their_storage(start: int) -> None:
+    """The huge-page allocator hands out pages aligned inside a bigger mapping: the views must add that offset
+    (a scale view at the storage's byte 0 would overlay other pages' K/V once the cache outgrows the offset)."""
+    layout = Int8KVPageLayout(block_size=16, num_kv_heads=3, head_dim=64)
+    num_blocks = 400  # ~5 MiB of pages: past the 2 MiB offset
+
+    def allocate_inside(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(start + shape[0] * shape[1], dtype=dtype)[start:].view(shape)
+
+    cache = allocate_int8_kv_cache(num_blocks, layout, allocate_inside)
+    scales = kv_cache_scales(cache)
+    assert cache.storage_offset() == start
+    assert scales.data_ptr() - cache.data_ptr() == layout.scale_offset
+    assert scales[1, 7].data_ptr() - cache[0, 7].data_ptr() == layout.scale_offset + 16 * 3 * 4
+    cache.fill_(-1)
+    assert scales.abs().sum() == 0
+    scales.fill_(1.0)
+    assert (cache == -1).all()
+    rebuilt = kv_cache_scales(cache.as_strided(cache.shape, cache.stride()))
+    assert rebuilt.data_ptr() == scales.data_ptr() and rebuilt.stride() == scales.stride()
+
+
+def test_platform_allocated_pages_round_trip() -> None:
+    from pagedserve.platforms import current_platform
+
+    layout = Int8KVPageLayout(block_size=16, num_kv_heads=3, head_dim=64)
+    cache = allocate_int8_kv_cache(400, layout, current_platform().allocate_zeros)
+    generator = torch.Generator().manual_seed(2)
+    key, value = torch.randn(6000, 3, 64, generator=generator), torch.randn(6000, 3, 64, generator=generator)
+    slots = torch.randperm(399 * 16, generator=generator)[:6000] + 16
+    write_to_int8_kv_cache(key, value, cache, slots)
+    dense = dequantize_kv_cache(cache).view(2, -1, 3, 64)
+    assert dense.isfinite().all()
+    torch.testing.assert_close(dense[0, slots], key, atol=0.02, rtol=0)
+    torch.testing.assert_close(dense[1, slots], value, atol=0.02, rtol=0)
+
+
 def test_write_places_values_and_scales_at_slots() -> None:
     layout = Int8KVPageLayout(block_size=4, num_kv_heads=2, head_dim=8)
     cache = allocate_int8_kv_cache(6, layout, _zeros)

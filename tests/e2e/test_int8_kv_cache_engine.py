@@ -126,6 +126,30 @@ def test_int8_capacity_and_log_line(folder: str, caplog) -> None:
     assert f"max {(int8_blocks - 1) * 16} concurrent tokens" in caplog.text
 
 
+def test_int8_with_batch_invariance_gives_a_request_the_same_tokens_in_any_batch(folder: str) -> None:
+    """batch_invariant=True's attention reads int8 pages through the same dequantizing gather."""
+    prompts = _prompts(4, 5, 50, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=128, kv_cache_dtype="int8", batch_invariant=True,
+              enable_prefix_caching=False)
+    together = [o.token_ids for o in _generate(llm, prompts, params)]
+    alone = [_generate(llm, [prompt], params)[0].token_ids for prompt in prompts]
+    assert together == alone
+
+
+@pytest.mark.skipif(not is_native_extension_available(), reason="the native kernels are not built")
+def test_native_decode_stack_declines_int8(folder: str, caplog) -> None:
+    """The stack's attention reads model-dtype caches only: with int8 the decode steps take the modules (whose
+    cpu_native kernel reads the int8 pages), and the start-up log says why."""
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
+        LLM(folder, max_model_len=256, num_kv_blocks=64, kv_cache_dtype="int8")
+    assert "native decode stack: not used (kv_cache_dtype='int8')" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
+        LLM(folder, max_model_len=256, num_kv_blocks=64)
+    assert "native decode stack: decode-only steps run" in caplog.text
+
+
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "bfloat16", "float16"])
 def test_unsupported_kv_cache_dtype_names_the_value_and_the_supported_ones(folder: str, value: str) -> None:
     with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}' is not supported; supported: \['auto', 'int8'\]"):
