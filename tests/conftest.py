@@ -17,7 +17,7 @@ from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 # machine supports (PAGEDSERVE_CPU_ISA=<level> in a child pytest).
 NATIVE_KERNEL_TEST_MODULES = (
     "tests/attention/test_cpu_native.py", "tests/attention/test_native_kv_write.py",
-    "tests/attention/test_prefill_attention.py", "tests/layers/test_amx_gate_up_silu.py",
+    "tests/attention/test_prefill_attention.py", "tests/attention/test_native_int8_kv.py", "tests/layers/test_amx_gate_up_silu.py",
     "tests/layers/test_amx_linear.py", "tests/layers/test_native_elementwise.py",
     "tests/layers/test_small_batch_linear.py", "tests/models/test_native_decode_stack.py",
     "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",

@@ -13,6 +13,11 @@ SmolLM2's bf16 prompts with AMX, ~0.05 without, and ~0.05 in float32). Everythin
 multiples of 64, padding rows, validation) is TorchPagedAttentionBackend's code, unchanged, so torch_paged stays
 the oracle.
 
+An int8 cache (kv_cache_dtype="int8", attention/kv_quantization.py) takes `pagedserve::reshape_and_cache_int8`
+(quantizing on the way in) and `pagedserve::paged_decode_attention_int8` (the decode kernel reading int8 rows and
+their scales in place); its prefills take torch_paged's path, which dequantizes the gathered blocks only (the
+prefill kernel reads caches of the query's dtype).
+
 The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
 opaque nodes. Each decode's result depends only on that request (fixed context partitions, fixed
 summation order): batch invariant, and independent of the thread count.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.kv_quantization import is_int8_kv_cache, kv_cache_scales
 from pagedserve.kernels.cpu_library import is_native_extension_available, load_native_extension
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend, validate_inputs
 
@@ -56,6 +62,17 @@ def _register_fake() -> None:
                                 slot_mapping: torch.Tensor) -> None:
         return None  # mutates kv_cache in place; no output
 
+    @torch.library.register_fake("pagedserve::paged_decode_attention_int8")
+    def _paged_decode_attention_int8_fake(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor,
+                                          block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                          sliding_window: int | None, partition_size: int) -> torch.Tensor:
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("pagedserve::reshape_and_cache_int8")
+    def _reshape_and_cache_int8_fake(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                                     kv_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        return None
+
     _fake_registered = True
 
 
@@ -69,10 +86,15 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     block_table [num_decodes, max_blocks] int32, seq_lens [num_decodes] int32 (the query sits at
     seq_len - 1). Returns [num_decodes, num_heads, head_dim] in the query's dtype.
     Builds/loads the kernels at first use (RuntimeError when they are unavailable).
+    An int8 cache (the data view of kv_quantization's pages) is read with its scale view, in place.
     """
     if not _fake_registered:
         load_native_extension()
         _register_fake()
+    if is_int8_kv_cache(kv_cache):
+        return torch.ops.pagedserve.paged_decode_attention_int8(query, kv_cache, kv_cache_scales(kv_cache),
+                                                                block_table, seq_lens, scale, sliding_window,
+                                                                partition_size)
     return torch.ops.pagedserve.paged_decode_attention(query, kv_cache, block_table, seq_lens, scale,
                                                        sliding_window, partition_size)
 
@@ -147,6 +169,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     if not _fake_registered:
         load_native_extension()
         _register_fake()
+    if is_int8_kv_cache(kv_cache):  # quantizes: bitwise kv_quantization.write_to_int8_kv_cache
+        torch.ops.pagedserve.reshape_and_cache_int8(key, value, kv_cache, kv_cache_scales(kv_cache), slot_mapping)
+        return
     torch.ops.pagedserve.reshape_and_cache(key, value, kv_cache, slot_mapping)
 
 
@@ -193,6 +218,8 @@ class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
         # (a non-contiguous cache, non-int64 slots, K and V of different dtypes).
         if key.dtype in _NATIVE_WRITE_DTYPES and kv_cache.dtype in _NATIVE_WRITE_DTYPES:
             torch.ops.pagedserve.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        elif key.dtype in _NATIVE_WRITE_DTYPES and kv_cache.dtype == torch.int8:
+            torch.ops.pagedserve.reshape_and_cache_int8(key, value, kv_cache, kv_cache_scales(kv_cache), slot_mapping)
         else:
             super()._write_kv(key, value, kv_cache, slot_mapping)
 

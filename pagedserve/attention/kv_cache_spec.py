@@ -8,19 +8,32 @@ allocates one tensor per layer of shape `leading_shape + (num_blocks, block_size
 - MLA: no leading dimension, per token (kv_lora_rank + qk_rope_head_dim,): one compressed latent and the
   shared rotary key, instead of full per-head K and V.
 All layers share one block table (one block id pool), so layers with different specs work side by side.
+
+With kv_cache_dtype="int8" a layer whose spec says `supports_int8` gets byte pages instead
+(attention/kv_quantization.py): dense K/V (leading (2,), per token (num_kv_heads, head_dim)) as int8 K/V plus their
+float32 scales; MLA (`latent_rank` > 0) as int8 latent rows plus a scale for c and one for k_pe. Other kinds (the
+block drafter's K/V) refuse it at start.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.attention.kv_quantization import Int8KVPageLayout, Int8LatentPageLayout
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     per_token_shape: tuple[int, ...]
     leading_shape: tuple[int, ...] = ()
+    # Whether the layer reads and writes an int8 page cache (kv_cache_dtype="int8").
+    supports_int8: bool = False
+    # MLA: the compressed latent's width at the start of the row (the rest is the rotary key); 0 for dense K/V.
+    latent_rank: int = 0
 
     def tensor_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (*self.leading_shape, num_blocks, block_size, *self.per_token_shape)
@@ -28,6 +41,20 @@ class KVCacheSpec:
     def elements_per_token(self) -> int:
         return math.prod(self.leading_shape) * math.prod(self.per_token_shape)
 
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        if kv_cache_dtype == "int8":
+            return self.int8_page_layout(block_size).page_bytes
         element_size = torch.empty((), dtype=dtype).element_size()
         return block_size * self.elements_per_token() * element_size
+
+    def int8_page_layout(self, block_size: int) -> Int8KVPageLayout | Int8LatentPageLayout:
+        """The int8 page of a dense K/V or MLA latent spec (ValueError for a spec without int8 support)."""
+        from pagedserve.attention.kv_quantization import Int8KVPageLayout, Int8LatentPageLayout
+
+        if self.supports_int8 and self.latent_rank > 0 and self.leading_shape == () \
+                and len(self.per_token_shape) == 1:
+            return Int8LatentPageLayout(block_size, self.latent_rank, self.per_token_shape[0] - self.latent_rank)
+        if not self.supports_int8 or self.leading_shape != (2,) or len(self.per_token_shape) != 2:
+            raise ValueError(f"kv_cache_dtype='int8' needs a dense K/V cache spec; this layer's is {self}")
+        num_kv_heads, head_dim = self.per_token_shape
+        return Int8KVPageLayout(block_size, num_kv_heads, head_dim)

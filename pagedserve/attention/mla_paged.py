@@ -12,6 +12,11 @@ Two ways to attend, equal in exact arithmetic:
   q_c . c + q_pe . k_pe directly against the latent rows, attend over the latent itself (all heads share one
   "KV head"), and fold W_UV into the output (o_h = W_UV_h (sum_t p_t c_t)). A decode step then reads
   kv_lora_rank + rope dims per context token instead of num_heads * (2 * head_dim).
+
+int8 cache (kv_cache_dtype="int8"): the latent rows are int8 with two float32 scales per token (c and k_pe,
+kv_quantization.Int8LatentPageLayout) in the same page; the write quantizes, every read dequantizes only the
+gathered blocks, and prefills always read the context back from the cache (so that a prefix-cache hit sees the
+values a first computation saw).
 """
 from __future__ import annotations
 
@@ -19,19 +24,43 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.kv_quantization import (
+    dequantize_latent,
+    is_int8_kv_cache,
+    kv_cache_scales,
+    quantize_latent,
+)
 
 
-def write_latent_to_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """latent [num_tokens, kv_lora_rank + rope] into the slots `slot_mapping`."""
+def write_latent_to_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          kv_lora_rank: int = 0) -> None:
+    """latent [num_tokens, kv_lora_rank + rope] into the slots `slot_mapping` (quantized for an int8 cache,
+    whose layer passes its kv_lora_rank)."""
     num_blocks, block_size, width = kv_cache.shape
+    if is_int8_kv_cache(kv_cache):
+        quantized, scales = quantize_latent(latent, kv_lora_rank)
+        slots = slot_mapping.to(torch.long)
+        index = (slots // block_size, slots % block_size)
+        kv_cache.index_put_(index, quantized)
+        kv_cache_scales(kv_cache).index_put_(index, scales)
+        return
     kv_cache.view(num_blocks * block_size, width).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
 
-def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_latent_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, kv_lora_rank: int = 0) -> torch.Tensor:
+    """kv_cache[block_ids] (int64 ids): [n, block_size, width]; an int8 cache's blocks come back dequantized
+    (float32)."""
+    blocks = kv_cache.index_select(0, block_ids)
+    if is_int8_kv_cache(kv_cache):
+        return dequantize_latent(blocks, kv_cache_scales(kv_cache).index_select(0, block_ids), kv_lora_rank)
+    return blocks
+
+
+def gather_latent(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, kv_lora_rank: int = 0) -> torch.Tensor:
     """One request's latent rows for positions [0, seq_len): [seq_len, kv_lora_rank + rope]."""
     _, block_size, width = kv_cache.shape
     num_used = -(-seq_len // block_size)
-    blocks = kv_cache.index_select(0, block_ids[:num_used].to(torch.long))
+    blocks = gather_latent_blocks(kv_cache, block_ids[:num_used].to(torch.long), kv_lora_rank)
     return blocks.reshape(num_used * block_size, width)[:seq_len]
 
 
@@ -90,7 +119,8 @@ def attend_absorbed_decodes(
     max_len = max(seq_lens)
     num_span_blocks = -(-max_len // block_size)
     block_ids = block_table[:, :num_span_blocks].to(torch.long).reshape(-1)
-    context = kv_cache.index_select(0, block_ids).view(batch, num_span_blocks * block_size, width)
+    context = gather_latent_blocks(kv_cache, block_ids, kv_lora_rank).view(batch, num_span_blocks * block_size,
+                                                                           width)
     context = context.to(query.dtype)
     lengths = torch.tensor(seq_lens, device=query.device)[:, None]
     hidden = torch.arange(num_span_blocks * block_size, device=query.device)[None, :] >= lengths
@@ -119,7 +149,7 @@ def mla_paged_attention(
         raise ValueError(f"MLA kv_cache shape {tuple(kv_cache.shape)} must be [num_blocks, block_size, "
                          f"{latent.shape[-1]}]")
     num_tokens = metadata.num_actual_tokens
-    write_latent_to_cache(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens])
+    write_latent_to_cache(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens], kv_lora_rank)
     num_heads = q_nope.shape[1]
     output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
     num_decodes = metadata.num_decodes
@@ -133,10 +163,10 @@ def mla_paged_attention(
         if end == start:
             continue
         seq_len = metadata.seq_lens_cpu[index]
-        if end - start == seq_len:
+        if end - start == seq_len and not is_int8_kv_cache(kv_cache):
             context = latent[start:end]  # no cached prefix: this step's latents are the whole context
         else:
-            context = gather_latent(kv_cache, metadata.block_table[index], seq_len)
+            context = gather_latent(kv_cache, metadata.block_table[index], seq_len, kv_lora_rank)
         output[start:end] = attend_expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight,
                                             kv_lora_rank, v_head_dim, scale)
     return output

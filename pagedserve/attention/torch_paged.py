@@ -17,6 +17,11 @@ dense [batch, kv_heads, length, head_dim] view and runs one SDPA call with a pad
 heads that share a KV head are laid out as that head's "query rows", so GQA needs no K/V expansion.
 The remaining requests (prefill chunks, multi-token steps) go through one SDPA call each.
 No device->host syncs: lengths come from the metadata's host lists.
+
+An int8 cache (kv_cache_dtype="int8", attention/kv_quantization.py) takes the same paths: the write quantizes per
+token and KV head, and every read dequantizes just the gathered blocks (never the whole cache). Prefills then
+always attend over the cache's (dequantized) K/V, also without a cached prefix, so a prefix-cache hit or a
+recompute after preemption sees the very values a first computation saw.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.kv_quantization import (gather_dequantized_blocks, is_int8_kv_cache,
+                                                  write_to_int8_kv_cache)
 
 # Decode requests are attended in chunks whose gathered K/V (padded to the chunk's longest context) stays
 # under this many bytes. Measured on the CPU (benchmarks/attention_micro.py): small chunks win because
@@ -37,7 +44,11 @@ DECODE_CHUNK_BYTES = 2 << 20
 def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatters K/V rows [num_tokens, num_kv_heads, head_dim] into the cache slots `slot_mapping`."""
+    """Scatters K/V rows [num_tokens, num_kv_heads, head_dim] into the cache slots `slot_mapping` (quantizing
+    them for an int8 cache)."""
+    if is_int8_kv_cache(kv_cache):
+        write_to_int8_kv_cache(key, value, kv_cache, slot_mapping)
+        return
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat_cache = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat_cache[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -49,7 +60,10 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 
     Gathering rows of a [2, num_blocks, block_size * H_kv * D] view is ~3x faster on the CPU in float32
     than index_select over the 5-D cache (and never slower in bf16); both beat advanced indexing.
+    An int8 cache's blocks come back dequantized, in float32.
     """
+    if is_int8_kv_cache(kv_cache):
+        return gather_dequantized_blocks(kv_cache, block_ids)
     num_blocks = kv_cache.shape[1]
     rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_ids)
     return rows.view(2, block_ids.numel(), *kv_cache.shape[2:])
@@ -347,7 +361,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         start, end = metadata.query_start_loc_cpu[index], metadata.query_start_loc_cpu[index + 1]
         seq_len = metadata.seq_lens_cpu[index]
         q_len = end - start
-        if q_len == seq_len:
+        if q_len == seq_len and not is_int8_kv_cache(kv_cache):
             # No cached prefix: the context is exactly this step's K/V, no need to read it back.
             first_key_position = 0
             context_key = key[start:end].transpose(0, 1)
@@ -375,7 +389,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
         """Attends the first `num_decodes` requests (one new token each; decode i's query is row i)."""
         num_decodes = metadata.num_decodes
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
-        bytes_per_token = 2 * num_kv_heads * head_dim * max(query.element_size(), kv_cache.element_size())
+        # An int8 cache's gathered blocks are float32 (dequantized).
+        cache_element_size = 4 if is_int8_kv_cache(kv_cache) else kv_cache.element_size()
+        bytes_per_token = 2 * num_kv_heads * head_dim * max(query.element_size(), cache_element_size)
         key = ("torch_paged_decode_plan", sliding_window, query.dtype, bytes_per_token, query.device,
                DECODE_CHUNK_BYTES)
         plan = metadata.backend_cache.get(key)

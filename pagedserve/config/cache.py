@@ -1,4 +1,4 @@
-"""CacheConfig: the paged KV cache (block size, capacity, prefix caching)."""
+"""CacheConfig: the paged KV cache (block size, capacity, prefix caching, the cache's dtype)."""
 from __future__ import annotations
 
 import re
@@ -11,6 +11,10 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 DEFAULT_KV_CACHE_RAM_FRACTION = 0.25
 # Never take more than this by default: a small model on a big box does not need 50 GiB of cache.
 DEFAULT_KV_CACHE_MAX_BYTES = 8 * 1024**3
+
+# kv_cache_dtype values this engine serves: "auto" stores K/V in the model's dtype; "int8" stores them as int8
+# with a float32 scale per token and KV head in the same page (attention/kv_quantization.py).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def parse_memory_size(value: int | str | None, field_name: str = "kv_cache_memory") -> int | None:
@@ -41,9 +45,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; None -> DEFAULT_KV_CACHE_RAM_FRACTION of available RAM
     num_kv_blocks: int | None = None  # exact override (tests, tuning); wins over kv_cache_memory
+    kv_cache_dtype: str = "auto"  # one of SUPPORTED_KV_CACHE_DTYPES (vLLM's knob; its fp8 variants are refused)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r} must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an integer >= 2 (one is the null block)")
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            # vLLM also takes fp8 / fp8_e4m3 / fp8_e5m2 / fp8_inc / fp8_ds_mla / bfloat16 ...: not served here.
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{list(SUPPORTED_KV_CACHE_DTYPES)}")
+
+    @property
+    def is_int8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == "int8"

@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--kv-cache-memory", default=None, help="bytes or a size such as '2GiB'")
     group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       help="'auto' (the model's dtype) or 'int8' (per-token-per-head scales; ~2x the tokens)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
@@ -137,6 +139,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         seed=args.seed, scheduling_policy=args.scheduling_policy, num_cpu_threads=args.num_cpu_threads,
         async_scheduling=getattr(args, "async_scheduling", False),
     )

@@ -63,6 +63,7 @@ class EngineConfig:
         block_size: int = 16,
         kv_cache_memory: int | str | None = None,
         num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         scheduling_policy: str = "fcfs",
         long_prefill_token_threshold: int = 0,
@@ -146,6 +147,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory=parse_memory_size(kv_cache_memory),
             num_kv_blocks=num_kv_blocks,
+            kv_cache_dtype=kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

@@ -45,7 +45,7 @@ class Attention(WatchedAttributes, nn.Module):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """Full K and V per token: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-        return KVCacheSpec(per_token_shape=(self.num_kv_heads, self.head_dim), leading_shape=(2,))
+        return KVCacheSpec(per_token_shape=(self.num_kv_heads, self.head_dim), leading_shape=(2,), supports_int8=True)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

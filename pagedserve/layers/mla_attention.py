@@ -32,7 +32,8 @@ class MLAAttention(nn.Module):
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent row per token: kv_lora_rank + qk_rope_head_dim values (no per-head K/V)."""
-        return KVCacheSpec(per_token_shape=(self.kv_lora_rank + self.qk_rope_head_dim,))
+        return KVCacheSpec(per_token_shape=(self.kv_lora_rank + self.qk_rope_head_dim,), supports_int8=True,
+                           latent_rank=self.kv_lora_rank)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
                 k_pe: torch.Tensor) -> torch.Tensor:

@@ -434,6 +434,9 @@ def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: C
         return forward  # compilation_config asked for the compiled graph on every step it covers
     dtype = engine_config.model_config.dtype
     plan = native_decode_stack_plan(model, dtype)
+    if plan.is_usable and engine_config.cache_config.kv_cache_dtype != "auto":
+        # The stack's attention reads caches of the model's dtype only; the modules read int8 pages in place.
+        plan = NativeDecodeStackPlan(reason=f"kv_cache_dtype={engine_config.cache_config.kv_cache_dtype!r}")
     if not plan.is_usable:
         logger.info("native decode stack: not used (%s)", plan.reason)
         return forward

@@ -1,9 +1,16 @@
-"""Sizing and allocating the paged KV cache (one tensor per attention layer)."""
+"""Sizing and allocating the paged KV cache (one tensor per attention layer).
+
+kv_cache_dtype="auto" gives each layer one tensor of the model's dtype; "int8" gives each dense attention layer
+byte pages holding int8 K/V and their per-token-per-head scales (attention/kv_quantization.py), sized by those
+pages' bytes, so the same memory holds about twice the tokens of a bfloat16 cache (four times float32's, less
+the scales); MLA layers get int8 latent pages. Layers that cannot read such pages (the block drafter) are refused
+at start."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from pagedserve.attention.kv_quantization import allocate_int8_kv_cache
 from pagedserve.config.cache import (DEFAULT_KV_CACHE_MAX_BYTES, DEFAULT_KV_CACHE_RAM_FRACTION,
                                      CacheConfig)
 from pagedserve.platforms.interface import Platform
@@ -16,9 +23,23 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
             if hasattr(module, "kv_cache") and callable(getattr(module, "kv_cache_spec", None))]
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block id costs over all layers (each layer per its own spec)."""
-    return sum(layer.kv_cache_spec().bytes_per_block(block_size, dtype) for layer in attention_layers(model))
+def check_kv_cache_dtype(model: nn.Module, kv_cache_dtype: str) -> None:
+    """ValueError naming kv_cache_dtype when a layer of `model` cannot serve it (int8 with a block drafter)."""
+    if kv_cache_dtype == "auto":
+        return
+    for module_name, module in model.named_modules():
+        if hasattr(module, "kv_cache") and callable(getattr(module, "kv_cache_spec", None)) \
+                and not module.kv_cache_spec().supports_int8:
+            kind = type(module).__name__
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {kind} layers yet (layer "
+                             f"{module_name or kind}); use kv_cache_dtype='auto'")
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one block id costs over all layers (each layer per its own spec and the cache dtype)."""
+    check_kv_cache_dtype(model, kv_cache_dtype)
+    return sum(layer.kv_cache_spec().bytes_per_block(block_size, dtype, kv_cache_dtype)
+               for layer in attention_layers(model))
 
 
 def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, available_bytes: int,
@@ -53,7 +74,14 @@ def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, ava
 
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       platform: Platform) -> list[torch.Tensor]:
+                       platform: Platform, kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
+    """One cache per attention layer: of `dtype` and the spec's shape, or (int8) the int8 data view of the layer's
+    pages with their scale view attached (kv_quantization.allocate_int8_kv_cache)."""
     # Zero-filled: padded reads of unwritten slots (masked out by attention) must never see NaN.
+    if kv_cache_dtype == "int8":
+        check_kv_cache_dtype(model, kv_cache_dtype)
+        return [allocate_int8_kv_cache(num_blocks, layer.kv_cache_spec().int8_page_layout(block_size),
+                                       platform.allocate_zeros)
+                for layer in attention_layers(model)]
     return [platform.allocate_zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size), dtype)
             for layer in attention_layers(model)]

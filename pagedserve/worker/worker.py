@@ -78,7 +78,8 @@ class Worker:
         self.model_runner = ModelRunner(config, model, self.device, draft_model)
         cache_config = config.cache_config
         kv_cache_modules = self.model_runner.kv_cache_modules
-        bytes_per_block = kv_bytes_per_block(kv_cache_modules, cache_config.block_size, model_config.dtype)
+        bytes_per_block = kv_bytes_per_block(kv_cache_modules, cache_config.block_size, model_config.dtype,
+                                             cache_config.kv_cache_dtype)
         num_blocks = determine_num_kv_blocks(cache_config, bytes_per_block,
                                              self.platform.available_memory_bytes(),
                                              model_config.max_model_len,
@@ -87,13 +88,14 @@ class Worker:
             # Ranks see different free memory: all of them use the smallest count.
             num_blocks = agree_on_min(num_blocks, self.device)
         kv_caches = allocate_kv_caches(kv_cache_modules, num_blocks, cache_config.block_size, model_config.dtype,
-                                       self.platform)
+                                       self.platform, cache_config.kv_cache_dtype)
         self.model_runner.bind_kv_caches(kv_caches)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
-                    num_blocks, cache_config.block_size, num_blocks * bytes_per_block / 2**20,
+        logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
+                    cache_config.kv_cache_dtype, num_blocks, cache_config.block_size,
+                    num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * cache_config.block_size)
         self.platform.prepare_for_serving()
 

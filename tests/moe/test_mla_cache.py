@@ -56,8 +56,9 @@ class _MixedLayers(nn.Module):
 def test_kv_cache_spec_sizes_and_allocates_each_layer_by_its_own_shape() -> None:
     model = _MixedLayers()
     assert [type(layer) for layer in attention_layers(model)] == [Attention, MLAAttention]
-    assert model.dense.kv_cache_spec() == KVCacheSpec(per_token_shape=(2, 8), leading_shape=(2,))
-    assert model.mla.kv_cache_spec() == KVCacheSpec(per_token_shape=(RANK + ROPE,))
+    assert model.dense.kv_cache_spec() == KVCacheSpec(per_token_shape=(2, 8), leading_shape=(2,), supports_int8=True)
+    assert model.mla.kv_cache_spec() == KVCacheSpec(per_token_shape=(RANK + ROPE,), supports_int8=True,
+                                                    latent_rank=RANK)
     block_size = 16
     # dense: 2 * 2 heads * 8 dims; MLA: one latent row of RANK + ROPE; float32 = 4 bytes.
     assert kv_bytes_per_block(model, block_size, torch.float32) == block_size * 4 * (2 * 2 * 8 + RANK + ROPE)

@@ -42,6 +42,18 @@
 // rows are copied, float32 -> bfloat16 rounds to nearest even exactly as Tensor.to() does (NaN -> NaN), and
 // bfloat16 -> float32 is exact. key/value may be any views (the fused QKV output: rows and heads are
 // addressed through their strides, never copied first); a contiguous head_dim takes the vector path.
+//
+// int8 cache (kv_cache_dtype="int8", attention/kv_quantization.py): kv_cache is then the int8 view [2, num_blocks,
+// block_size, num_kv_heads, head_dim] of byte pages (block stride = the page's bytes, K and V planes one plane's
+// bytes apart) and kv_scales the float32 view [2, num_blocks, block_size, num_kv_heads] of the same pages.
+// Op: pagedserve::paged_decode_attention_int8(query, kv_cache, kv_scales, block_table, seq_lens, scale,
+//       sliding_window?, partition_size) -> out: the same work items, partitions and merges as above; an item reads
+//     int8 rows in place and applies the row's scale once per row: score = (q . k_int8) * k_scale, and
+//     acc += (p * v_scale) * v_int8 (no dequantized copy of anything).
+// Op: pagedserve::reshape_and_cache_int8(key, value, kv_cache (mutated), kv_scales (mutated), slot_mapping) -> ():
+//     quantizes each token's row of each KV head: scale = max|x| / 127 (float32), q = nearbyint(x / scale) (round
+//     half to even, clamped to [-127, 127]; a zero row stores scale 0 and zeros). Bitwise
+//     kv_quantization.write_to_int8_kv_cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -115,6 +127,11 @@ struct Geometry {
   int64_t query_head_stride;
   int64_t table_stride;
   int64_t partition_size;
+  // int8 caches only: the float32 scale view's data and its strides (elements) between tokens, blocks, K and V.
+  const float* scales = nullptr;
+  int64_t scale_token_stride = 0;
+  int64_t scale_block_stride = 0;
+  int64_t scale_value_offset = 0;
 };
 
 // Issues prefetches for `num_rows` rows of `row_bytes` bytes, `stride_bytes` apart, from `base`.
@@ -633,6 +650,106 @@ void attend_partition_bf16(const WorkItem& item, const Geometry& g, const c10::B
 }
 #endif
 
+// ---- int8 cache ----
+
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+// kLanes int8 values widened to float32 (exact).
+#if defined(__AVX512F__)
+inline __m512 load_int8_lanes(const int8_t* pointer) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pointer))));
+}
+#else
+inline __m256 load_int8_lanes(const int8_t* pointer) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pointer))));
+}
+#endif
+#endif
+
+// for_each_row for an int8 cache: visit(t, offset, scale_index) with the row's element offset in the K plane and
+// its scale's index in the K scales (add value_offset / scale_value_offset for V).
+template <typename Visit>
+inline void for_each_int8_row(const Geometry& g, const int32_t* table_row, int64_t kv_head, int64_t begin,
+                              int64_t end, Visit&& visit) {
+  int64_t position = begin;
+  while (position < end) {
+    const int64_t block_index = position / g.block_size;
+    const int64_t block_id = table_row[block_index];
+    TORCH_CHECK(block_id >= 0 && block_id < g.num_blocks, "paged_decode_attention_int8: block id ", block_id,
+                " out of range [0, ", g.num_blocks, ")");
+    const int64_t block_end = std::min(end, (block_index + 1) * g.block_size);
+    const int64_t in_block = position % g.block_size;
+    int64_t offset = block_id * g.block_stride + in_block * g.token_stride + kv_head * g.head_dim;
+    int64_t scale_index = block_id * g.scale_block_stride + in_block * g.scale_token_stride + kv_head;
+    for (; position < block_end; ++position, offset += g.token_stride, scale_index += g.scale_token_stride)
+      visit(position - begin, offset, scale_index);
+  }
+}
+
+// attend_partition_generic over int8 rows: the key scale multiplies each finished dot product, the value scale each
+// probability, so rows are widened but never dequantized into memory.
+template <typename query_t>
+void attend_partition_int8(const WorkItem& item, const Geometry& g, const query_t* query, const int8_t* cache,
+                           const int32_t* block_table, float scale, float* query_scaled, float* scores,
+                           int64_t* /*row_offsets*/, float* acc, float* max_out, float* sum_out,
+                           NextItemKeys& next_keys) {
+  const int64_t group = g.group;
+  const int64_t head_dim = g.head_dim;
+  const int64_t num_tokens = item.token_end - item.token_begin;
+  const int64_t score_stride = g.partition_size;
+  const float* scales = g.scales;
+  stage_query(item, g, query, scale, query_scaled);
+  const int32_t* table_row = block_table + item.request * g.table_stride;
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+  const bool vectorized = head_dim % kLanes == 0;
+#else
+  const bool vectorized = false;
+#endif
+  // 1. scores[j][t] = ((q_j * scale) . k_int8_t) * k_scale_t
+  for_each_int8_row(g, table_row, item.kv_head, item.token_begin, item.token_end,
+                    [&](int64_t t, int64_t offset, int64_t scale_index) {
+    const int8_t* key = cache + offset;
+    const float key_scale = scales[scale_index];
+    if (vectorized) {
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+      for (int64_t j = 0; j < group; ++j) {
+        Vec::Type sum = Vec::zero();
+        for (int64_t d = 0; d < head_dim; d += kLanes)
+          sum = Vec::fmadd(Vec::load(query_scaled + j * head_dim + d), load_int8_lanes(key + d), sum);
+        scores[j * score_stride + t] = Vec::reduce_add(sum) * key_scale;
+      }
+#endif
+    } else {
+      for (int64_t j = 0; j < group; ++j) {
+        float sum = 0.f;
+        const float* q = query_scaled + j * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * static_cast<float>(key[d]);
+        scores[j * score_stride + t] = sum * key_scale;
+      }
+    }
+  });
+  partition_softmax(g, num_tokens, scores, max_out, sum_out);
+  // 3. acc[j] = sum_t (p[j][t] * v_scale_t) * v_int8_t
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for_each_int8_row(g, table_row, item.kv_head, item.token_begin, item.token_end,
+                    [&](int64_t t, int64_t offset, int64_t scale_index) {
+    next_keys.advance(t, num_tokens);
+    const int8_t* value = cache + g.value_offset + offset;
+    const float value_scale = scales[g.scale_value_offset + scale_index];
+    for (int64_t j = 0; j < group; ++j) {
+      const float weight = scores[j * score_stride + t] * value_scale;
+      float* out = acc + j * head_dim;
+      if (vectorized) {
+#if defined(PAGEDSERVE_FLOAT_VECTOR)
+        for (int64_t d = 0; d < head_dim; d += kLanes)
+          Vec::store(out + d, Vec::fmadd(Vec::set1(weight), load_int8_lanes(value + d), Vec::load(out + d)));
+#endif
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) out[d] += weight * static_cast<float>(value[d]);
+      }
+    }
+  });
+}
+
 template <typename query_t, typename cache_t>
 using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*, const cache_t*, const int32_t*,
                                 float, float*, float*, int64_t*, float*, float*, float*,
@@ -641,6 +758,9 @@ using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*
 // The unrolled variant for (group, head_dim) when there is one, else the generic one.
 template <typename query_t, typename cache_t>
 AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    return &attend_partition_int8<query_t>;
+  } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<query_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
 #define PAGEDSERVE_BF16_GROUP_CASES(CHUNKS)                                              \
@@ -677,7 +797,8 @@ AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) 
   if (head_dim == 128) { PAGEDSERVE_GROUP_CASES(128 / kLanes) }
 #undef PAGEDSERVE_GROUP_CASES
 #endif
-  return &attend_partition_generic<query_t, cache_t>;
+    return &attend_partition_generic<query_t, cache_t>;
+  }
 }
 
 }  // namespace
@@ -687,7 +808,7 @@ namespace pagedserve_native {
 // One call's plan and buffers (DecodeAttentionCall): the work items, the merge list, the partial results of the
 // requests with several partitions, and the item / merge loops of the call's dtypes.
 struct DecodeAttentionCall::State {
-  at::Tensor query, kv_cache, block_table, out;
+  at::Tensor query, kv_cache, kv_scales, block_table, out;
   Geometry g;
   std::vector<WorkItem> items;
   std::vector<int64_t> merge_items;  // the first item of every (request, kv_head) with several partitions
@@ -790,14 +911,36 @@ namespace pagedserve_native {
 DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tensor& kv_cache,
                                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
                                          std::optional<int64_t> sliding_window, int64_t partition_size, at::Tensor out)
+    : DecodeAttentionCall(query, kv_cache, std::nullopt, block_table, seq_lens, scale, sliding_window,
+                          partition_size, std::move(out)) {}
+
+DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tensor& kv_cache,
+                                         const std::optional<at::Tensor>& kv_scales, const at::Tensor& block_table,
+                                         const at::Tensor& seq_lens, double scale,
+                                         std::optional<int64_t> sliding_window, int64_t partition_size, at::Tensor out)
     : state_(std::make_unique<State>()) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu() &&
                   seq_lens.device().is_cpu(),
               "paged_decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [num_decodes, num_heads, head_dim]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "paged_decode_attention: kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, "
-              "head_dim] tensor");
+  const bool is_int8 = kv_cache.scalar_type() == at::kChar;
+  if (is_int8) {
+    // The int8 view of byte pages: rows contiguous within a block, blocks and planes at any stride.
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.stride(4) == 1 &&
+                    kv_cache.stride(3) == kv_cache.size(4) && kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
+                "paged_decode_attention_int8: kv_cache must be an int8 [2, num_blocks, block_size, num_kv_heads, "
+                "head_dim] view with contiguous blocks");
+    TORCH_CHECK(kv_scales.has_value() && kv_scales->scalar_type() == at::kFloat && kv_scales->dim() == 4 &&
+                    kv_scales->sizes() == kv_cache.sizes().slice(0, 4) && kv_scales->stride(3) == 1 &&
+                    kv_scales->device().is_cpu(),
+                "paged_decode_attention_int8: kv_scales must be a float32 [2, num_blocks, block_size, num_kv_heads] "
+                "CPU view with contiguous heads");
+  } else {
+    TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+                "paged_decode_attention: kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, "
+                "head_dim] tensor");
+    TORCH_CHECK(!kv_scales.has_value(), "paged_decode_attention: kv_scales are for an int8 kv_cache only");
+  }
   TORCH_CHECK(query.stride(2) == 1, "paged_decode_attention: query's head_dim must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1,
               "paged_decode_attention: block_table must be int32 [num_decodes, max_blocks] with contiguous rows");
@@ -819,8 +962,8 @@ DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tens
   const auto cache_type = kv_cache.scalar_type();
   TORCH_CHECK(query_type == at::kFloat || query_type == at::kBFloat16,
               "paged_decode_attention: query must be float32 or bfloat16");
-  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16,
-              "paged_decode_attention: kv_cache must be float32 or bfloat16");
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kChar,
+              "paged_decode_attention: kv_cache must be float32, bfloat16 or (with kv_scales) int8");
   TORCH_CHECK(out.scalar_type() == query_type && out.is_contiguous() &&
                   out.sizes() == at::IntArrayRef({num_decodes, num_heads, head_dim}),
               "paged_decode_attention: out must be a contiguous [num_decodes, num_heads, head_dim] tensor of the "
@@ -839,9 +982,17 @@ DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tens
   g.head_dim = head_dim;
   g.block_size = kv_cache.size(2);
   g.num_blocks = kv_cache.size(1);
-  g.token_stride = num_kv_heads * head_dim;
-  g.block_stride = g.block_size * g.token_stride;
-  g.value_offset = g.num_blocks * g.block_stride;
+  // For a contiguous cache these are num_kv_heads * head_dim, block_size * that and num_blocks * that.
+  g.token_stride = kv_cache.stride(2);
+  g.block_stride = kv_cache.stride(1);
+  g.value_offset = kv_cache.stride(0);
+  if (is_int8) {
+    s.kv_scales = *kv_scales;
+    g.scales = kv_scales->data_ptr<float>();
+    g.scale_token_stride = kv_scales->stride(2);
+    g.scale_block_stride = kv_scales->stride(1);
+    g.scale_value_offset = kv_scales->stride(0);
+  }
   g.query_token_stride = query.stride(0);
   g.query_head_stride = query.stride(1);
   g.table_stride = block_table.stride(0);
@@ -871,7 +1022,9 @@ DecodeAttentionCall::DecodeAttentionCall(const at::Tensor& query, const at::Tens
     }
   }
   if (!s.merge_items.empty()) s.partials.resize(s.items.size() * g.group * (head_dim + 2));
-  if (query_type == at::kFloat && cache_type == at::kFloat) select_loops<float, float>(s);
+  if (is_int8 && query_type == at::kFloat) select_loops<float, int8_t>(s);
+  else if (is_int8) select_loops<c10::BFloat16, int8_t>(s);
+  else if (query_type == at::kFloat && cache_type == at::kFloat) select_loops<float, float>(s);
   else if (query_type == at::kFloat) select_loops<float, c10::BFloat16>(s);
   else if (cache_type == at::kFloat) select_loops<c10::BFloat16, float>(s);
   else select_loops<c10::BFloat16, c10::BFloat16>(s);
@@ -904,6 +1057,22 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   const pagedserve_native::DecodeAttentionCall call(query, kv_cache, block_table, seq_lens, scale, sliding_window,
                                                     partition_size, out);
+  if (call.num_items() == 0) return out;
+  at::parallel_for(0, call.num_items(), 1, [&](int64_t begin, int64_t end) { call.run_items(begin, end); });
+  if (call.num_merges() > 0)
+    at::parallel_for(0, call.num_merges(), 1, [&](int64_t begin, int64_t end) { call.merge(begin, end); });
+  return out;
+}
+
+at::Tensor paged_decode_attention_int8(const at::Tensor& query, const at::Tensor& kv_cache,
+                                       const at::Tensor& kv_scales, const at::Tensor& block_table,
+                                       const at::Tensor& seq_lens, double scale, std::optional<int64_t> sliding_window,
+                                       int64_t partition_size) {
+  TORCH_CHECK(query.dim() == 3, "paged_decode_attention_int8: query must be [num_decodes, num_heads, head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar, "paged_decode_attention_int8: kv_cache must be int8");
+  at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  const pagedserve_native::DecodeAttentionCall call(query, kv_cache, kv_scales, block_table, seq_lens, scale,
+                                                    sliding_window, partition_size, out);
   if (call.num_items() == 0) return out;
   at::parallel_for(0, call.num_items(), 1, [&](int64_t begin, int64_t end) { call.run_items(begin, end); });
   if (call.num_merges() > 0)
@@ -1050,15 +1219,110 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
     write_rows<c10::BFloat16, c10::BFloat16>(key, value, kv_cache, slots, slot_stride);
 }
 
+// One row (head_dim values, any element stride) quantized into `destination`; returns its scale.
+template <typename input_t>
+inline float quantize_row(const input_t* source, int64_t element_stride, int64_t head_dim, int8_t* destination) {
+  float absmax = 0.f;
+  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(to_float(source[d * element_stride])));
+  const float row_scale = absmax / 127.f;
+  if (!(row_scale > 0.f)) {
+    std::memset(destination, 0, static_cast<size_t>(head_dim));
+    return row_scale;
+  }
+  for (int64_t d = 0; d < head_dim; ++d) {
+    // Division (not a reciprocal product) and round-half-even: the reference's torch.round(x / scale) bit for bit.
+    const float rounded = std::nearbyint(to_float(source[d * element_stride]) / row_scale);
+    destination[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rounded)));
+  }
+  return row_scale;
+}
+
+template <typename input_t>
+void write_int8_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, at::Tensor& kv_scales,
+                     const int64_t* slots, int64_t slot_stride) {
+  const int64_t num_tokens = key.size(0);
+  const int64_t num_kv_heads = key.size(1);
+  const int64_t head_dim = key.size(2);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t cache_strides[3] = {kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2)};
+  const int64_t scale_strides[3] = {kv_scales.stride(0), kv_scales.stride(1), kv_scales.stride(2)};
+  int8_t* cache_data = kv_cache.data_ptr<int8_t>();
+  float* scale_data = kv_scales.data_ptr<float>();
+  const at::Tensor* sources[2] = {&key, &value};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (2 * num_kv_heads * head_dim));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t slot = slots[token * slot_stride];
+      if (slot < 0) continue;  // padding
+      const int64_t block_id = slot / block_size;
+      const int64_t in_block = slot % block_size;
+      for (int64_t plane = 0; plane < 2; ++plane) {
+        const at::Tensor& source = *sources[plane];
+        const input_t* row = source.data_ptr<input_t>() + token * source.stride(0);
+        int8_t* destination = cache_data + plane * cache_strides[0] + block_id * cache_strides[1] +
+                              in_block * cache_strides[2];
+        float* scales = scale_data + plane * scale_strides[0] + block_id * scale_strides[1] +
+                        in_block * scale_strides[2];
+        for (int64_t head = 0; head < num_kv_heads; ++head)
+          scales[head] = quantize_row(row + head * source.stride(1), source.stride(2), head_dim,
+                                      destination + head * head_dim);
+      }
+    }
+  });
+}
+
+void reshape_and_cache_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                            at::Tensor& kv_scales, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu() &&
+                  kv_scales.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "reshape_and_cache_int8: every tensor must be on the CPU");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(),
+              "reshape_and_cache_int8: key and value must both be [num_tokens, num_kv_heads, head_dim]");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "reshape_and_cache_int8: key and value dtypes differ");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.stride(4) == 1 && kv_cache.stride(3) == kv_cache.size(4),
+              "reshape_and_cache_int8: kv_cache must be an int8 [2, num_blocks, block_size, num_kv_heads, head_dim] "
+              "view with contiguous rows");
+  TORCH_CHECK(kv_cache.size(3) == key.size(1) && kv_cache.size(4) == key.size(2),
+              "reshape_and_cache_int8: kv_cache's [num_kv_heads, head_dim] ", kv_cache.sizes().slice(3),
+              " must match key's ", key.sizes().slice(1));
+  TORCH_CHECK(kv_scales.scalar_type() == at::kFloat && kv_scales.dim() == 4 &&
+                  kv_scales.sizes() == kv_cache.sizes().slice(0, 4) && kv_scales.stride(3) == 1,
+              "reshape_and_cache_int8: kv_scales must be a float32 [2, num_blocks, block_size, num_kv_heads] view");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              "reshape_and_cache_int8: slot_mapping must be int64 [num_tokens]");
+  const auto input_type = key.scalar_type();
+  TORCH_CHECK(input_type == at::kFloat || input_type == at::kBFloat16,
+              "reshape_and_cache_int8: key/value must be float32 or bfloat16");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0);
+  for (int64_t token = 0; token < key.size(0); ++token) {
+    const int64_t slot = slots[token * slot_stride];
+    TORCH_CHECK(slot < num_slots, "reshape_and_cache_int8: slot_mapping[", token, "]=", slot,
+                " is out of range [0, ", num_slots, ")");
+  }
+  if (key.size(0) == 0 || key.numel() == 0) return;
+  if (input_type == at::kFloat) write_int8_rows<float>(key, value, kv_cache, kv_scales, slots, slot_stride);
+  else write_int8_rows<c10::BFloat16>(key, value, kv_cache, kv_scales, slots, slot_stride);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "
         "int? sliding_window, int partition_size) -> Tensor");
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention_int8(Tensor query, Tensor kv_cache, Tensor kv_scales, Tensor block_table, "
+        "Tensor seq_lens, float scale, int? sliding_window, int partition_size) -> Tensor");
+  m.def("reshape_and_cache_int8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor(b!) kv_scales, "
+        "Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+  m.impl("reshape_and_cache_int8", &reshape_and_cache_int8);
 }

@@ -22,6 +22,11 @@ class DecodeAttentionCall {
   DecodeAttentionCall(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                       const at::Tensor& seq_lens, double scale, std::optional<int64_t> sliding_window,
                       int64_t partition_size, at::Tensor out);
+  // The same for an int8 cache (the int8 view of byte pages) with its float32 scale view `kv_scales`
+  // (paged_attention.cpp's header); kv_scales must be empty for a float32 / bfloat16 cache.
+  DecodeAttentionCall(const at::Tensor& query, const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
+                      std::optional<int64_t> sliding_window, int64_t partition_size, at::Tensor out);
   ~DecodeAttentionCall();
   DecodeAttentionCall(const DecodeAttentionCall&) = delete;
   DecodeAttentionCall& operator=(const DecodeAttentionCall&) = delete;
@@ -31,7 +36,7 @@ class DecodeAttentionCall {
   // Items [begin, end); disjoint ranges may run on different threads at once. A block id outside the cache raises.
   void run_items(int64_t begin, int64_t end) const;
   // The same items over another cache of the planned cache's sizes, dtype and layout (unchecked): the calls of
-  // layers that differ only in their caches share one plan.
+  // layers that differ only in their caches share one plan. Not for int8 caches (their scales are the plan's).
   void run_items_on(const at::Tensor& kv_cache, int64_t begin, int64_t end) const;
   // Merges [begin, end), once every item has run; disjoint ranges may run at once.
   void merge(int64_t begin, int64_t end) const;
