@@ -11,6 +11,16 @@ from pagedserve import LLM, SamplingParams
 GREEDY_36 = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
 
 
+# The default model's chat prompts (its answers are checked against transformers and across cache dtypes).
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Explain photosynthesis in one sentence.",
+]
+
+
 def random_prompts(num: int, low: int, high: int, seed: int) -> list[list[int]]:
     """`num` prompts of random token ids in [8, 400), lengths uniform in [low, high]."""
     rng = random.Random(seed)

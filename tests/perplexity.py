@@ -17,10 +17,10 @@ def passage_text() -> str:
         return passage.read()
 
 
-def perplexity(llm: LLM, text: str) -> float:
-    """exp of the mean negative log-likelihood of every token of `text` after the first, as the engine scores the
-    prompt (prompt_logprobs=0: each position's own token)."""
-    token_ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"]
+def perplexity(llm: LLM, text: str, max_tokens: int | None = None) -> float:
+    """exp of the mean negative log-likelihood of every token of `text` (its first `max_tokens` tokens when given)
+    after the first, as the engine scores the prompt (prompt_logprobs=0: each position's own token)."""
+    token_ids = llm.get_tokenizer()(text, add_special_tokens=False)["input_ids"][:max_tokens]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     output = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
     scores = output.prompt_logprobs

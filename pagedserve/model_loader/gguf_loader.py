@@ -305,10 +305,9 @@ class GGUFModel:
         """(HF name, shape) of every weight `weights()` yields, in yield order."""
         return [(name, tensor.shape) for tensor in self.tensors if (name := hf_tensor_name(tensor.name)) is not None]
 
-    def _dequantized_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._reader is None:
-            self._reader = _open_reader(self.path)
-        payloads = {tensor.name: tensor for tensor in self._reader.tensors}
+    def _named_payloads(self, reader: Any) -> Iterator[tuple[str, TensorInfo, Any]]:
+        """(HF name, table entry, the reader's tensor) of every weight, checked against the table."""
+        payloads = {tensor.name: tensor for tensor in reader.tensors}
         for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
             if name is None:
@@ -316,6 +315,12 @@ class GGUFModel:
             payload = payloads.get(tensor.name)
             if payload is None or int(payload.tensor_type) != tensor.ggml_type:
                 raise ValueError(f"GGUF file {self.path!r} changed while loading: tensor {tensor.name!r} differs")
+            yield name, tensor, payload
+
+    def _dequantized_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._reader is None:
+            self._reader = _open_reader(self.path)
+        for name, tensor, payload in self._named_payloads(self._reader):
             yield name, self._dequantized_tensor(tensor, payload, dtype)
 
     def _in_hf_row_order(self, tensor: TensorInfo, rows: np.ndarray) -> np.ndarray:
@@ -362,18 +367,11 @@ class GGUFModel:
     def _kept_quantized_weights(self, dtype: torch.dtype, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         reader = self._reader if self._reader is not None else _open_reader(self.path)
         self._reader = None  # the file map goes when the stream ends: its pages are not the weights' memory
-        payloads = {tensor.name: tensor for tensor in reader.tensors}
-        for tensor in self.tensors:
-            name = hf_tensor_name(tensor.name)
-            if name is None:
-                continue
-            payload = payloads.get(tensor.name)
-            if payload is None or int(payload.tensor_type) != tensor.ggml_type:
-                raise ValueError(f"GGUF file {self.path!r} changed while loading: tensor {tensor.name!r} differs")
+        for name, tensor, payload in self._named_payloads(reader):
             if name in kept:
                 yield name, self._block_rows(tensor, payload)
-                continue
-            yield name, self._dequantized_tensor(tensor, payload, dtype)
+            else:
+                yield name, self._dequantized_tensor(tensor, payload, dtype)
 
     def weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor) for every weight, in `dtype` (default: the load dtype).

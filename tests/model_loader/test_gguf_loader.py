@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from generation_helpers import CHAT_QUESTIONS
 from test_gguf_tiny_files import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, write_tiny_gguf
 
 from pagedserve.model_loader import default_model
@@ -204,13 +205,6 @@ def test_resolve_default_model_path(tmp_path, monkeypatch) -> None:
         resolve_model_path(None)
 
 
-CHAT_QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "How do I reverse a list in Python?",
-    "Explain photosynthesis in one sentence.",
-]
 
 
 @pytest.fixture(scope="module")
