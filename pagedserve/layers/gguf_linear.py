@@ -7,8 +7,10 @@ holding the file's blocks along each row (rows are independent: fused layers sta
 permutations and tensor-parallel row splits move whole rows), and `ggml_type` names the block layout.
 
 Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
-- decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp) decodes
-  each block in registers with ggml's reference arithmetic and multiplies it into every row;
+- decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp). Q8_0,
+  Q4_0 and Q4_1 quantize x per 32-value block to int16 and take integer dot products with the weight's quants
+  (a product moves by at most sum over blocks of absmax(x) / 65534 * sum |w|); the other types decode each block
+  with ggml's reference arithmetic and multiply it into every row in float32;
 - larger batches (prefill chunks): the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time
   (the same values, bitwise, as the file dequantized at load) and multiplied with F.linear.
 Embedding tables look up their rows the same way (`quantized_rows`).
