@@ -145,13 +145,16 @@ def main() -> None:
     parser.add_argument("--prefill-only", action="store_true",
                         help="every request generates one token: times the prompts' prefill alone (a full run's "
                              "time minus this one is its decode time)")
+    parser.add_argument("--model", default=None,
+                        help="an HF folder both engines load instead of the benchmark model (e.g. a W8A8 "
+                             "checkpoint from `pagedserve quantize`)")
     parser.add_argument("--json-out", default=None,
                         help="result file (default: results/offline_vs_vllm_<dtype>_<cpu kind>.json; none for "
-                             "--prefill-only; '' writes none)")
+                             "--prefill-only or --model; '' writes none)")
     args = parser.parse_args()
-    if args.json_out is None and not args.prefill_only:
+    if args.json_out is None and not args.prefill_only and args.model is None:
         args.json_out = result_path("offline_vs_vllm", args.dtype)
-    folder = benchmark_model_folder()
+    folder = args.model or benchmark_model_folder()
     workload = make_workload(args.num_requests, 0, 49152, (64, 512), (64, 256))
     if args.prefill_only:
         workload = [(prompt, 1) for prompt, _ in workload]
