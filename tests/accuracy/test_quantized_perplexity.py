@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from generation_helpers import CHAT_QUESTIONS
+from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
-from pagedserve.layers.gguf_linear import gguf_kernels_available
 from pagedserve.model_loader.default_model import resolve_model_path
 from perplexity import passage_text, perplexity
 
@@ -71,7 +71,7 @@ def _perplexity_of(model: str, **options) -> float:
     return perplexity(llm, passage_text())
 
 
-@pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+@NEEDS_GGUF_KERNELS
 def test_gguf_kept_quantized_scores_the_passage_as_dequantized(default_model_path: str,
                                                                dequantized_perplexities: dict[str, float]) -> None:
     kept = _perplexity_of(default_model_path)
@@ -79,7 +79,7 @@ def test_gguf_kept_quantized_scores_the_passage_as_dequantized(default_model_pat
     assert abs(kept / dequantized_perplexities["all"] - 1) < 1e-3, (kept, dequantized_perplexities)
 
 
-@pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+@NEEDS_GGUF_KERNELS
 def test_gguf_decode_kernels_score_the_passage_as_dequantized(default_model_path: str,
                                                               dequantized_perplexities: dict[str, float]) -> None:
     """8-token chunks: every product runs on the decode kernels (int16 activations), none on dequantized tiles."""

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
+from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve.layers import gguf_linear
 from pagedserve.layers.gguf_linear import (BLOCK_FORMATS, KERNEL_MAX_ROWS, KERNEL_TYPES, dequantize_weight,
-                                           gguf_kernels_available, quantized_linear, quantized_rows)
+                                           quantized_linear, quantized_rows)
 from pagedserve.model_loader.default_model import resolve_model_path
 from pagedserve.model_loader.gguf_dequant import dequantize
 
-pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+pytestmark = NEEDS_GGUF_KERNELS
 
 # Types gguf-py quantizes (real blocks); the K types are random payload bytes with sane float16 scales.
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")

@@ -8,12 +8,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
-from pagedserve.layers.gguf_linear import gguf_kernels_available
 from pagedserve.models.native_decode_stack import GGUF_KIND, NativeDecodeForward, native_decode_stack_plan
 from test_gguf_tiny_files import write_tiny_gguf
 
-pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+pytestmark = NEEDS_GGUF_KERNELS
 
 NUM_STEPS = 24
 

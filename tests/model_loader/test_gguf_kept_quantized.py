@@ -11,14 +11,15 @@ from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.torch import save_file
 
 from hf_reference import hf_greedy_with_logprobs
+from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.embedding import VocabParallelEmbedding
-from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, gguf_kernels_available
+from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD
 from pagedserve.layers.linear import LinearBase
 from pagedserve.model_loader.gguf_loader import load_gguf
 from test_gguf_tiny_files import write_tiny_gguf
 
-pytestmark = pytest.mark.skipif(not gguf_kernels_available(), reason="the native CPU kernels are not built here")
+pytestmark = NEEDS_GGUF_KERNELS
 
 NUM_STEPS = 32
 # Logprob by which a pick may trail transformers' argmax (assert_transformers_argmax).

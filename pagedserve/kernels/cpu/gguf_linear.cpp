@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_linear.h"
@@ -539,29 +540,32 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
   }
 }
 
-template <int64_t kType>
-void run_all_integer_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+// Every input row, up to four at a time against each column range: `run(std::integral_constant<int, R>, input)`
+// computes rows [input, input + R) with R's accumulators in registers.
+template <class Run>
+void in_groups_of_four(const GgufLinearCall::State& s, Run run) {
   int64_t input = 0;
-  for (; input + 4 <= s.m; input += 4) run_integer_columns<kType, 4>(s, first_column, end_column, input);
+  for (; input + 4 <= s.m; input += 4) run(std::integral_constant<int, 4>{}, input);
   switch (s.m - input) {
-    case 3: run_integer_columns<kType, 3>(s, first_column, end_column, input); break;
-    case 2: run_integer_columns<kType, 2>(s, first_column, end_column, input); break;
-    case 1: run_integer_columns<kType, 1>(s, first_column, end_column, input); break;
+    case 3: run(std::integral_constant<int, 3>{}, input); break;
+    case 2: run(std::integral_constant<int, 2>{}, input); break;
+    case 1: run(std::integral_constant<int, 1>{}, input); break;
     default: break;
   }
 }
 
-// Every input row, up to four at a time against each column range.
+template <int64_t kType>
+void run_all_integer_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  in_groups_of_four(s, [&](auto inputs, int64_t input) {
+    run_integer_columns<kType, decltype(inputs)::value>(s, first_column, end_column, input);
+  });
+}
+
 template <class BlockDecoder>
 void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
-  int64_t input = 0;
-  for (; input + 4 <= s.m; input += 4) run_columns<BlockDecoder, 4>(s, first_column, end_column, input);
-  switch (s.m - input) {
-    case 3: run_columns<BlockDecoder, 3>(s, first_column, end_column, input); break;
-    case 2: run_columns<BlockDecoder, 2>(s, first_column, end_column, input); break;
-    case 1: run_columns<BlockDecoder, 1>(s, first_column, end_column, input); break;
-    default: break;
-  }
+  in_groups_of_four(s, [&](auto inputs, int64_t input) {
+    run_columns<BlockDecoder, decltype(inputs)::value>(s, first_column, end_column, input);
+  });
 }
 
 }  // namespace
