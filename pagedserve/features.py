@@ -268,7 +268,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="framework", family="graph mode", feature="fusion passes wired into graph capture: add+RMSNorm, "
                                                        "Qwen3 q/k-norm+RoPE, x*scale+y (replacements counted "
-                                                       "and logged; norm+quant awaits quantised models)",
+                                                       "and logged; norm+quant: its own row)",
         modules=("pagedserve.compilation.pass_manager", "pagedserve.compilation.compiler_backend"),
         knobs=("compilation_config",),
         docs="docs/params-06-compilation.md",
