@@ -50,11 +50,11 @@ logger = logging.getLogger(__name__)
 # The C++ sources and headers (kernels/cpu/).
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "small_batch_linear.cpp",
-           "amx_linear.cpp", "decode_stack.cpp", "first_argmax.cpp", "gguf_linear.cpp")
+           "amx_linear.cpp", "decode_stack.cpp", "first_argmax.cpp", "gguf_linear.cpp", "int8_linear.cpp")
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("paged_decode_attention.h", "amx_linear.h", "amx_tiles.h", "bfloat16_rounding.h", "bfloat16_silu_table.h",
            "elementwise.h", "exp_polynomial.h", "float_vector.h", "small_batch_linear.h", "spin_barrier.h",
-           "first_argmax.h", "vector_avx2.h", "gguf_linear.h")
+           "first_argmax.h", "vector_avx2.h", "gguf_linear.h", "int8_linear.h")
 # Flags of every level's build; cpu_isa.compile_flags(level) adds the level's instruction sets.
 BASE_COMPILE_FLAGS = ("-O3", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)

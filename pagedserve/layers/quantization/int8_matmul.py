@@ -11,10 +11,18 @@ Two GEMMs compute sum_k x_q[m, k] * w_q[n, k]:
   the same integers (exact: |x_q| <= 128 fits bf16's 8-bit significand), the kernel accumulates in float32 and
   applies the per-channel weight scale before rounding to the model dtype. Torch's kernel reads K in steps of 8
   without a tail (K = 30 crashed the process in torch 2.13), hence `half_precision_kernel_fits`.
+
+Where the native library runs, `native_w8a8_linear` does the whole layer in one op (kernels/cpu/int8_linear.cpp):
+the quantization in its prologue, exact int32 products, the float32 epilogue rounded once to the model dtype;
+bitwise `int8_matmul_exact(x_q, w).float() * x_scale * w_scale + bias` for float32 and bfloat16 activations.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from pagedserve.kernels.cpu_library import load_native_op
 
 INT8_MAX = 127
 INT8_MIN = -128
@@ -22,6 +30,27 @@ INT8_MIN = -128
 _CUDA_INT_MM_MIN_ROWS = 17
 # torch._weight_int8pack_mm's CPU kernel needs the reduction size to be a multiple of this.
 _HALF_KERNEL_K_MULTIPLE = 8
+
+
+# The native op once looked up: None until then, False where it cannot run.
+_native_op: Any = None
+
+
+def _w8a8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+
+
+def native_w8a8_linear() -> Any:
+    """`pagedserve::w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)` where the native library
+    runs (building it at first use), else None. x [M, K] float32/bfloat16 is quantized inside (per token when
+    input_scale is None, else with the static one-value scale); an int8 x is already quantized and input_scale
+    holds its scales ([M, 1] or one value)."""
+    global _native_op
+    if _native_op is None:
+        _native_op = load_native_op("w8a8_linear", "is_w8a8_linear_supported", _w8a8_linear_fake) or False
+    return _native_op or None
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,4 +92,4 @@ def int8_matmul_scaled_half(x_q: torch.Tensor, weight: torch.Tensor, weight_scal
 
 
 __all__ = ["INT8_MAX", "INT8_MIN", "half_precision_kernel_fits", "int8_matmul_exact", "int8_matmul_scaled_half",
-           "quantize_per_tensor", "quantize_per_token"]
+           "native_w8a8_linear", "quantize_per_tensor", "quantize_per_token"]

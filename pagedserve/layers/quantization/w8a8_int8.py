@@ -9,10 +9,13 @@ Parameters (compressed-tensors' 'int-quantized' names, as vLLM loads them):
 - `input_scale` float32 [1] (static scheme only): whole on every rank; a fused layer's parts share their input, so
   it keeps the largest of their scales (as vLLM).
 
-y = (x_q @ w_q^T) * x_scale * w_scale + b. `w8a8_reference_linear` is the plain float32 dequantize-then-F.linear
-form the tests compare against.
+y = (x_q @ w_q^T) * x_scale * w_scale + b. Where the native library runs, one op does it all (quantization,
+int8 products, epilogue: int8_matmul.native_w8a8_linear); elsewhere the PyTorch forms of int8_matmul.py do.
+`w8a8_reference_linear` is the plain float32 dequantize-then-F.linear form the tests compare against.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +24,9 @@ from torch import nn
 from pagedserve.layers.linear import (LinearBase, LinearMethodBase, MergedColumnParallelLinear, QKVParallelLinear,
                                       RowParallelLinear)
 from pagedserve.layers.quantization.int8_matmul import (half_precision_kernel_fits, int8_matmul_exact,
-                                                         int8_matmul_scaled_half, quantize_per_tensor)
-from pagedserve.layers.quantization.int8_quant_op import quantize_per_token_traceable
+                                                         int8_matmul_scaled_half, native_w8a8_linear,
+                                                         quantize_per_tensor)
+from pagedserve.layers.quantization.int8_quant_op import is_tracing, quantize_per_token_traceable
 
 W8A8_INT8_LAYOUT = "w8a8_int8"
 
@@ -143,11 +147,23 @@ class W8A8Int8LinearMethod(LinearMethodBase):
             return quantize_per_tensor(x, layer.input_scale), layer.input_scale
         return quantize_per_token_traceable(x)
 
+    @staticmethod
+    def _native_kernel(x: torch.Tensor, dtype: torch.dtype) -> Any:
+        if x.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        return native_w8a8_linear()
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        input_size = x.shape[-1]
+        native = None if is_tracing() else self._native_kernel(x, x.dtype)
+        if native is not None:
+            # Quantization in the kernel's prologue (a traced graph keeps it a node of its own: see below).
+            input_scale = layer.input_scale if self.is_static_input else None
+            output = native(x.reshape(-1, input_size), layer.weight, layer.weight_scale_row, input_scale, bias)
+            return output.reshape(*x.shape[:-1], output.shape[-1])
         # Quantized before any reshape: in a traced graph the quantization then consumes the producer's output
         # directly (an RMSNorm's: the norm+quant fusion pass looks for exactly that).
         x_q, x_scale = self.quantize_input(layer, x)
-        input_size = x.shape[-1]
         if not self.is_static_input:
             x_scale = x_scale.reshape(-1, 1)
         output = self.apply_quantized(layer, x_q.reshape(-1, input_size), x_scale, bias, x.dtype)
@@ -156,6 +172,9 @@ class W8A8Int8LinearMethod(LinearMethodBase):
     def apply_quantized(self, layer: LinearBase, x_q: torch.Tensor, x_scale: torch.Tensor,
                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The GEMM and epilogue on an already quantized input (the norm+quant fusion hands one over)."""
+        native = self._native_kernel(x_q, dtype)
+        if native is not None:
+            return native(x_q, layer.weight, layer.weight_scale_row, x_scale, bias, dtype)
         if layer.weight_scale_vector.dtype == dtype and half_precision_kernel_fits(layer.weight, dtype):
             output = int8_matmul_scaled_half(x_q, layer.weight, layer.weight_scale_vector, dtype) * x_scale
         else:
