@@ -177,6 +177,8 @@ FEATURES: tuple[Feature, ...] = (
                                                      "(int-quantized; per-channel int8 weights, per-token dynamic "
                                                      "or static per-tensor int8 activations, int32 accumulation), "
                                                      "loaded with no flag; TP-sharded weights and scales; "
+                                                     "a native int8 kernel with the quantization in its prologue "
+                                                     "and a W8A8 kind in the native decode stack; "
                                                      "`pagedserve quantize` writes them from an HF folder",
         modules=("pagedserve.layers.quantization.compressed_tensors_config",
                  "pagedserve.layers.quantization.w8a8_int8", "pagedserve.layers.quantization.int8_matmul",
@@ -184,7 +186,8 @@ FEATURES: tuple[Feature, ...] = (
         knobs=(),
         docs="docs/quantization.md",
         tests=("tests/quantization/test_w8a8_linear.py", "tests/quantization/test_w8a8_models.py",
-               "tests/quantization/test_w8a8_bad_checkpoints.py"),
+               "tests/quantization/test_w8a8_bad_checkpoints.py", "tests/quantization/test_w8a8_native_kernel.py",
+               "tests/quantization/test_w8a8_decode_stack.py"),
     ),
     Feature(
         line="model", family="quantization", feature="W8A8 int8 MoE experts: grouped int8 gate_up + SwiGLU + "

@@ -22,7 +22,7 @@ NATIVE_KERNEL_TEST_MODULES = (
     "tests/layers/test_small_batch_linear.py", "tests/models/test_native_decode_stack.py",
     "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",
     "tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_decode_stack.py",
-    "tests/quantization/test_w8a8_native_kernel.py",
+    "tests/quantization/test_w8a8_native_kernel.py", "tests/quantization/test_w8a8_decode_stack.py",
 )
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,7 +5,8 @@ calls of a few hundred microseconds each on SmolLM2-135M. Driving them through t
 module calls and op dispatches per layer, as much time again as the reads. `llama_decode_stack`
 (kernels/cpu/decode_stack.cpp) walks the layers in C++ and calls the same kernels in the same order with the
 same arguments, so its output is bitwise that of the modules (tests/models/test_native_decode_stack.py). On
-amx_packed (bfloat16) and small-batch plain_native (float32) weights a step of up to ONE_REGION_MAX_ROWS rows runs
+amx_packed (bfloat16), small-batch plain_native and GGUF (float32) and W8A8 int8 (either) weights a step of up to
+ONE_REGION_MAX_ROWS rows runs
 every layer inside one parallel region, its threads meeting at a barrier between stages instead of starting a
 team for each op (decode_stack.cpp run_layers_in_one_region). When the step's requests all decode and sample
 greedily with nothing else asked, the runner takes `greedy_rows` instead (`decode_rows_greedy`): one call
@@ -23,7 +24,7 @@ padding rows, the attention metadata is set and grad mode is off. A model takes 
 kernels built, it is a single-rank, single-stage Llama-family model (Llama, Mistral, Qwen2: LlamaModel with
 unmodified layers, no q/k norm, a dense MLP), its norms, RoPE and activation are the native-path modules, its
 attention backend is cpu_native, every linear of the layers has one of the plain, plain_native (float32), amx_packed
-(bfloat16) or prepacked (oneDNN) methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch
+(bfloat16), prepacked (oneDNN), GGUF (float32) or W8A8 int8 methods, and batch_invariant is off (that mode reroutes F.linear through a dispatch
 mode the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its
 `reason`.
 
@@ -57,6 +58,7 @@ from pagedserve.layers.forward_hooks import ForwardHookCheck, hook_registries
 from pagedserve.layers.gguf_linear import GGUFLinearMethod
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.quantization.w8a8_int8 import W8A8Int8LinearMethod
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.small_batch_linear import SmallBatchLinearMethod, large_batches_on_onednn
 from pagedserve.layers.watched_attributes import watched_attributes_epoch
@@ -69,9 +71,12 @@ logger = logging.getLogger(__name__)
 
 # linear_kind of the op, by the layers' linear method.
 LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
-                                 OneDnnPrepackedLinearMethod: 3, GGUFLinearMethod: 5}
+                                 OneDnnPrepackedLinearMethod: 3, GGUFLinearMethod: 5, W8A8Int8LinearMethod: 6}
 # Kind 5: GGUF blocks kept quantized (float32 models only: the kernel computes in float32, as the method does).
 GGUF_KIND = LINEAR_KINDS[GGUFLinearMethod]
+# Kind 6: W8A8 int8 weights on the native w8a8_linear (float32 and bfloat16 models: the kernel rounds its output
+# once to the model's dtype, as the method's forward does), every row count in one region.
+W8A8_KIND = LINEAR_KINDS[W8A8Int8LinearMethod]
 # Kind 1 off Intel: up to 128 rows on the kernel, oneDNN's GEMM above (small_batch_linear.large_batches_on_onednn).
 SMALL_BATCH_ONEDNN_KIND = 4
 # Decode steps of up to this many rows run the layers in one parallel region (decode_stack.cpp
@@ -110,6 +115,9 @@ class NativeDecodeStackPlan:
     weight_types: tuple[int, ...] = ()
     embedding_type: int = 0
     head_type: int = 0
+    # Kind 6 (W8A8): the linears' float32 weight scales and static input scales (None: per token), 4 per layer.
+    weight_scales: tuple[torch.Tensor, ...] = ()
+    input_scales: tuple[torch.Tensor | None, ...] = ()
     # The LM head greedy_rows samples from (_greedy_head; None: greedy_rows is off).
     greedy_head: tuple[torch.Tensor, torch.Tensor | None, int, int] | None = None
     # watched_attributes_epoch() when the sources below were last found current.
@@ -142,6 +150,8 @@ class NativeDecodeStackPlan:
                 native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS, ONE_REGION_MAX_ROWS)
             if self.linear_kind == GGUF_KIND:
                 self.native.set_gguf_types(list(self.weight_types), self.embedding_type, self.head_type)
+            if self.linear_kind == W8A8_KIND:
+                self.native.set_w8a8_scales(list(self.weight_scales), list(self.input_scales))
             if self.greedy_head is not None:
                 self.native.set_greedy_head(*self.greedy_head)
             self.block_size = kv_caches[0].shape[2]
@@ -181,7 +191,8 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
 
 
 # The attributes of the embedding, norms, rotary embedding, linears and attention layers a plan reads.
-_SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache")
+_SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache",
+                      "weight_scale_row", "input_scale")
 
 
 def _sources(modules: list[nn.Module]) -> dict[str, tuple[Any, ...]]:
@@ -207,15 +218,18 @@ def _greedy_head(lm_head: nn.Module, linear_kind: int) -> tuple[torch.Tensor, to
     """(weight, bias, output size, columns sampled) of an LM head the stack's region samples from as the module path
     would: tile-packed bfloat16 beside amx_packed layers (the fused head op's arguments), a plain float32 head on
     small_batch_linear beside plain_native layers, or a GGUF head beside GGUF layers (its logits, then the greedy
-    sampler's argmax); None otherwise."""
-    if linear_kind == LINEAR_KINDS[AmxPackedLinearMethod]:
-        return greedy_head_arguments(lm_head)
+    sampler's argmax); beside W8A8 layers whichever of the float heads the head is (the head stays unquantized).
+    None otherwise."""
+    if linear_kind in (LINEAR_KINDS[AmxPackedLinearMethod], W8A8_KIND):
+        head = greedy_head_arguments(lm_head)
+        if head is not None or linear_kind != W8A8_KIND:
+            return head
     if linear_kind == GGUF_KIND:
         if type(getattr(lm_head, "linear_method", None)) is GGUFLinearMethod and lm_head.parallel_group.world_size == 1 \
                 and lm_head.vocab_start_index == 0 and (lm_head.bias is None or lm_head.bias.dtype == torch.float32):
             return lm_head.weight, lm_head.bias, lm_head.num_embeddings_per_partition, lm_head.org_vocab_size
         return None
-    if linear_kind in (LINEAR_KINDS[SmallBatchLinearMethod], SMALL_BATCH_ONEDNN_KIND) \
+    if linear_kind in (LINEAR_KINDS[SmallBatchLinearMethod], SMALL_BATCH_ONEDNN_KIND, W8A8_KIND) \
             and type(getattr(lm_head, "linear_method", None)) is SmallBatchLinearMethod \
             and lm_head.parallel_group.world_size == 1 and lm_head.vocab_start_index == 0 \
             and lm_head.weight.dtype == torch.float32 and lm_head.weight.is_contiguous():
@@ -245,6 +259,8 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     weight_types: list[int] = []
+    weight_scales: list[torch.Tensor] = []
+    input_scales: list[torch.Tensor | None] = []
     kinds: set[int] = set()
     epoch = watched_attributes_epoch()  # read before the sources: a change while planning makes the next check
     embed_tokens = decoder.embed_tokens
@@ -283,6 +299,10 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
         weight_types += [getattr(linear, "ggml_type", None) or 0 for linear in linears]
+        if qkv_kind == W8A8_KIND:
+            weight_scales += [linear.weight_scale_row for linear in linears]
+            input_scales += [linear.input_scale if linear.linear_method.is_static_input else None
+                             for linear in linears]
         sources += [layer.input_layernorm, layer.post_attention_layernorm, *linears, attention.attn]
         weights += [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
         biases += [qkv_bias, o_bias, gu_bias, d_bias]
@@ -313,6 +333,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         scale=float(first_attention.attn.scale), linear_kind=linear_kind, weight_types=tuple(weight_types),
         embedding_type=embed_tokens.ggml_type or 0,
         head_type=(getattr(lm_head, "ggml_type", None) or 0) if greedy_head is not None else 0,
+        weight_scales=tuple(weight_scales), input_scales=tuple(input_scales),
         greedy_head=greedy_head, epoch=epoch,
         **_sources(sources))
 

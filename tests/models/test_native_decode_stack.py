@@ -330,8 +330,8 @@ def test_plan_object_rejects_mismatched_lists(tiny_model_dir) -> None:
                  plan.linear_kind, 8, 256, 4]
     with pytest.raises(RuntimeError, match=r"12 weights expected for 2 layers, got 11"):
         make(list(plan.weights[:-1]), list(plan.biases), kv_caches, *arguments)
-    arguments[10] = 6
-    with pytest.raises(RuntimeError, match=r"linear_kind=6 must be 0, 1, 2, 3, 4 or 5"):
+    arguments[10] = 7
+    with pytest.raises(RuntimeError, match=r"linear_kind=7 must be 0, 1, 2, 3, 4, 5 or 6"):
         make(list(plan.weights), list(plan.biases), kv_caches, *arguments)
 
 

@@ -38,11 +38,12 @@
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
 //   on the plain weight above (small_batch_linear.py off Intel), 5 GGUF blocks kept quantized (float32 models;
 //   layers/gguf_linear.py: gguf_linear up to 8 rows, the dequantized weight on at::linear above; the block types
-//   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types). Every M row is one
-//   decoding request.
-// Steps on kinds 2 (bfloat16) and 1 / 4 / 5 (float32, while small_batch_linear or gguf_linear takes the rows) of up to
-// one_region_max_rows rows run every layer inside one parallel region (run_layers_in_one_region); the others run op
-// by op, each op with its own (run_layers_op_by_op).
+//   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types), 6 W8A8 int8 weights on
+//   w8a8_linear (float32 or bfloat16 models; layers/quantization/w8a8_int8.py: every M; the scales by
+//   DecodeStackPlan.set_w8a8_scales). Every M row is one decoding request.
+// Steps on kinds 2 (bfloat16), 6 (either dtype) and 1 / 4 / 5 (float32, while small_batch_linear or gguf_linear takes
+// the rows) of up to one_region_max_rows rows run every layer inside one parallel region (run_layers_in_one_region);
+// the others run op by op, each op with its own (run_layers_op_by_op).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -70,6 +71,7 @@
 #include "small_batch_linear.h"
 #include "first_argmax.h"
 #include "gguf_linear.h"
+#include "int8_linear.h"
 #include "spin_barrier.h"
 
 namespace {
@@ -89,6 +91,7 @@ enum LinearKind : int64_t {
   kOneDnnPacked = 3,
   kSmallBatchOneDnn = 4,
   kGguf = 5,
+  kW8A8 = 6,
 };
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
@@ -118,6 +121,9 @@ struct Kernels {
       gguf_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t)> gguf_dequantize;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)> gguf_embedding;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                      const OptionalTensor&, std::optional<at::ScalarType>)>
+      w8a8_linear;
 
   static const Kernels& get() {
     static const Kernels kernels = [] {
@@ -148,6 +154,9 @@ struct Kernels {
           find("pagedserve::gguf_dequantize").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
           find("pagedserve::gguf_embedding")
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)>(),
+          find("pagedserve::w8a8_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
+                                const OptionalTensor&, std::optional<at::ScalarType>)>(),
       };
     }();
     return kernels;
@@ -166,10 +175,21 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 }
 
 // What the linear layers' methods run (layers/linear.py UnquantizedLinearMethod, small_batch_linear.py,
-// amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod, gguf_linear.py GGUFLinearMethod), for a contiguous
-// 2-D x; `ggml_type` is the weight's block type (kind 5 only).
+// amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod, gguf_linear.py GGUFLinearMethod, w8a8_int8.py
+// W8A8Int8LinearMethod), for a contiguous 2-D x; `quantization` holds the weight's block type (kind 5) or its scales
+// (kind 6).
+struct LinearQuantization {
+  int64_t ggml_type = 0;
+  const at::Tensor* weight_scale = nullptr;
+  const OptionalTensor* input_scale = nullptr;
+};
+
 at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, const at::Tensor& weight,
-                  const OptionalTensor& bias, int64_t output_size, int64_t ggml_type) {
+                  const OptionalTensor& bias, int64_t output_size, const LinearQuantization& quantization) {
+  if (kind == kW8A8)
+    return kernels.w8a8_linear.call(x, weight, *quantization.weight_scale, *quantization.input_scale, bias,
+                                    std::nullopt);
+  const int64_t ggml_type = quantization.ggml_type;
   if (kind == kGguf) {
     if (x.size(0) <= kGgufKernelMaxRows) return kernels.gguf_linear.call(x, weight, ggml_type, bias);
     return at::linear(x, kernels.gguf_dequantize.call(weight, ggml_type, x.size(1)), bias);
@@ -227,6 +247,10 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // head (set_gguf_types; 0: a float table or head).
   std::vector<int64_t> weight_types;
   int64_t embedding_type = 0, head_type = 0;
+  // Kind 6: the linears' float32 weight scales [N] and static input scales (none: per-token), 4 per layer
+  // (set_w8a8_scales).
+  std::vector<at::Tensor> weight_scales;
+  std::vector<OptionalTensor> input_scales;
   // The runner's persistent batch (bind_batch; undefined: none): token ids [R, L] int64, token counts [R] int64,
   // computed-token counts [R] int64, block table [R, B] int32 and its filled columns [R] int64, numpy's memory.
   at::Tensor batch_token_ids, batch_num_tokens, batch_num_computed_tokens, batch_block_table, batch_num_blocks;
@@ -264,8 +288,8 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(sliding_windows.size()) == num_layers,
                 "DecodeStackPlan: one sliding window per layer expected, got ", sliding_windows.size());
     TORCH_CHECK(output_sizes.size() == 4, "DecodeStackPlan: 4 output sizes (qkv, o, gate_up, down) expected");
-    TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kGguf, "DecodeStackPlan: linear_kind=", linear_kind,
-                " must be 0, 1, 2, 3, 4 or 5");
+    TORCH_CHECK(linear_kind >= kPlain && linear_kind <= kW8A8, "DecodeStackPlan: linear_kind=", linear_kind,
+                " must be 0, 1, 2, 3, 4, 5 or 6");
     is_one_region_capable = one_region_capable();
   }
 
@@ -296,11 +320,45 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     is_one_region_capable = one_region_capable();
   }
 
+  // Kind 6's scales (see the fields): one float32 weight scale per weight row, a static input scale one value.
+  void set_w8a8_scales(std::vector<at::Tensor> weight_scales_, c10::List<OptionalTensor> input_scales_) {
+    TORCH_CHECK(linear_kind == kW8A8, "DecodeStackPlan.set_w8a8_scales: the plan's linear_kind is ", linear_kind);
+    const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+    TORCH_CHECK(static_cast<int64_t>(weight_scales_.size()) == kBiasesPerLayer * num_layers &&
+                    static_cast<int64_t>(input_scales_.size()) == kBiasesPerLayer * num_layers,
+                "DecodeStackPlan.set_w8a8_scales: ", kBiasesPerLayer * num_layers,
+                " weight scales and input scales expected, got ", weight_scales_.size(), " and ",
+                input_scales_.size());
+    const int64_t slots[kBiasesPerLayer] = {1, 2, 4, 5};  // qkv, o, gate_up, down in a layer's weights
+    std::vector<OptionalTensor> inputs;
+    for (int64_t layer = 0; layer < num_layers; ++layer)
+      for (int64_t part = 0; part < kBiasesPerLayer; ++part) {
+        const int64_t index = layer * kBiasesPerLayer + part;
+        const at::Tensor& weight = weights[layer * kWeightsPerLayer + slots[part]];
+        const at::Tensor& scale = weight_scales_[index];
+        const OptionalTensor input_scale = input_scales_.get(index);
+        TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous() &&
+                        scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0) &&
+                        (!input_scale.has_value() || input_scale->numel() == 1),
+                    "DecodeStackPlan.set_w8a8_scales: layer ", layer, " linear ", part,
+                    " needs an int8 weight [N, K], N float32 weight scales and at most one input scale");
+        inputs.push_back(input_scale);
+      }
+    weight_scales = std::move(weight_scales_);
+    input_scales = std::move(inputs);
+    is_one_region_capable = one_region_capable();
+  }
+
+  // The region's dtype: bfloat16 on tile-packed weights and in a bfloat16 W8A8 model, float32 otherwise.
+  bool is_bfloat16_region() const {
+    return linear_kind == kAmxPacked || (linear_kind == kW8A8 && final_norm.scalar_type() == at::kBFloat16);
+  }
+
   // The rows a step may have to run in one region: tile-packed bfloat16 weights (amx_linear) or plain float32
   // weights on small_batch_linear, where that kernel takes the step (0: never).
   int64_t one_region_rows_limit() const {
     if (!is_one_region_capable) return 0;
-    if (linear_kind == kAmxPacked) return one_region_max_rows;
+    if (linear_kind == kAmxPacked || linear_kind == kW8A8) return one_region_max_rows;
     if (linear_kind == kGguf) return std::min(one_region_max_rows, kGgufKernelMaxRows);
     return std::min(one_region_max_rows, linear_kind == kSmallBatch ? kSmallBatchMaxRows : kSmallBatchOneDnnMaxRows);
   }
@@ -309,13 +367,14 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // dtype laid out as run_layers_in_one_region reads them (the op-by-op path checks the same through its ops at
   // every call).
   bool one_region_capable() const {
-    const at::ScalarType dtype = linear_kind == kAmxPacked ? at::kBFloat16 : at::kFloat;
+    const at::ScalarType dtype = is_bfloat16_region() ? at::kBFloat16 : at::kFloat;
     const auto is_of_dtype = [dtype](const at::Tensor& tensor) {
       return tensor.scalar_type() == dtype && tensor.is_contiguous() && tensor.device().is_cpu();
     };
     const bool is_kernel_kind = linear_kind == kAmxPacked || linear_kind == kSmallBatch ||
-                                linear_kind == kSmallBatchOneDnn || linear_kind == kGguf;
+                                linear_kind == kSmallBatchOneDnn || linear_kind == kGguf || linear_kind == kW8A8;
     if (linear_kind == kGguf && weight_types.empty()) return false;  // set_gguf_types not called yet
+    if (linear_kind == kW8A8 && weight_scales.empty()) return false;  // set_w8a8_scales not called yet
     const bool is_table_of_rows = embedding_type != 0
                                       ? embedding.scalar_type() == at::kByte && embedding.is_contiguous()
                                       : is_of_dtype(embedding);
@@ -376,7 +435,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // Whether decode_rows_greedy can sample a step of `num_rows` rows: with a head, a float32 one only in the
   // one region (its small-batch kernel and the argmax run there).
   bool can_sample_greedy(int64_t num_rows) const {
-    return head_weight.defined() && (linear_kind == kAmxPacked || num_rows <= one_region_rows_limit());
+    return head_weight.defined() && (is_bfloat16_region() || num_rows <= one_region_rows_limit());
   }
 
   // The persistent batch decode_rows_greedy reads and appends to (shared memory: the arrays live as long as
@@ -427,8 +486,15 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
                                                                             plan.hidden_size(), step.input_ids)
                                                : at::embedding(plan.embedding, step.input_ids);
   at::Tensor residual, normed;
-  const auto type_of = [&](int64_t layer, int64_t part) {
-    return plan.weight_types.empty() ? int64_t{0} : plan.weight_types[layer * kBiasesPerLayer + part];
+  const auto quantization_of = [&](int64_t layer, int64_t part) {
+    const int64_t index = layer * kBiasesPerLayer + part;
+    LinearQuantization quantization;
+    if (!plan.weight_types.empty()) quantization.ggml_type = plan.weight_types[index];
+    if (!plan.weight_scales.empty()) {
+      quantization.weight_scale = &plan.weight_scales[index];
+      quantization.input_scale = &plan.input_scales[index];
+    }
+    return quantization;
   };
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
@@ -442,7 +508,7 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
     }
     // LlamaAttention.forward.
     const at::Tensor qkv =
-        linear(kernels, plan.linear_kind, normed, w[1], layer_biases[0], plan.output_sizes[0], type_of(layer, 0));
+        linear(kernels, plan.linear_kind, normed, w[1], layer_biases[0], plan.output_sizes[0], quantization_of(layer, 0));
     const std::vector<at::Tensor> parts = qkv.split_with_sizes(split_sizes, -1);
     at::Tensor query, key;
     std::tie(query, key) =
@@ -458,13 +524,13 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
                                           sliding_window(plan, layer), plan.partition_size)
                                     .reshape({num_tokens, q_size});
     const at::Tensor projected =
-        linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1], type_of(layer, 1));
+        linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1], quantization_of(layer, 1));
     // The post-attention norm and LlamaMLP.
     std::tie(normed, residual) = kernels.add_rms_norm.call(projected, residual, w[3], plan.eps, plan.reduction_lanes);
     const at::Tensor gate_up =
-        linear(kernels, plan.linear_kind, normed, w[4], layer_biases[2], plan.output_sizes[2], type_of(layer, 2));
+        linear(kernels, plan.linear_kind, normed, w[4], layer_biases[2], plan.output_sizes[2], quantization_of(layer, 2));
     states = linear(kernels, plan.linear_kind, kernels.silu_and_mul.call(gate_up), w[5], layer_biases[3],
-                    plan.output_sizes[3], type_of(layer, 3));
+                    plan.output_sizes[3], quantization_of(layer, 3));
   }
   return std::get<0>(kernels.add_rms_norm.call(states, residual, plan.final_norm, plan.eps, plan.reduction_lanes));
 }
@@ -500,6 +566,7 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   using pagedserve_native::AmxLinearCall;
   using pagedserve_native::DecodeAttentionCall;
   using pagedserve_native::GgufLinearCall;
+  using pagedserve_native::Int8LinearCall;
   using pagedserve_native::SmallBatchLinearCall;
   const int64_t num_layers = static_cast<int64_t>(plan.kv_caches.size());
   const int64_t num_heads = plan.num_heads, num_kv_heads = plan.num_kv_heads, head_dim = plan.head_dim;
@@ -597,9 +664,18 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   {
     const int64_t thread = omp_get_thread_num(), num_threads = omp_get_num_threads();
     barrier.set_num_threads(static_cast<int>(num_threads));
-    // Thread `thread`'s share of one product (`ggml_type`: the weight's block type, kind 5).
+    // Thread `thread`'s share of one product (`quantization`: the weight's block type, kind 5, or scales, kind 6).
     const auto product = [&](const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, int64_t n,
-                             const at::Tensor& y, int64_t ggml_type) {
+                             const at::Tensor& y, const LinearQuantization& quantization) {
+      if (plan.linear_kind == kW8A8) {
+        // Each thread quantizes x itself (a few rows): the call's units then read only its own copy.
+        const Int8LinearCall call(x, weight, *quantization.weight_scale,
+                                  quantization.input_scale->value_or(at::Tensor()), bias.value_or(at::Tensor()), y);
+        const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+        call.run_units(begin, end);
+        return;
+      }
+      const int64_t ggml_type = quantization.ggml_type;
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         const AmxLinearCall call(x, weight, bias, n, "auto", y);
         const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
@@ -636,15 +712,23 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
       for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
         const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
         const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
-        const int64_t* types = plan.weight_types.empty() ? nullptr : plan.weight_types.data() + layer * kBiasesPerLayer;
-        const auto type_of = [types](int64_t part) { return types == nullptr ? int64_t{0} : types[part]; };
+        const auto quantization_of = [&plan, layer](int64_t part) {
+          const int64_t index = layer * kBiasesPerLayer + part;
+          LinearQuantization quantization;
+          if (!plan.weight_types.empty()) quantization.ggml_type = plan.weight_types[index];
+          if (!plan.weight_scales.empty()) {
+            quantization.weight_scale = &plan.weight_scales[index];
+            quantization.input_scale = &plan.input_scales[index];
+          }
+          return quantization;
+        };
         if (layer > 0)
           for (int64_t row = first_row; row < end_row; ++row)
             pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden, data(w[0]),
                                                 normed_data + row * hidden, residual_data + row * hidden, hidden,
                                                 eps, lanes);
         if (!stage_done()) break;
-        product(normed, w[1], layer_biases[0], qkv_size, qkv, type_of(0));
+        product(normed, w[1], layer_biases[0], qkv_size, qkv, quantization_of(0));
         if (!stage_done()) break;
         {
           // RoPE on q and k, then the K/V write into the layer's cache.
@@ -674,19 +758,19 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           layer_attention.merge(begin, end);
           if (!stage_done()) break;
         }
-        product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected, type_of(1));
+        product(attended_rows, w[2], layer_biases[1], output_sizes[1], projected, quantization_of(1));
         if (!stage_done()) break;
         for (int64_t row = first_row; row < end_row; ++row)
           pagedserve_native::add_rms_norm_row(projected_data + row * hidden, residual_data + row * hidden, data(w[3]),
                                               normed_data + row * hidden, residual_data + row * hidden, hidden, eps,
                                               lanes);
         if (!stage_done()) break;
-        product(normed, w[4], layer_biases[2], gate_up_size, gate_up, type_of(2));
+        product(normed, w[4], layer_biases[2], gate_up_size, gate_up, quantization_of(2));
         if (!stage_done()) break;
         for (int64_t row = first_row; row < end_row; ++row)
           pagedserve_native::silu_and_mul_row(gate_up_data + row * gate_up_size, activated_data + row * inter, inter);
         if (!stage_done()) break;
-        product(activated, w[5], layer_biases[3], output_sizes[3], states, type_of(3));
+        product(activated, w[5], layer_biases[3], output_sizes[3], states, quantization_of(3));
         stage_done();
       }
       if (is_running)
@@ -700,7 +784,8 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
           head->run_units(begin, end, thread);
         } else {
           if (plan.head_type != 0) {
-            product(out, plan.head_weight, plan.head_bias, plan.head_output_size, logits, plan.head_type);
+            product(out, plan.head_weight, plan.head_bias, plan.head_output_size, logits,
+                    LinearQuantization{plan.head_type});
           } else {
             const auto [begin, end] = thread_share(head_linear->num_units(), thread, num_threads);
             head_linear->run_units(begin, end);
@@ -757,17 +842,17 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
   if (is_one_region) {
     // The head joins the region, in bfloat16 when its call reads x only as its units run.
     const bool is_greedy_in_region =
-        is_greedy && (plan.linear_kind != kAmxPacked ||
+        is_greedy && (!plan.is_bfloat16_region() ||
                       !pagedserve_native::AmxFirstArgmaxCall::copies_x(plan.hidden_size()));
     ++plan.num_one_region_steps;
     const at::Tensor result =
-        plan.linear_kind == kAmxPacked ? run_layers_in_one_region<c10::BFloat16>(plan, step, is_greedy_in_region)
-                                       : run_layers_in_one_region<float>(plan, step, is_greedy_in_region);
+        plan.is_bfloat16_region() ? run_layers_in_one_region<c10::BFloat16>(plan, step, is_greedy_in_region)
+                                  : run_layers_in_one_region<float>(plan, step, is_greedy_in_region);
     if (is_greedy_in_region || !is_greedy) return result;
     return kernels.first_argmax.call(result, plan.head_weight, plan.head_bias, plan.head_output_size,
                                      plan.head_num_columns, "auto");
   }
-  TORCH_CHECK(!is_greedy || plan.linear_kind == kAmxPacked,
+  TORCH_CHECK(!is_greedy || plan.is_bfloat16_region(),
               "decode_rows_greedy: a float32 head samples only in the one region (can_sample_greedy)");
   const at::Tensor hidden = run_layers_op_by_op(plan, kernels, step);
   if (!is_greedy) return hidden;
@@ -864,6 +949,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
       .def("set_gguf_types", &DecodeStackPlan::set_gguf_types)
+      .def("set_w8a8_scales", &DecodeStackPlan::set_w8a8_scales)
       .def("bind_batch", &DecodeStackPlan::bind_batch)
       .def("handle", &DecodeStackPlan::handle)
       .def("has_greedy_head",

@@ -1,0 +1,95 @@
+"""W8A8 models on the native decode stack (linear kind 6, kernels/cpu/decode_stack.cpp): decode steps in one region,
+op by op and on the modules give the same tokens and logprobs bit for bit, in float32 and bfloat16, with per-token
+and static activation scales; greedy steps sample in the stack where the unquantized head allows it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_w8a8_models import _quantize
+from tiny_models import tiny_corpus
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.quantization.int8_matmul import native_w8a8_linear
+from pagedserve.models.native_decode_stack import W8A8_KIND, NativeDecodeForward
+
+pytestmark = pytest.mark.skipif(
+    native_w8a8_linear() is None,
+    reason="no native CPU kernel build here (PAGEDSERVE_CPU_ISA=none, or a CPU without one): no decode stack; the "
+           "modules' W8A8 path is covered by test_w8a8_models.py")
+
+NUM_STEPS = 12
+
+
+def _random_prompts(num: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 30, (num,), generator=generator).tolist()
+    return [torch.randint(3, 250, (length,), generator=generator).tolist() for length in lengths]
+
+
+@pytest.fixture(scope="module")
+def quantized_folders(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("w8a8-stack")
+    calibration = folder / "calibration.txt"
+    calibration.write_text("\n".join(tiny_corpus()))
+    source = tiny_model_dir("llama")
+    return {"dynamic": _quantize(source, str(folder / "dynamic")),
+            "static": _quantize(source, str(folder / "static"), "--static", "--calibration", str(calibration))}
+
+
+def _forward(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
+
+
+def _generate(llm: LLM, prompts: list[list[int]], **params) -> list[tuple[list[int], list]]:
+    sampling = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
+                                      for step in (o.outputs[0].logprobs or [])]) for o in outputs]
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_prompts", [1, 5])
+def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, scheme: str, dtype: str,
+                                               num_prompts: int) -> None:
+    import pagedserve.models.native_decode_stack as stack_module
+
+    prompts = _random_prompts(num_prompts, seed=num_prompts)
+    results = []
+    for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
+        monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
+        llm = LLM(quantized_folders[scheme], dtype=dtype, max_model_len=256, num_kv_blocks=96,
+                  native_decode_stack=enabled)
+        results.append(_generate(llm, prompts, logprobs=5))  # logprobs: every step returns the hidden states
+        forward = _forward(llm)
+        if enabled:
+            assert isinstance(forward, NativeDecodeForward)
+            assert forward.plan.linear_kind == W8A8_KIND and forward.num_stack_steps == NUM_STEPS - 1
+            assert forward.plan.native.num_one_region_steps() == (NUM_STEPS - 1 if one_region_max_rows else 0)
+        else:
+            assert not isinstance(forward, NativeDecodeForward)
+    assert results[0] == results[1] == results[2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_sample_in_the_stack(quantized_folders, dtype: str) -> None:
+    prompts = _random_prompts(3, seed=9)
+    llm = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96)
+    forward = _forward(llm)
+    if forward.plan.greedy_head is None:
+        pytest.skip(f"the {dtype} LM head's layout here has no in-stack greedy form (weight_layout auto)")
+    greedy = _generate(llm, prompts)
+    assert forward.num_greedy_steps == NUM_STEPS - 1
+    assert greedy == _generate(LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
+                                   native_decode_stack=False), prompts)
+
+
+def test_plan_object_checks_the_scales(quantized_folders) -> None:
+    llm = LLM(quantized_folders["dynamic"], dtype="float32", max_model_len=256, num_kv_blocks=96)
+    _generate(llm, [[5, 6, 7]])  # the native plan is made at the first decode step
+    plan = _forward(llm).plan
+    with pytest.raises(RuntimeError, match="weight scales and input scales expected"):
+        plan.native.set_w8a8_scales([plan.weight_scales[0]], [None])
+    wrong = [scale[:, :-1].contiguous() for scale in plan.weight_scales]
+    with pytest.raises(RuntimeError, match="layer 0 linear 0 needs"):
+        plan.native.set_w8a8_scales(wrong, list(plan.input_scales))
