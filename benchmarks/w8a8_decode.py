@@ -8,6 +8,10 @@ tokens of both (a sanity check: W8A8 follows bf16 closely, not token for token).
 ~/.cache/pagedserve/benchmark-models.
 
     python benchmarks/w8a8_decode.py [--batch 1 16] [--rounds 3] [--out benchmarks/results/w8a8_decode_<cpu>.json]
+    python benchmarks/w8a8_decode.py --recipe-a 16 [--rounds 2]   # recipe A's workload (offline_throughput.py)
+
+Both engines get the same KV cache size (two engines in one process would otherwise size the second one's cache
+from the memory the first left).
 
 The vLLM CPU comparison runs vLLM 0.32 on the same W8A8 folder (printed at the end) with the same workload.
 """
@@ -43,12 +47,36 @@ def smollm2_folders() -> tuple[str, str]:
     return folder, quantized
 
 
+def run_recipe_a(folder: str, quantized: str, num_requests: int, rounds: int, out: str | None) -> None:
+    """Recipe A (prompts U[64, 512], outputs U[64, 256], greedy, ignore_eos) on both engines, rounds alternating."""
+    from offline_throughput import PagedserveOfflineRunner, make_workload
+
+    workload = make_workload(num_requests, 0, 49152, (64, 512), (64, 256))
+    runners = {name: PagedserveOfflineRunner(path, workload, "bfloat16", max_model_len=1024, kv_cache_memory="4GiB")
+               for name, path in (("bf16", folder), ("w8a8", quantized))}
+    runs: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            runs[name].append(runner.run())
+    results = {name: runner.result(runs[name]) for name, runner in runners.items()}
+    ratios = [bf16 / w8a8 for bf16, w8a8 in zip(runs["bf16"], runs["w8a8"])]
+    summary = {"num_requests": num_requests, "results": results, "w8a8_over_bf16_per_round": ratios}
+    print(f"recipe A, {num_requests} requests: bf16 {results['bf16']['output_tokens_per_s']:.1f} tok/s, "
+          f"w8a8 {results['w8a8']['output_tokens_per_s']:.1f} tok/s, w8a8/bf16 per round "
+          f"{', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+    if out:
+        with open(out, "w") as handle:
+            json.dump(summary, handle, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--recipe-a", type=int, default=0, metavar="NUM_REQUESTS",
+                        help="run recipe A's workload with this many requests instead of the decode batches")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -56,8 +84,11 @@ def main() -> None:
     from pagedserve.kernels import cpu_isa
 
     folder, quantized = smollm2_folders()
-    engines = {"bf16": LLM(folder, dtype="bfloat16", max_model_len=512),
-               "w8a8": LLM(quantized, dtype="bfloat16", max_model_len=512)}
+    if args.recipe_a:
+        run_recipe_a(folder, quantized, args.recipe_a, args.rounds, args.out)
+        return
+    engines = {"bf16": LLM(folder, dtype="bfloat16", max_model_len=512, kv_cache_memory="1GiB"),
+               "w8a8": LLM(quantized, dtype="bfloat16", max_model_len=512, kv_cache_memory="1GiB")}
     rng = random.Random(0)
     result: dict = {"cpu_isa": cpu_isa.describe(), "torch_threads": torch.get_num_threads(), "batches": {}}
     for batch in args.batch:

@@ -349,6 +349,18 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     is_one_region_capable = one_region_capable();
   }
 
+  // The block type (kind 5) or scales (kind 6) of layer `layer`'s linear `part` (qkv, o, gate_up, down).
+  LinearQuantization quantization_of(int64_t layer, int64_t part) const {
+    const int64_t index = layer * kBiasesPerLayer + part;
+    LinearQuantization quantization;
+    if (!weight_types.empty()) quantization.ggml_type = weight_types[index];
+    if (!weight_scales.empty()) {
+      quantization.weight_scale = &weight_scales[index];
+      quantization.input_scale = &input_scales[index];
+    }
+    return quantization;
+  }
+
   // The region's dtype: bfloat16 on tile-packed weights and in a bfloat16 W8A8 model, float32 otherwise.
   bool is_bfloat16_region() const {
     return linear_kind == kAmxPacked || (linear_kind == kW8A8 && final_norm.scalar_type() == at::kBFloat16);
@@ -486,16 +498,7 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
                                                                             plan.hidden_size(), step.input_ids)
                                                : at::embedding(plan.embedding, step.input_ids);
   at::Tensor residual, normed;
-  const auto quantization_of = [&](int64_t layer, int64_t part) {
-    const int64_t index = layer * kBiasesPerLayer + part;
-    LinearQuantization quantization;
-    if (!plan.weight_types.empty()) quantization.ggml_type = plan.weight_types[index];
-    if (!plan.weight_scales.empty()) {
-      quantization.weight_scale = &plan.weight_scales[index];
-      quantization.input_scale = &plan.input_scales[index];
-    }
-    return quantization;
-  };
+  const auto quantization_of = [&plan](int64_t layer, int64_t part) { return plan.quantization_of(layer, part); };
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
     const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
@@ -712,16 +715,7 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
       for (int64_t layer = 0; layer < num_layers && is_running; ++layer) {
         const at::Tensor* w = plan.weights.data() + layer * kWeightsPerLayer;
         const OptionalTensor* layer_biases = plan.biases.data() + layer * kBiasesPerLayer;
-        const auto quantization_of = [&plan, layer](int64_t part) {
-          const int64_t index = layer * kBiasesPerLayer + part;
-          LinearQuantization quantization;
-          if (!plan.weight_types.empty()) quantization.ggml_type = plan.weight_types[index];
-          if (!plan.weight_scales.empty()) {
-            quantization.weight_scale = &plan.weight_scales[index];
-            quantization.input_scale = &plan.input_scales[index];
-          }
-          return quantization;
-        };
+        const auto quantization_of = [&plan, layer](int64_t part) { return plan.quantization_of(layer, part); };
         if (layer > 0)
           for (int64_t row = first_row; row < end_row; ++row)
             pagedserve_native::add_rms_norm_row(states_data + row * hidden, residual_data + row * hidden, data(w[0]),
