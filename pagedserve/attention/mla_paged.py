@@ -44,6 +44,11 @@ def write_latent_to_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_map
         kv_cache.index_put_(index, quantized)
         kv_cache_scales(kv_cache).index_put_(index, scales)
         return
+    if not kv_cache.is_contiguous():
+        # A latent that shares its pages with other components (DSA's index keys): rows are page-strided.
+        slots = slot_mapping.to(torch.long)
+        kv_cache.index_put_((slots // block_size, slots % block_size), latent.to(kv_cache.dtype))
+        return
     kv_cache.view(num_blocks * block_size, width).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
 
@@ -81,6 +86,7 @@ def attend_expanded(
     kv_lora_rank: int,
     v_head_dim: int,
     scale: float,
+    mask: torch.Tensor | None = None,  # [q_len, seq_len] additive; None: causal
 ) -> torch.Tensor:  # [q_len, H, v]
     q_len, num_heads, nope = q_nope.shape
     seq_len = latent.shape[0]
@@ -90,7 +96,8 @@ def attend_expanded(
     k_pe = latent[:, kv_lora_rank:][:, None, :].expand(seq_len, num_heads, -1)
     key = torch.cat([k_nope, k_pe], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1)
-    mask = _causal_mask(q_len, seq_len, query.dtype, query.device)
+    if mask is None:
+        mask = _causal_mask(q_len, seq_len, query.dtype, query.device)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None, scale=scale,
