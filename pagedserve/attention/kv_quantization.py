@@ -38,10 +38,30 @@ KV_SCALE_DTYPE = torch.float32
 _INT8_MAX = 127.0
 
 
+class _Int8Page:
+    """What the int8 pages share: a KVPageLayout (`page_layout`) of an int8 'data' component and its float32
+    'scales'."""
+
+    page_layout: KVPageLayout
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scales in a page (4-aligned, after the int8 data)."""
+        return self.page_layout.offset("scales")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_layout.page_bytes
+
+    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scales) views over `pages` uint8 [num_blocks, page_bytes]."""
+        views = self.page_layout.views(pages)
+        return views["data"], views["scales"]
+
+
 @dataclass(frozen=True)
-class Int8KVPageLayout:
-    """Byte offsets of one int8 K/V page (see the module docstring): a two-component KVPageLayout, 'data' (int8
-    K/V planes) and 'scales' (their float32 scales)."""
+class Int8KVPageLayout(_Int8Page):
+    """One int8 K/V page (see the module docstring): data int8 [2, nb, bs, H, D] and scales float32 [2, nb, bs, H]."""
 
     block_size: int
     num_kv_heads: int
@@ -58,26 +78,12 @@ class Int8KVPageLayout:
         """Bytes of one block's K (or V) int8 values."""
         return self.block_size * self.num_kv_heads * self.head_dim
 
-    @property
-    def scale_offset(self) -> int:
-        """Byte offset of the K scales in a page (4-aligned, after both int8 planes)."""
-        return self.page_layout.offset("scales")
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_layout.page_bytes
-
-    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data int8 [2, nb, bs, H, D], scales float32 [2, nb, bs, H]) over `pages` uint8 [nb, page_bytes]."""
-        views = self.page_layout.views(pages)
-        return views["data"], views["scales"]
-
 
 @dataclass(frozen=True)
-class Int8LatentPageLayout:
-    """One MLA latent page: int8 rows [block_size, kv_lora_rank + rope_dim], then (4-aligned) float32 scales
-    [block_size, 2]: scale 0 for the compressed latent c (the first kv_lora_rank values), scale 1 for the rotary
-    key k_pe (the rest). The two parts have unrelated magnitudes, so each gets its own scale."""
+class Int8LatentPageLayout(_Int8Page):
+    """One MLA latent page: int8 rows [block_size, kv_lora_rank + rope_dim] (data [nb, bs, width]), then (4-aligned)
+    float32 scales [block_size, 2]: scale 0 for the compressed latent c (the first kv_lora_rank values), scale 1 for
+    the rotary key k_pe (the rest). The two parts have unrelated magnitudes, so each gets its own scale."""
 
     block_size: int
     kv_lora_rank: int
@@ -91,19 +97,6 @@ class Int8LatentPageLayout:
     @property
     def width(self) -> int:
         return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def scale_offset(self) -> int:
-        return self.page_layout.offset("scales")
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_layout.page_bytes
-
-    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data int8 [nb, bs, width], scales float32 [nb, bs, 2]) over `pages` uint8 [nb, page_bytes]."""
-        views = self.page_layout.views(pages)
-        return views["data"], views["scales"]
 
 
 def quantize_latent(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:

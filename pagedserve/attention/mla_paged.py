@@ -20,6 +20,8 @@ values a first computation saw).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -164,8 +166,29 @@ def mla_paged_attention(
         output[:num_decodes] = attend_absorbed_decodes(
             q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.block_table[:num_decodes],
             metadata.seq_lens_cpu[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
+    attend_expanded_requests(q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale,
+                             output)
+    return output
+
+
+def attend_expanded_requests(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+    output: torch.Tensor,  # [n, H, v]: the requests' rows are written
+    request_mask: Callable[[int, int, int], torch.Tensor] | None = None,
+) -> None:
+    """The requests after the leading decodes (prefills, chunks), each by expansion over its context: read from the
+    cache, or this step's latents when they are the whole context (and the cache is not int8).
+    `request_mask(start, end, seq_len)` gives a request's additive [end - start, seq_len] mask (None: causal)."""
     starts = metadata.query_start_loc_cpu
-    for index in range(num_decodes, metadata.num_seqs):
+    for index in range(metadata.num_decodes, metadata.num_seqs):
         start, end = starts[index], starts[index + 1]
         if end == start:
             continue
@@ -174,6 +197,6 @@ def mla_paged_attention(
             context = latent[start:end]  # no cached prefix: this step's latents are the whole context
         else:
             context = gather_latent(kv_cache, metadata.block_table[index], seq_len, kv_lora_rank)
+        mask = request_mask(start, end, seq_len) if request_mask is not None else None
         output[start:end] = attend_expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight,
-                                            kv_lora_rank, v_head_dim, scale)
-    return output
+                                            kv_lora_rank, v_head_dim, scale, mask=mask)

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.mla_paged import (
-    attend_expanded,
-    gather_latent,
+    attend_expanded_requests,
     write_latent_to_cache,
 )
 
@@ -81,19 +80,9 @@ def sparse_mla_attention(
         output[:num_decodes] = attend_selected_decodes(
             q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.block_table[:num_decodes],
             selection[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
-    starts = metadata.query_start_loc_cpu
-    for index in range(num_decodes, metadata.num_seqs):
-        start, end = starts[index], starts[index + 1]
-        if end == start:
-            continue
-        seq_len = metadata.seq_lens_cpu[index]
-        if end - start == seq_len:
-            context = latent[start:end]  # no cached prefix: this step's latents are the whole context
-        else:
-            context = gather_latent(kv_cache, metadata.block_table[index], seq_len, kv_lora_rank)
-        mask = selection_mask(selection[start:end], seq_len, q_nope.dtype)
-        output[start:end] = attend_expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight, kv_lora_rank,
-                                            v_head_dim, scale, mask=mask)
+    attend_expanded_requests(
+        q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
+        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype))
     return output
 
 
