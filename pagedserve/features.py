@@ -58,6 +58,18 @@ FEATURES: tuple[Feature, ...] = (
                "tests/attention/test_native_int8_kv.py", "tests/moe/test_mla_int8_cache.py"),
     ),
     Feature(
+        line="framework", family="kv cache mgmt", feature="multi-component KV pages: a layer's spec lists its "
+                                                         "components (dtype, planes, per-token shape) at byte "
+                                                         "offsets of one page; typed views over one byte buffer "
+                                                         "per layer, one block-id pool for every component "
+                                                         "(int8 data + scales; MLA latent + DSA indexer keys)",
+        modules=("pagedserve.attention.kv_page_layout", "pagedserve.attention.kv_cache_spec",
+                 "pagedserve.worker.kv_cache_allocation"),
+        knobs=(),
+        docs="docs/params-04-kv-and-sparsity.md",
+        tests=("tests/attention/test_kv_page_layout.py",),
+    ),
+    Feature(
         line="framework", family="fused ops", feature="native CPU paged attention ('cpu_native'): decode "
                                                       "kernel reading K/V in place through the block table "
                                                       "(GQA-grouped, flash-decoding partitions, AVX-512 fp32, "
@@ -216,6 +228,20 @@ FEATURES: tuple[Feature, ...] = (
         knobs=(),
         docs="docs/params-05-eplb-moe.md",
         tests=("tests/moe/test_mla_cache.py",),
+    ),
+    Feature(
+        line="model", family="sparse attention", feature="DeepSeek sparse attention (DSA) for DeepseekV32ForCausalLM "
+                                                         "and GlmMoeDsaForCausalLM (GLM-5): lightning indexer "
+                                                         "(ReLU(q.k) weighted over index heads, top index_topk per "
+                                                         "query) with its keys in the latent's pages, MLA over the "
+                                                         "selected tokens only, GLM-5 'shared' indexer layers; "
+                                                         "plain PyTorch (float caches)",
+        modules=("pagedserve.models.deepseek_v32", "pagedserve.models.glm_moe_dsa",
+                 "pagedserve.layers.lightning_indexer", "pagedserve.layers.sparse_mla_attention",
+                 "pagedserve.attention.lightning_indexer", "pagedserve.attention.sparse_mla"),
+        knobs=(),
+        docs="docs/params-04-kv-and-sparsity.md",
+        tests=("tests/models/test_deepseek_sparse_attention.py", "tests/attention/test_lightning_indexer.py"),
     ),
     Feature(
         line="model", family="parallel", feature="expert parallel: experts over the EP group, all_to_all "

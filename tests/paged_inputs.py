@@ -66,9 +66,13 @@ class ScratchPagedRunner:
         layers = attention_layers(model)
         # The model dtype: the first float parameter (GGUF blocks kept quantized are uint8).
         parameter = next(parameter for parameter in model.parameters() if parameter.is_floating_point())
+        def allocate_zeros(shape: tuple[int, ...], zeros_dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=zeros_dtype, device=parameter.device)
+
+        # Through the spec's page layout, so that layers with extra components (DSA's index keys) get them too.
         for layer in layers:
-            layer.kv_cache = torch.zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size),
-                                         dtype=dtype or parameter.dtype, device=parameter.device)
+            layout = layer.kv_cache_spec().page_layout(block_size, dtype or parameter.dtype)
+            layer.kv_cache = layout.allocate(num_blocks, allocate_zeros)
         # Blocks are handed out in a scrambled order so tables are not trivially contiguous.
         self._free_blocks = list(range(num_blocks - 1, 0, -1))
         self.block_tables: dict[str, list[int]] = {}

@@ -133,6 +133,8 @@ MODEL_KINDS = (
     "deepseek-v2",
     "deepseek-v3",
     "glm4-moe",
+    "deepseek-v32",
+    "glm-moe-dsa",
 )
 
 # MoE kinds: 8 experts, top-2, tiny experts; the DeepSeek kinds use MLA (num_key_value_heads must equal
@@ -158,9 +160,21 @@ _MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                                        first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True,
                                        routed_scaling_factor=1.8)),
 }
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA + MoE + the lightning indexer. index_topk 8 is below the
+# test prompts' lengths, so the selection really drops tokens. 16 index heads: a key whose ReLU terms are all zero
+# scores exactly 0, and ties at the top-k boundary would let HF and pagedserve pick different (equal) tokens.
+# GLM-5's three layers are full, shared, full.
+DSA_KINDS = ("deepseek-v32", "glm-moe-dsa")
+_DSA: dict[str, Any] = dict(_MLA, q_lora_rank=24, norm_topk_prob=True, routed_scaling_factor=2.5, index_topk=8,
+                            index_head_dim=16, index_n_heads=16)
+_MOE_CONFIGS["deepseek-v32"] = ("DeepseekV32Config", dict(_DSA, n_group=4, topk_group=2))
+_MOE_CONFIGS["glm-moe-dsa"] = ("GlmMoeDsaConfig", dict(_DSA, n_group=2, topk_group=1, num_hidden_layers=3,
+                                                       indexer_types=["full", "shared", "full"]))
 # Router weights are scaled up (and correction biases randomised) so that expert choices stand clear of
 # float noise, as the LM head is for tokens.
 ROUTER_WEIGHT_SCALE = 4.0
+# Likewise the indexer's query and key projections, so that index scores (and the top-k they pick) stand clear too.
+INDEXER_WEIGHT_SCALE = 4.0
 
 _ROPE_SCALING: dict[str, dict[str, Any]] = {
     "llama3": {
@@ -269,7 +283,17 @@ def build_tiny_model(
         else:
             # Scale the output projection so the argmax stands clear of float noise (see module docstring).
             model.get_output_embeddings().weight.mul_(lm_head_scale)
-        if kind in MOE_KINDS:
+        if kind in DSA_KINDS:
+            # HF initialises the indexer's key norm to the identity: perturb it so that loading it matters.
+            generator = torch.Generator().manual_seed(seed + 1)
+            for name, tensor in model.named_parameters():
+                if name.endswith("indexer.k_norm.weight"):
+                    tensor.copy_(1 + 0.3 * torch.randn(tensor.shape, generator=generator))
+                elif name.endswith("indexer.k_norm.bias"):
+                    tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+                elif name.endswith(("indexer.wq_b.weight", "indexer.wk.weight")):
+                    tensor.mul_(INDEXER_WEIGHT_SCALE)
+        if kind in MOE_KINDS or kind in DSA_KINDS:
             for name, tensor in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
                     tensor.mul_(ROUTER_WEIGHT_SCALE)

@@ -9,6 +9,11 @@ allocates one tensor per layer of shape `leading_shape + (num_blocks, block_size
   shared rotary key, instead of full per-head K and V.
 All layers share one block table (one block id pool), so layers with different specs work side by side.
 
+Every spec becomes a page layout (`page_layout`, attention/kv_page_layout.py): its K/V or latent is the first
+component (the view the layer holds as `kv_cache`); `extra_components` add per-token data kept in the same page
+under the same block ids (the DSA indexer's keys). A lone component is stored planar, i.e. as the plain contiguous
+tensor above; a page with extra components is interleaved (everything one block id owns is contiguous).
+
 With kv_cache_dtype="int8" a layer whose spec says `supports_int8` gets byte pages instead
 (attention/kv_quantization.py): dense K/V (leading (2,), per token (num_kv_heads, head_dim)) as int8 K/V plus their
 float32 scales; MLA (`latent_rank` > 0) as int8 latent rows plus a scale for c and one for k_pe. Other kinds (the
@@ -22,8 +27,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve.attention.kv_page_layout import KVCacheComponent, KVPageLayout
+
 if TYPE_CHECKING:
-    from pagedserve.attention.kv_quantization import Int8KVPageLayout, Int8LatentPageLayout
+    from pagedserve.attention.kv_quantization import (
+        Int8KVPageLayout,
+        Int8LatentPageLayout,
+    )
+
+# The name of the first component of a float page: the K/V planes or the MLA latent.
+PRIMARY_COMPONENT = "kv"
+
+
+@dataclass(frozen=True)
+class ExtraKVComponent:
+    """Per-token data a layer keeps beside its K/V or latent, in the same page: `per_token_shape` values of
+    `dtype` (None: the cache's dtype)."""
+
+    name: str
+    per_token_shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,7 @@ class KVCacheSpec:
     supports_int8: bool = False
     # MLA: the compressed latent's width at the start of the row (the rest is the rotary key); 0 for dense K/V.
     latent_rank: int = 0
+    extra_components: tuple[ExtraKVComponent, ...] = ()
 
     def tensor_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (*self.leading_shape, num_blocks, block_size, *self.per_token_shape)
@@ -42,14 +66,27 @@ class KVCacheSpec:
         return math.prod(self.leading_shape) * math.prod(self.per_token_shape)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        return self.page_layout(block_size, dtype, kv_cache_dtype).page_bytes
+
+    def page_layout(self, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVPageLayout:
+        """The page one block id holds for this layer: the int8 page (kv_cache_dtype="int8"), else the K/V or
+        latent in `dtype` followed by the extra components."""
         if kv_cache_dtype == "int8":
-            return self.int8_page_layout(block_size).page_bytes
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return block_size * self.elements_per_token() * element_size
+            if self.extra_components:
+                raise ValueError(f"kv_cache_dtype='int8' is not supported for layers with extra cache components "
+                                 f"({[c.name for c in self.extra_components]}) yet; use kv_cache_dtype='auto'")
+            return self.int8_page_layout(block_size).page_layout
+        components = [KVCacheComponent(PRIMARY_COMPONENT, dtype, self.per_token_shape, self.leading_shape)]
+        components += [KVCacheComponent(extra.name, extra.dtype or dtype, extra.per_token_shape)
+                       for extra in self.extra_components]
+        return KVPageLayout.pack(block_size, components, is_interleaved=bool(self.extra_components))
 
     def int8_page_layout(self, block_size: int) -> Int8KVPageLayout | Int8LatentPageLayout:
         """The int8 page of a dense K/V or MLA latent spec (ValueError for a spec without int8 support)."""
-        from pagedserve.attention.kv_quantization import Int8KVPageLayout, Int8LatentPageLayout
+        from pagedserve.attention.kv_quantization import (
+            Int8KVPageLayout,
+            Int8LatentPageLayout,
+        )
 
         if self.supports_int8 and self.latent_rank > 0 and self.leading_shape == () \
                 and len(self.per_token_shape) == 1:

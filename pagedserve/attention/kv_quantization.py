@@ -10,7 +10,8 @@ Page layout (one block id = one page of `page_bytes` bytes per layer; the block-
     [ K int8: block_size x num_kv_heads x head_dim ][ V int8: same ][ pad to 4 ][ K scale f32: block_size x
       num_kv_heads ][ V scale f32: same ]
 
-The layer's cache is a uint8 buffer [num_blocks, page_bytes] seen through two typed views (no copy):
+The layer's cache is a uint8 buffer [num_blocks, page_bytes] seen through two typed views (no copy), the
+components 'data' and 'scales' of an interleaved KVPageLayout (attention/kv_page_layout.py):
 - data   int8    [2, num_blocks, block_size, num_kv_heads, head_dim], strides (plane, page_bytes, H*D, D, 1);
 - scales float32 [2, num_blocks, block_size, num_kv_heads] at byte offset `scale_offset` of every page.
 The data view is what layers hold as `kv_cache` (its shape is the bf16 cache's, so block tables, slots and
@@ -22,103 +23,80 @@ too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from pagedserve.attention.kv_page_layout import (
+    KVCacheComponent,
+    KVPageLayout,
+    attach_kv_cache_components,
+    kv_cache_components,
+)
+
 KV_SCALE_DTYPE = torch.float32
-_SCALE_BYTES = 4
 _INT8_MAX = 127.0
-# Attribute under which allocate_int8_kv_cache attaches the scale view to the data view.
-_SCALES_ATTRIBUTE = "_pagedserve_kv_scales"
 
 
-def _page_storage_offset(pages: torch.Tensor) -> int:
-    """Where `pages` starts in its storage, in bytes (a multiple of 4, so that the float32 view can start there)."""
-    start = pages.storage_offset()
-    if start % _SCALE_BYTES:
-        raise ValueError(f"pages start at byte {start} of their storage; a multiple of {_SCALE_BYTES} is needed")
-    return start
+class _Int8Page:
+    """What the int8 pages share: a KVPageLayout (`page_layout`) of an int8 'data' component and its float32
+    'scales'."""
+
+    page_layout: KVPageLayout
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scales in a page (4-aligned, after the int8 data)."""
+        return self.page_layout.offset("scales")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_layout.page_bytes
+
+    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scales) views over `pages` uint8 [num_blocks, page_bytes]."""
+        views = self.page_layout.views(pages)
+        return views["data"], views["scales"]
 
 
 @dataclass(frozen=True)
-class Int8KVPageLayout:
-    """Byte offsets of one int8 K/V page (see the module docstring)."""
+class Int8KVPageLayout(_Int8Page):
+    """One int8 K/V page (see the module docstring): data int8 [2, nb, bs, H, D] and scales float32 [2, nb, bs, H]."""
 
     block_size: int
     num_kv_heads: int
     head_dim: int
+
+    @cached_property
+    def page_layout(self) -> KVPageLayout:
+        return KVPageLayout.pack(self.block_size, (
+            KVCacheComponent("data", torch.int8, (self.num_kv_heads, self.head_dim), leading_shape=(2,)),
+            KVCacheComponent("scales", KV_SCALE_DTYPE, (self.num_kv_heads,), leading_shape=(2,))))
 
     @property
     def plane_bytes(self) -> int:
         """Bytes of one block's K (or V) int8 values."""
         return self.block_size * self.num_kv_heads * self.head_dim
 
-    @property
-    def scale_offset(self) -> int:
-        """Byte offset of the K scales in a page (4-aligned, after both int8 planes)."""
-        return -(-2 * self.plane_bytes // _SCALE_BYTES) * _SCALE_BYTES
-
-    @property
-    def page_bytes(self) -> int:
-        return self.scale_offset + 2 * self.block_size * self.num_kv_heads * _SCALE_BYTES
-
-    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data int8 [2, nb, bs, H, D], scales float32 [2, nb, bs, H]) over `pages` uint8 [nb, page_bytes]."""
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes \
-                or not pages.is_contiguous():
-            raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] tensor, got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
-        num_blocks = pages.shape[0]
-        heads, dim, block_size = self.num_kv_heads, self.head_dim, self.block_size
-        # as_strided's storage offsets are absolute: the pages may start inside their storage (the huge-page
-        # allocator aligns them), so every offset adds theirs.
-        start = _page_storage_offset(pages)
-        data = pages.view(torch.int8).as_strided(
-            (2, num_blocks, block_size, heads, dim), (self.plane_bytes, self.page_bytes, heads * dim, dim, 1), start)
-        # The float32 view of the same bytes: page_bytes and scale_offset are multiples of 4.
-        words = pages.view(-1).view(KV_SCALE_DTYPE)
-        page_words, scale_words = self.page_bytes // _SCALE_BYTES, self.scale_offset // _SCALE_BYTES
-        scales = words.as_strided((2, num_blocks, block_size, heads), (block_size * heads, page_words, heads, 1),
-                                  start // _SCALE_BYTES + scale_words)
-        return data, scales
-
 
 @dataclass(frozen=True)
-class Int8LatentPageLayout:
-    """One MLA latent page: int8 rows [block_size, kv_lora_rank + rope_dim], then (4-aligned) float32 scales
-    [block_size, 2]: scale 0 for the compressed latent c (the first kv_lora_rank values), scale 1 for the rotary
-    key k_pe (the rest). The two parts have unrelated magnitudes, so each gets its own scale."""
+class Int8LatentPageLayout(_Int8Page):
+    """One MLA latent page: int8 rows [block_size, kv_lora_rank + rope_dim] (data [nb, bs, width]), then (4-aligned)
+    float32 scales [block_size, 2]: scale 0 for the compressed latent c (the first kv_lora_rank values), scale 1 for
+    the rotary key k_pe (the rest). The two parts have unrelated magnitudes, so each gets its own scale."""
 
     block_size: int
     kv_lora_rank: int
     rope_dim: int
 
+    @cached_property
+    def page_layout(self) -> KVPageLayout:
+        return KVPageLayout.pack(self.block_size, (KVCacheComponent("data", torch.int8, (self.width,)),
+                                                   KVCacheComponent("scales", KV_SCALE_DTYPE, (2,))))
+
     @property
     def width(self) -> int:
         return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def scale_offset(self) -> int:
-        return -(-self.block_size * self.width // _SCALE_BYTES) * _SCALE_BYTES
-
-    @property
-    def page_bytes(self) -> int:
-        return self.scale_offset + self.block_size * 2 * _SCALE_BYTES
-
-    def views(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data int8 [nb, bs, width], scales float32 [nb, bs, 2]) over `pages` uint8 [nb, page_bytes]."""
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != self.page_bytes \
-                or not pages.is_contiguous():
-            raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] tensor, got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
-        num_blocks = pages.shape[0]
-        start = _page_storage_offset(pages)
-        data = pages.view(torch.int8).as_strided((num_blocks, self.block_size, self.width),
-                                                 (self.page_bytes, self.width, 1), start)
-        words = pages.view(-1).view(KV_SCALE_DTYPE)
-        scales = words.as_strided((num_blocks, self.block_size, 2), (self.page_bytes // _SCALE_BYTES, 2, 1),
-                                  start // _SCALE_BYTES + self.scale_offset // _SCALE_BYTES)
-        return data, scales
 
 
 def quantize_latent(latent: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,10 +125,7 @@ def allocate_int8_kv_cache(num_blocks: int, layout: Int8KVPageLayout | Int8Laten
                            allocate_zeros) -> torch.Tensor:
     """Zeroed pages for `num_blocks` block ids; returns the data view with its scale view attached.
     `allocate_zeros(shape, dtype)` is the platform's allocator (Platform.allocate_zeros)."""
-    pages = allocate_zeros((num_blocks, layout.page_bytes), torch.uint8)
-    data, scales = layout.views(pages)
-    setattr(data, _SCALES_ATTRIBUTE, scales)
-    return data
+    return layout.page_layout.allocate(num_blocks, allocate_zeros)
 
 
 def is_int8_kv_cache(kv_cache: torch.Tensor) -> bool:
@@ -159,7 +134,7 @@ def is_int8_kv_cache(kv_cache: torch.Tensor) -> bool:
 
 def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
     """The float32 scale view [2, num_blocks, block_size, num_kv_heads] of an int8 data view's pages."""
-    scales = getattr(kv_cache, _SCALES_ATTRIBUTE, None)
+    scales = kv_cache_components(kv_cache).get("scales")
     if scales is not None:
         return scales
     if kv_cache.dim() != 5:
@@ -171,9 +146,9 @@ def kv_cache_scales(kv_cache: torch.Tensor) -> torch.Tensor:
                          f"{layout.page_bytes} or plane stride {kv_cache.stride(0)} != {layout.plane_bytes}")
     pages = torch.empty(0, dtype=torch.uint8, device=kv_cache.device).set_(
         kv_cache.untyped_storage(), kv_cache.storage_offset(), (kv_cache.shape[1], layout.page_bytes))
-    scales = layout.views(pages)[1]
-    setattr(kv_cache, _SCALES_ATTRIBUTE, scales)
-    return scales
+    views = layout.page_layout.views(pages)
+    attach_kv_cache_components(kv_cache, views)
+    return views["scales"]
 
 
 def quantize_per_token_head(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

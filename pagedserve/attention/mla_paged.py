@@ -20,6 +20,8 @@ values a first computation saw).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,11 @@ def write_latent_to_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_map
         index = (slots // block_size, slots % block_size)
         kv_cache.index_put_(index, quantized)
         kv_cache_scales(kv_cache).index_put_(index, scales)
+        return
+    if not kv_cache.is_contiguous():
+        # A latent that shares its pages with other components (DSA's index keys): rows are page-strided.
+        slots = slot_mapping.to(torch.long)
+        kv_cache.index_put_((slots // block_size, slots % block_size), latent.to(kv_cache.dtype))
         return
     kv_cache.view(num_blocks * block_size, width).index_copy_(0, slot_mapping, latent.to(kv_cache.dtype))
 
@@ -81,6 +88,7 @@ def attend_expanded(
     kv_lora_rank: int,
     v_head_dim: int,
     scale: float,
+    mask: torch.Tensor | None = None,  # [q_len, seq_len] additive; None: causal
 ) -> torch.Tensor:  # [q_len, H, v]
     q_len, num_heads, nope = q_nope.shape
     seq_len = latent.shape[0]
@@ -90,7 +98,8 @@ def attend_expanded(
     k_pe = latent[:, kv_lora_rank:][:, None, :].expand(seq_len, num_heads, -1)
     key = torch.cat([k_nope, k_pe], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1)
-    mask = _causal_mask(q_len, seq_len, query.dtype, query.device)
+    if mask is None:
+        mask = _causal_mask(q_len, seq_len, query.dtype, query.device)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -157,8 +166,29 @@ def mla_paged_attention(
         output[:num_decodes] = attend_absorbed_decodes(
             q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.block_table[:num_decodes],
             metadata.seq_lens_cpu[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
+    attend_expanded_requests(q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale,
+                             output)
+    return output
+
+
+def attend_expanded_requests(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+    output: torch.Tensor,  # [n, H, v]: the requests' rows are written
+    request_mask: Callable[[int, int, int], torch.Tensor] | None = None,
+) -> None:
+    """The requests after the leading decodes (prefills, chunks), each by expansion over its context: read from the
+    cache, or this step's latents when they are the whole context (and the cache is not int8).
+    `request_mask(start, end, seq_len)` gives a request's additive [end - start, seq_len] mask (None: causal)."""
     starts = metadata.query_start_loc_cpu
-    for index in range(num_decodes, metadata.num_seqs):
+    for index in range(metadata.num_decodes, metadata.num_seqs):
         start, end = starts[index], starts[index + 1]
         if end == start:
             continue
@@ -167,6 +197,6 @@ def mla_paged_attention(
             context = latent[start:end]  # no cached prefix: this step's latents are the whole context
         else:
             context = gather_latent(kv_cache, metadata.block_table[index], seq_len, kv_lora_rank)
+        mask = request_mask(start, end, seq_len) if request_mask is not None else None
         output[start:end] = attend_expanded(q_nope[start:end], q_pe[start:end], context, kv_b_weight,
-                                            kv_lora_rank, v_head_dim, scale)
-    return output
+                                            kv_lora_rank, v_head_dim, scale, mask=mask)

@@ -89,11 +89,20 @@ class DeepseekMLAAttentionBlock(nn.Module):
                                      prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        _, q_nope, q_pe, kv_c, k_pe = self.project(positions, hidden_states)
+        return self.o_proj(self.mla_attn(q_nope, q_pe, kv_c, k_pe))
+
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_latent, q_nope [n, H, nope], q_pe [n, H, rope], kv_c [n, R], k_pe [n, rope]): the normalised q-LoRA
+        latent (None without q_lora_rank), the query parts and the normalised latent, rope parts rotated."""
         num_tokens = hidden_states.shape[0]
+        q_latent = None
         if self.q_lora_rank is None:
             query = self.q_proj(hidden_states)
         else:
-            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            query = self.q_b_proj(q_latent)
         query = query.view(num_tokens, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim],
@@ -103,8 +112,7 @@ class DeepseekMLAAttentionBlock(nn.Module):
             q_pe = q_pe[..., self.rope_permutation]
             k_pe = k_pe[..., self.rope_permutation]
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
-        output = self.mla_attn(q_nope, q_pe.view(num_tokens, self.num_heads, self.qk_rope_head_dim), kv_c, k_pe)
-        return self.o_proj(output)
+        return q_latent, q_nope, q_pe.view(num_tokens, self.num_heads, self.qk_rope_head_dim), kv_c, k_pe
 
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
@@ -140,9 +148,15 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
 def deepseek_style_mlp(hf_config: Any, layer_index: int, params_dtype: torch.dtype, prefix: str,
                        routing: dict[str, Any]) -> nn.Module:
-    """The first `first_k_dense_replace` layers are dense; the rest are routed experts plus
-    `n_shared_experts` shared ones (DeepSeek-V2/V3 and GLM-4.5 MoE share this layout)."""
-    if layer_index < int(getattr(hf_config, "first_k_dense_replace", 0) or 0):
+    """The first `first_k_dense_replace` layers are dense (or those `mlp_layer_types` calls "dense", where the
+    config lists them: DeepSeek-V3.2, GLM-5); the rest are routed experts plus `n_shared_experts` shared ones
+    (DeepSeek-V2/V3 and GLM-4.5 MoE share this layout)."""
+    mlp_layer_types = getattr(hf_config, "mlp_layer_types", None)
+    if mlp_layer_types is not None:
+        is_dense = mlp_layer_types[layer_index] == "dense"
+    else:
+        is_dense = layer_index < int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    if is_dense:
         return LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, bias=False,
                         params_dtype=params_dtype, prefix=prefix)
     num_shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)

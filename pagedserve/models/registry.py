@@ -17,7 +17,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("pagedserve.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("pagedserve.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("pagedserve.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("pagedserve.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("pagedserve.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("pagedserve.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
 }
 
 

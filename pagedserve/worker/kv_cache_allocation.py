@@ -1,4 +1,5 @@
-"""Sizing and allocating the paged KV cache (one tensor per attention layer).
+"""Sizing and allocating the paged KV cache (one byte buffer per attention layer, seen through the typed views of
+its spec's page layout: attention/kv_page_layout.py).
 
 kv_cache_dtype="auto" gives each layer one tensor of the model's dtype; "int8" gives each dense attention layer
 byte pages holding int8 K/V and their per-token-per-head scales (attention/kv_quantization.py), sized by those
@@ -10,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.attention.kv_quantization import allocate_int8_kv_cache
-from pagedserve.config.cache import (DEFAULT_KV_CACHE_MAX_BYTES, DEFAULT_KV_CACHE_RAM_FRACTION,
-                                     CacheConfig)
+from pagedserve.config.cache import (
+    DEFAULT_KV_CACHE_MAX_BYTES,
+    DEFAULT_KV_CACHE_RAM_FRACTION,
+    CacheConfig,
+)
 from pagedserve.platforms.interface import Platform
 
 
@@ -75,13 +78,11 @@ def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, ava
 
 def allocate_kv_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                        platform: Platform, kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
-    """One cache per attention layer: of `dtype` and the spec's shape, or (int8) the int8 data view of the layer's
-    pages with their scale view attached (kv_quantization.allocate_int8_kv_cache)."""
+    """One cache per attention layer: one byte buffer of `num_blocks` pages laid out by the layer's spec
+    (KVCacheSpec.page_layout), returned as its first component's view (the `dtype` K/V or latent of the spec's
+    shape, or the int8 data view) with every component's view attached (kv_page_layout.kv_cache_component)."""
+    check_kv_cache_dtype(model, kv_cache_dtype)
     # Zero-filled: padded reads of unwritten slots (masked out by attention) must never see NaN.
-    if kv_cache_dtype == "int8":
-        check_kv_cache_dtype(model, kv_cache_dtype)
-        return [allocate_int8_kv_cache(num_blocks, layer.kv_cache_spec().int8_page_layout(block_size),
-                                       platform.allocate_zeros)
-                for layer in attention_layers(model)]
-    return [platform.allocate_zeros(layer.kv_cache_spec().tensor_shape(num_blocks, block_size), dtype)
+    return [layer.kv_cache_spec().page_layout(block_size, dtype, kv_cache_dtype).allocate(num_blocks,
+                                                                                          platform.allocate_zeros)
             for layer in attention_layers(model)]

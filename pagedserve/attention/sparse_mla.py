@@ -1,0 +1,89 @@
+"""Sparse MLA (DeepSeek sparse attention): MLA in which each query token attends only to the tokens the lightning
+indexer selected for it (attention/lightning_indexer.py), in plain PyTorch over the paged latent cache.
+
+Same cache, same two forms as attention/mla_paged.py:
+- decodes (absorbed): each decode gathers just its selected latent rows through the block table, [width, R + rope]
+  per request, and attends them with W_UK / W_UV folded into query and output, so a step reads top_k rows per
+  decode however long the context;
+- prefills and chunks (expanded): the request's context is expanded through kv_b_proj as for dense MLA and the
+  selection becomes an additive mask (0 at the selected positions, -inf elsewhere; the selection is causal by
+  construction).
+With every visible token selected (top_k >= context) both forms are exactly dense MLA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.mla_paged import (
+    attend_expanded_requests,
+    write_latent_to_cache,
+)
+
+
+def selection_mask(selection: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[q_len, seq_len] additive mask from positions [q_len, width] (-1 = none): 0 where selected, -inf elsewhere."""
+    is_selected = torch.zeros(selection.shape[0], seq_len + 1, dtype=torch.bool, device=selection.device)
+    # -1 lands in the extra last column, which is dropped.
+    is_selected.scatter_(1, torch.where(selection < 0, seq_len, selection), True)
+    mask = torch.zeros(selection.shape[0], seq_len, dtype=dtype, device=selection.device)
+    return mask.masked_fill_(~is_selected[:, :seq_len], float("-inf"))
+
+
+def attend_selected_decodes(
+    q_nope: torch.Tensor,  # [B, H, nope]
+    q_pe: torch.Tensor,  # [B, H, rope]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, R + rope]
+    block_table: torch.Tensor,  # [B, max_blocks]
+    selection: torch.Tensor,  # [B, width] positions, -1 = none
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [B, H, v]
+    """One new token per request, attended over its selected latent rows with W_UK / W_UV absorbed."""
+    batch, num_heads, nope = q_nope.shape
+    block_size = kv_cache.shape[1]
+    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
+    query = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, R + rope]
+    is_selected = selection >= 0
+    positions = selection.clamp(min=0)
+    block_ids = block_table.to(torch.long).gather(1, positions // block_size)
+    rows = kv_cache[block_ids, positions % block_size].to(query.dtype)  # [B, width, R + rope]
+    mask = torch.zeros(batch, 1, 1, selection.shape[1], dtype=query.dtype, device=query.device)
+    mask.masked_fill_(~is_selected[:, None, None, :], float("-inf"))
+    out_latent = F.scaled_dot_product_attention(
+        query[:, None], rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale)[:, 0]
+    return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
+
+
+def sparse_mla_attention(
+    q_nope: torch.Tensor,  # [n, H, nope]
+    q_pe: torch.Tensor,  # [n, H, rope], rotated
+    latent: torch.Tensor,  # [n, R + rope]: normalised latent and rotated k_pe of the new tokens
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    selection: torch.Tensor,  # [n, width]: lightning_indexer.select_tokens
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [n, H, v]
+    """Write the new latents, then attend each token over its selected positions only."""
+    num_tokens = metadata.num_actual_tokens
+    write_latent_to_cache(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens], kv_lora_rank)
+    output = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], v_head_dim)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        output[:num_decodes] = attend_selected_decodes(
+            q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.block_table[:num_decodes],
+            selection[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
+    attend_expanded_requests(
+        q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
+        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype))
+    return output
+
+
+__all__ = ["attend_selected_decodes", "selection_mask", "sparse_mla_attention"]

@@ -1,0 +1,111 @@
+"""SparseMLAAttention: the model-side face of DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5).
+
+An MLAAttention whose tokens attend only to the positions the lightning indexer selects. A layer that runs its
+own indexer ("full") keeps the indexer's keys as a second component of its cache pages (KVCacheSpec
+extra_components: one index_head_dim row per token beside the latent row, same block ids), writes this step's keys,
+selects each token's top-k positions (attention/lightning_indexer.py) and keeps the selection for the step. A
+layer without an indexer (GLM-5's "shared" layers) stores no keys and reuses the selection its `selection_source`
+(the previous full layer) made in the same forward. Attention itself is attention/sparse_mla.py's.
+
+Without metadata (profiling/dummy runs) the given tokens are one causal sequence and no cache is touched.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
+from pagedserve.attention.kv_page_layout import kv_cache_component
+from pagedserve.attention.lightning_indexer import (
+    INDEX_KEY_COMPONENT,
+    select_tokens,
+    select_tokens_in_sequence,
+    write_index_keys,
+)
+from pagedserve.attention.mla_paged import attend_expanded
+from pagedserve.attention.sparse_mla import selection_mask, sparse_mla_attention
+from pagedserve.layers.lightning_indexer import IndexerProjections
+from pagedserve.layers.mla_attention import MLAAttention
+
+
+class SparseMLAAttention(MLAAttention):
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 kv_lora_rank: int, scale: float, kv_b_proj: nn.Module, *, index_topk: int,
+                 index_head_dim: int | None, selection_source: SparseMLAAttention | None = None,
+                 prefix: str = "") -> None:
+        """`index_head_dim` None: a layer without an indexer, reusing `selection_source`'s selection."""
+        super().__init__(num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale, kv_b_proj,
+                         prefix=prefix)
+        if index_topk < 1:
+            raise ValueError(f"{prefix}: index_topk={index_topk} must be >= 1")
+        if (index_head_dim is None) == (selection_source is None):
+            raise ValueError(f"{prefix}: a sparse MLA layer either runs its own indexer (index_head_dim) or reuses "
+                             f"another layer's selection (selection_source), exactly one of them")
+        self.index_topk = index_topk
+        self.index_head_dim = index_head_dim
+        self.index_softmax_scale = index_head_dim ** -0.5 if index_head_dim else 0.0
+        # A plain list: the source is another layer's module, not a submodule of this one.
+        self._selection_source = [selection_source] if selection_source is not None else []
+        # This step's selection [num_tokens, width] (positions, -1 padded), for the layers sharing it.
+        self.latest_selection: torch.Tensor | None = None
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_head_dim is not None
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The latent row per token, plus (with an indexer) the index key row in the same page."""
+        extra = (ExtraKVComponent(INDEX_KEY_COMPONENT, (self.index_head_dim,)),) if self.has_indexer else ()
+        return KVCacheSpec(per_token_shape=(self.kv_lora_rank + self.qk_rope_head_dim,), latent_rank=self.kv_lora_rank,
+                           extra_components=extra)
+
+    def _shared_selection(self, num_tokens: int) -> torch.Tensor:
+        selection = self._selection_source[0].latest_selection
+        if selection is None or selection.shape[0] != num_tokens:
+            raise RuntimeError(f"{self.layer_name}: the layer it shares top-k selections with has none for this "
+                               f"step (it must run first in the same forward)")
+        return selection
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                index: IndexerProjections | None = None) -> torch.Tensor:
+        """As MLAAttention.forward, with `index` the indexer's projections of these tokens (None for a layer that
+        reuses another's selection)."""
+        if self.has_indexer != (index is not None):
+            raise ValueError(f"{self.layer_name}: index projections must be given exactly when the layer has an "
+                             f"indexer")
+        num_tokens = q_nope.shape[0]
+        latent = torch.cat([kv_c_normed, k_pe], dim=-1)
+        kv_b_weight = self._kv_b_proj[0].weight
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            if index is not None:
+                selection = select_tokens_in_sequence(index.query, index.weights, index.key, self.index_topk,
+                                                      self.index_softmax_scale)
+            else:
+                selection = self._shared_selection(num_tokens)
+            self.latest_selection = selection
+            output = attend_expanded(q_nope, q_pe, latent, kv_b_weight, self.kv_lora_rank, self.v_head_dim,
+                                     self.scale, mask=selection_mask(selection, num_tokens, q_nope.dtype))
+        else:
+            if self.kv_cache is None:
+                raise RuntimeError(f"{self.layer_name}: attention metadata is set but no kv_cache is bound")
+            if index is not None:
+                key_cache = kv_cache_component(self.kv_cache, INDEX_KEY_COMPONENT)
+                num_actual = metadata.num_actual_tokens
+                write_index_keys(index.key[:num_actual], key_cache, metadata.slot_mapping[:num_actual])
+                selection = select_tokens(index.query, index.weights, key_cache, metadata, self.index_topk,
+                                          self.index_softmax_scale)
+            else:
+                selection = self._shared_selection(num_tokens)
+            self.latest_selection = selection
+            output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
+                                          self.kv_lora_rank, self.v_head_dim, self.scale)
+        return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
+
+    def extra_repr(self) -> str:
+        source = "own indexer" if self.has_indexer else f"shares {self._selection_source[0].layer_name}"
+        return f"{super().extra_repr()}, index_topk={self.index_topk}, {source}"
+
+
+__all__ = ["SparseMLAAttention"]
