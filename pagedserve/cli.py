@@ -87,10 +87,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from pagedserve.quantization.quantize_checkpoint import quantize_checkpoint
 
     summary = quantize_checkpoint(args.model, args.out, scheme=args.scheme, calibration=args.calibration,
-                                  static=args.static)
+                                  static=args.static, smoothquant_alpha=args.smoothquant_alpha, ignore=args.ignore)
     activations = (f"static per-tensor activation scales from {summary.num_calibration_tokens} calibration tokens"
                    if summary.is_static else "dynamic per-token activations")
-    print(f"wrote {summary.out}: {summary.num_quantized} linear layers int8 ({activations}), "
+    smoothing = (f", {summary.num_smoothed} SmoothQuant mappings from {summary.num_calibration_tokens} calibration "
+                 f"tokens" if summary.num_smoothed else "")
+    ignored = f", {summary.num_ignored} linear layers kept by --ignore" if summary.num_ignored else ""
+    print(f"wrote {summary.out}: {summary.num_quantized} linear layers int8 ({activations}){smoothing}{ignored}, "
           f"{summary.num_kept} tensors kept as they were")
     return 0
 
@@ -147,7 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "int8 activations)")
     quantize.add_argument("--static", action="store_true",
                           help="static per-tensor activation scales from --calibration (default: dynamic per token)")
-    quantize.add_argument("--calibration", default=None, help="UTF-8 text file the float model runs over (--static)")
+    quantize.add_argument("--calibration", default=None,
+                          help="UTF-8 text file the float model runs over (--static, --smoothquant-alpha)")
+    quantize.add_argument("--smoothquant-alpha", type=float, default=None,
+                          help="SmoothQuant smoothing strength in [0, 1] (needs --calibration): per-channel factors "
+                               "folded into the norms and linears before rounding (default: no smoothing)")
+    quantize.add_argument("--ignore", action="append", default=[], metavar="MODULE",
+                          help="keep this linear module unquantized (HF module name or 're:' regex; repeatable), "
+                               "listed in quantization_config.ignore")
     quantize.set_defaults(handler=_cmd_quantize)
 
     features = commands.add_parser("features", help="list the features this build implements")

@@ -191,15 +191,17 @@ FEATURES: tuple[Feature, ...] = (
                                                      "loaded with no flag; TP-sharded weights and scales; "
                                                      "a native int8 kernel with the quantization in its prologue "
                                                      "and a W8A8 kind in the native decode stack; "
-                                                     "`pagedserve quantize` writes them from an HF folder",
+                                                     "`pagedserve quantize` writes them from an HF folder "
+                                                     "(optionally with SmoothQuant and an ignore list)",
         modules=("pagedserve.layers.quantization.compressed_tensors_config",
                  "pagedserve.layers.quantization.w8a8_int8", "pagedserve.layers.quantization.int8_matmul",
-                 "pagedserve.quantization.quantize_checkpoint"),
+                 "pagedserve.quantization.quantize_checkpoint", "pagedserve.quantization.smoothquant",
+                 "pagedserve.quantization.calibration"),
         knobs=(),
         docs="docs/quantization.md",
         tests=("tests/quantization/test_w8a8_linear.py", "tests/quantization/test_w8a8_models.py",
                "tests/quantization/test_w8a8_bad_checkpoints.py", "tests/quantization/test_w8a8_native_kernel.py",
-               "tests/quantization/test_w8a8_decode_stack.py"),
+               "tests/quantization/test_w8a8_decode_stack.py", "tests/quantization/test_smoothquant.py"),
     ),
     Feature(
         line="model", family="quantization", feature="W8A8 int8 MoE experts: grouped int8 gate_up + SwiGLU + "

@@ -3,9 +3,11 @@ quantized against unquantized, in float32 compute:
 - the GGUF file's Q4_1 blocks kept quantized score the passage as the same file dequantized at load (within 0.1%),
   with prefill-sized chunks (dequantized tiles) and, over its first HEAD_TOKENS tokens, with 8-token chunks (the
   decode kernels' integer products);
-- the W8A8 checkpoint `pagedserve quantize` writes from the dequantized weights: within +8% of those weights on the
-  whole passage (slow test) and +15% on its first HEAD_TOKENS: round-to-nearest W8A8 of this 135M model measured
-  +6.9% and +13.8%; the issue's target, +3%, is not met (docs/quantization.md);
+- the W8A8 checkpoint `pagedserve quantize --ignore 're:.*down_proj$' --smoothquant-alpha 0.5 --calibration
+  tests/data/calibration_text.txt` writes from the dequantized weights (every linear int8 but the MLP down
+  projections, whose per-token int8 inputs cost this 135M model most of its loss; SmoothQuant on the norms): within
+  +3% of those weights on the whole passage (slow test; the issue's target) and +8% on its first HEAD_TOKENS.
+  Measured +1.1% and +6.2%; with every linear int8 and no smoothing +6.9% and +13.8% (docs/quantization.md);
 - the int8 KV cache: within +1% of the model's own cache, and the same greedy answers to the five chat prompts."""
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ MAX_MODEL_LEN = 4096
 NUM_KV_BLOCKS = 260  # 4,144 tokens: the passage in one request
 # Tokens scored with 8-token chunks (one engine step each).
 HEAD_TOKENS = 400
+# The linears the W8A8 checkpoint keeps in float (`pagedserve quantize --ignore`).
+W8A8_KEPT = r"re:.*down_proj$"
+# The W8A8 checkpoint's SmoothQuant calibration text (not the scored passage).
+CALIBRATION_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                                "calibration_text.txt")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,8 @@ def dequantized_perplexity(dequantized_perplexities: dict[str, float]) -> float:
 
 @pytest.fixture(scope="module")
 def hf_folders(default_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(the file's weights dequantized to float32 as an HF folder, its W8A8 checkpoint by `pagedserve quantize`)."""
+    """(the file's weights dequantized to float32 as an HF folder, its W8A8 checkpoint by `pagedserve quantize`
+    with the down projections kept in float and SmoothQuant calibrated on tests/data/calibration_text.txt)."""
     from safetensors.torch import save_file
 
     from pagedserve.model_loader.gguf_loader import load_gguf
@@ -62,7 +70,7 @@ def hf_folders(default_model_path: str, tmp_path_factory: pytest.TempPathFactory
     model.tokenizer.save_pretrained(folder)
     save_file({name: tensor.contiguous() for name, tensor in model.weights(torch.float32)},
               os.path.join(folder, "model.safetensors"))
-    quantize_checkpoint(folder, quantized)
+    quantize_checkpoint(folder, quantized, ignore=[W8A8_KEPT], smoothquant_alpha=0.5, calibration=CALIBRATION_PATH)
     return folder, quantized
 
 
@@ -97,20 +105,22 @@ def test_int8_kv_cache_stays_within_one_percent(hf_folders: tuple[str, str], deq
     assert int8_kv < unquantized * 1.01, (int8_kv, unquantized)
 
 
-def test_w8a8_stays_within_fifteen_percent_on_the_passage_head(hf_folders: tuple[str, str],
-                                                                dequantized_perplexities: dict[str, float]) -> None:
-    """Measured +13.8% on the first 400 tokens (the issue's target, +3%, is not met)."""
+def test_w8a8_stays_within_eight_percent_on_the_passage_head(hf_folders: tuple[str, str],
+                                                              dequantized_perplexities: dict[str, float]) -> None:
+    """Measured +6.2% on the first 400 tokens (the whole passage is the issue's target; these 400 tokens alone
+    move by several percent with the recipe, docs/quantization.md)."""
     _, quantized = hf_folders
     llm = LLM(quantized, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS)
     w8a8 = perplexity(llm, passage_text(), HEAD_TOKENS)
-    assert w8a8 < dequantized_perplexities["head"] * 1.15, (w8a8, dequantized_perplexities)
+    assert w8a8 < dequantized_perplexities["head"] * 1.08, (w8a8, dequantized_perplexities)
 
 
-@pytest.mark.slow  # ~3 min (W8A8 prefill of 2,900 tokens); the passage head above runs the same code
-def test_w8a8_stays_within_eight_percent(hf_folders: tuple[str, str], dequantized_perplexity: float) -> None:
+@pytest.mark.slow  # ~3 min (W8A8 prefill of 2,900 tokens in float32: torch's portable int8 GEMM)
+def test_w8a8_stays_within_three_percent(hf_folders: tuple[str, str], dequantized_perplexity: float) -> None:
+    """The issue's target. Measured +1.1%."""
     _, quantized = hf_folders
     w8a8 = _perplexity_of(quantized)
-    assert w8a8 < dequantized_perplexity * 1.08, (w8a8, dequantized_perplexity)
+    assert w8a8 < dequantized_perplexity * 1.03, (w8a8, dequantized_perplexity)
 
 
 def test_int8_kv_cache_keeps_the_chat_answers(default_model_path: str) -> None:
@@ -123,7 +133,9 @@ def test_int8_kv_cache_keeps_the_chat_answers(default_model_path: str) -> None:
                   kv_cache_dtype=kv_cache_dtype)
         answers[kv_cache_dtype] = [output.outputs[0].token_ids for output in
                                    llm.chat(conversations, params, use_tqdm=False)]
-    # Measured: four of the five answers identical over 32 tokens; the photosynthesis one parts at token 23 (a near
-    # tie: "...and" / "...into"). The issue asks for all five unchanged: not met there, said in docs/params-01.
+    # Measured: four of the five answers identical over 32 tokens; the photosynthesis one parts at token 23, a near
+    # tie in the model's own cache (" as" -1.057 against " and" -1.077: 0.02 nat) that int8 K flips (the K error
+    # moves the two by ~0.1 nat; V alone keeps the order). The issue asks for all five unchanged: not met there
+    # (docs/quantization.md).
     assert all(int8[:16] == auto[:16] for int8, auto in zip(answers["int8"], answers["auto"]))
     assert sum(int8 == auto for int8, auto in zip(answers["int8"], answers["auto"])) >= 4

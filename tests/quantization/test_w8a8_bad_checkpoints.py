@@ -128,6 +128,16 @@ def test_quantize_command_refuses_bad_requests(tiny_model_dir, quantized: str, t
         quantize_checkpoint(quantized, str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"exists and is not empty"):
         quantize_checkpoint(source, quantized)
+    with pytest.raises(ValueError, match=r"smoothquant_alpha needs calibration"):
+        quantize_checkpoint(source, str(tmp_path / "d"), smoothquant_alpha=0.5)
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("some text for the float model to read")
+    with pytest.raises(ValueError, match=r"smoothquant_alpha=1.5 must be in \[0, 1\]"):
+        quantize_checkpoint(source, str(tmp_path / "e"), calibration=str(calibration), smoothquant_alpha=1.5)
+    with pytest.raises(ValueError, match=r"ignore entry 're:.*down_prj' matches no linear module"):
+        quantize_checkpoint(source, str(tmp_path / "f"), ignore=["re:.*down_prj"])
+    with pytest.raises(ValueError, match=r"ignore keeps 'model.layers.0.self_attn.q_proj' but not all of"):
+        quantize_checkpoint(source, str(tmp_path / "g"), ignore=["model.layers.0.self_attn.q_proj"])
 
 
 def test_weight_layouts_leave_int8_layers_alone(quantized: str) -> None:

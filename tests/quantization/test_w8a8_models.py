@@ -4,9 +4,12 @@ transformers in float32, tests/quantization/w8a8_reference.py); their logprobs s
 unquantized model's; TP=2 equals one process."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
@@ -72,6 +75,27 @@ def test_static_w8a8_equals_dequantized_reference(tiny_model_dir, tmp_path) -> N
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("\n".join(tiny_corpus()))
     quantized = _quantize(source, str(tmp_path / "w8a8-static"), "--static", "--calibration", str(calibration))
+    llm = LLM(quantized, **ENGINE)
+    _check_against_references(source, quantized, llm)
+
+
+def test_smoothquant_and_ignore_keep_the_checkpoint_format(tiny_model_dir, tmp_path) -> None:
+    """--smoothquant-alpha changes the stored norms and weights, --ignore keeps a linear in float: the checkpoint
+    still loads with no flag and runs what the dequantized reference (which reads the smoothed norms) runs."""
+    source = tiny_model_dir("llama")
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("\n".join(tiny_corpus()))
+    kept = "model.layers.1.mlp.down_proj"
+    quantized = _quantize(source, str(tmp_path / "w8a8-smoothed"), "--smoothquant-alpha", "0.5", "--calibration",
+                          str(calibration), "--ignore", r"re:.*layers\.1\.mlp\.down_proj$")
+    with open(os.path.join(quantized, "config.json")) as handle:
+        assert kept in json.load(handle)["quantization_config"]["ignore"]
+    tensors, original = load_file(f"{quantized}/model.safetensors"), load_file(f"{source}/model.safetensors")
+    assert tensors[f"{kept}.weight"].is_floating_point() and f"{kept}.weight_scale" not in tensors
+    # No up_proj -> down_proj smoothing where down_proj stays float (it would buy nothing): stored as it was.
+    assert torch.equal(tensors[f"{kept}.weight"], original[f"{kept}.weight"])
+    norm = "model.layers.0.input_layernorm.weight"
+    assert tensors[norm].dtype == original[norm].dtype and not torch.equal(tensors[norm], original[norm])
     llm = LLM(quantized, **ENGINE)
     _check_against_references(source, quantized, llm)
 

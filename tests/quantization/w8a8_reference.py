@@ -65,13 +65,18 @@ def _dequantize_experts(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 
 def dequantized_hf_model(source_folder: str, quantized_folder: str) -> torch.nn.Module:
     """The float model of `source_folder` running the quantized checkpoint's W8A8 arithmetic in float32 (MoE
-    experts too, when the checkpoint quantizes them)."""
+    experts too, when the checkpoint quantizes them), with the checkpoint's float tensors (norms and kept linears,
+    which SmoothQuant changes)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source_folder, local_files_only=True, dtype=torch.float32).eval()
     tensors = load_file(f"{quantized_folder}/model.safetensors")
     num_quantized = 0
     with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            stored = tensors.get(name)
+            if stored is not None and stored.is_floating_point() and stored.shape == parameter.shape:
+                parameter.copy_(stored.float())
         for name, module in model.named_modules():
             scale = tensors.get(f"{name}.weight_scale")
             if scale is None:
