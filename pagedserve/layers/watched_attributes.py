@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 # The attribute names native plans read from layers.
-WATCHED_ATTRIBUTES = frozenset(("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache"))
+WATCHED_ATTRIBUTES = frozenset(("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache",
+                                "weight_scale_row", "input_scale"))
 
 _epoch = 0
 
