@@ -41,3 +41,18 @@ def seeded_tokens_alone_and_in_batch(llm: LLM, prompts: list[list[int]]) -> tupl
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], [seeded] + [others] * (len(prompts) - 1),
                             use_tqdm=False)
     return alone, together[0].outputs[0].token_ids
+
+
+def model_runner_forward(llm: LLM):
+    """The forward the model runner calls (the native decode stack's wrapper when it took the model)."""
+    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
+
+
+def greedy_outputs_with_logprobs(llm: LLM, prompts: list[list[int]], num_steps: int,
+                                 **params) -> list[tuple[list[int], list]]:
+    """Greedy `num_steps` tokens (EOS ignored) of each prompt, with each step's (token, logprob) pairs sorted when
+    `params` asks for logprobs: what the decode-stack tests compare bit for bit."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=num_steps, ignore_eos=True, **params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
+                                      for step in (o.outputs[0].logprobs or [])]) for o in outputs]

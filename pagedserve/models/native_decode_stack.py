@@ -299,7 +299,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
         weight_types += [getattr(linear, "ggml_type", None) or 0 for linear in linears]
-        if qkv_kind == W8A8_KIND:
+        if {qkv_kind, o_kind, gu_kind, d_kind} == {W8A8_KIND}:  # mixed methods are refused below
             weight_scales += [linear.weight_scale_row for linear in linears]
             input_scales += [linear.input_scale if linear.linear_method.is_static_input else None
                              for linear in linears]

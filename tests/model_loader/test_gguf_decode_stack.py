@@ -9,7 +9,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from native_marks import NEEDS_GGUF_KERNELS
-from pagedserve import LLM, SamplingParams
+from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward
+
+from pagedserve import LLM
 from pagedserve.models.native_decode_stack import GGUF_KIND, NativeDecodeForward, native_decode_stack_plan
 from test_gguf_tiny_files import write_tiny_gguf
 
@@ -43,17 +45,6 @@ def _llm(path: str, **options) -> LLM:
     return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=160, **options)
 
 
-def _forward(llm: LLM):
-    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
-
-
-def _generate(llm: LLM, prompts: list[list[int]], **params) -> list[tuple[list[int], list]]:
-    sampling = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
-                                      for step in (o.outputs[0].logprobs or [])]) for o in outputs]
-
-
 @pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
 @pytest.mark.parametrize("num_prompts", [1, 3, 10])  # 10 rows: past the kernel's 8, dequantized tiles op by op
 def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: str, num_prompts: int) -> None:
@@ -64,8 +55,8 @@ def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: st
     for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
         monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
         llm = _llm(gguf_files[name], native_decode_stack=enabled)
-        results.append(_generate(llm, prompts, logprobs=5))
-        forward = _forward(llm)
+        results.append(greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS, logprobs=5))
+        forward = model_runner_forward(llm)
         if enabled:
             assert isinstance(forward, NativeDecodeForward)
             assert forward.plan.linear_kind == GGUF_KIND and forward.num_stack_steps == NUM_STEPS - 1
@@ -80,24 +71,25 @@ def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: st
 def test_greedy_steps_sample_on_the_quantized_head_in_the_stack(gguf_files, name: str) -> None:
     prompts = random_prompts(3, 4, 30, seed=5)
     llm = _llm(gguf_files[name])
-    forward = _forward(llm)
+    forward = model_runner_forward(llm)
     assert forward.plan.greedy_head is not None and forward.plan.head_type != 0
-    greedy = _generate(llm, prompts)
+    greedy = greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS)
     assert forward.num_greedy_steps == NUM_STEPS - 1
-    assert greedy == _generate(_llm(gguf_files[name], native_decode_stack=False), prompts)
+    assert greedy == greedy_outputs_with_logprobs(_llm(gguf_files[name], native_decode_stack=False), prompts,
+                                                  NUM_STEPS)
 
 
 def test_bfloat16_gguf_model_keeps_the_modules(gguf_files) -> None:
     llm = LLM(gguf_files["llama-q4_1-tied"], dtype="bfloat16", max_model_len=256, num_kv_blocks=64)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     assert "bfloat16" in native_decode_stack_plan(model, torch.bfloat16).reason
-    assert not isinstance(_forward(llm), NativeDecodeForward)
+    assert not isinstance(model_runner_forward(llm), NativeDecodeForward)
 
 
 def test_plan_object_checks_the_block_types(gguf_files) -> None:
     llm = _llm(gguf_files["llama-q4_1-tied"])
-    _generate(llm, [[5, 6, 7]])  # the native plan is made at the first decode step
-    forward = _forward(llm)
+    greedy_outputs_with_logprobs(llm, [[5, 6, 7]], NUM_STEPS)  # the native plan is made at the first decode step
+    forward = model_runner_forward(llm)
     native = forward.plan.native
     with pytest.raises(RuntimeError, match="linear types expected"):
         native.set_gguf_types([3], 8, 8)

@@ -129,7 +129,7 @@ def test_registry_resolves_and_rejects_architectures(tiny_model_dir) -> None:
     assert supported_architectures() == sorted([
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
         "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"])
+        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
     config.architectures = ["GPTNeoXForCausalLM"]
     with pytest.raises(ValueError, match=r"architecture 'GPTNeoXForCausalLM' is not supported; supported: \["):
         resolve_model_class(config)

@@ -8,7 +8,9 @@ import torch
 from test_w8a8_models import _quantize
 from tiny_models import tiny_corpus
 
-from pagedserve import LLM, SamplingParams
+from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward
+
+from pagedserve import LLM
 from pagedserve.layers.quantization.int8_matmul import native_w8a8_linear
 from pagedserve.models.native_decode_stack import W8A8_KIND, NativeDecodeForward
 
@@ -36,17 +38,6 @@ def quantized_folders(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) 
             "static": _quantize(source, str(folder / "static"), "--static", "--calibration", str(calibration))}
 
 
-def _forward(llm: LLM):
-    return llm.llm_engine.engine_core.executor.worker.model_runner.forward
-
-
-def _generate(llm: LLM, prompts: list[list[int]], **params) -> list[tuple[list[int], list]]:
-    sampling = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, **params)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
-                                      for step in (o.outputs[0].logprobs or [])]) for o in outputs]
-
-
 @pytest.mark.parametrize("scheme", ["dynamic", "static"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_prompts", [1, 5])
@@ -60,8 +51,9 @@ def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, s
         monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
         llm = LLM(quantized_folders[scheme], dtype=dtype, max_model_len=256, num_kv_blocks=96,
                   native_decode_stack=enabled)
-        results.append(_generate(llm, prompts, logprobs=5))  # logprobs: every step returns the hidden states
-        forward = _forward(llm)
+        # logprobs: every step returns the hidden states (greedy_rows stays off)
+        results.append(greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS, logprobs=5))
+        forward = model_runner_forward(llm)
         if enabled:
             assert isinstance(forward, NativeDecodeForward)
             assert forward.plan.linear_kind == W8A8_KIND and forward.num_stack_steps == NUM_STEPS - 1
@@ -75,19 +67,20 @@ def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, s
 def test_greedy_steps_sample_in_the_stack(quantized_folders, dtype: str) -> None:
     prompts = _random_prompts(3, seed=9)
     llm = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96)
-    forward = _forward(llm)
+    forward = model_runner_forward(llm)
     if forward.plan.greedy_head is None:
         pytest.skip(f"the {dtype} LM head's layout here has no in-stack greedy form (weight_layout auto)")
-    greedy = _generate(llm, prompts)
+    greedy = greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS)
     assert forward.num_greedy_steps == NUM_STEPS - 1
-    assert greedy == _generate(LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
-                                   native_decode_stack=False), prompts)
+    without_stack = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
+                        native_decode_stack=False)
+    assert greedy == greedy_outputs_with_logprobs(without_stack, prompts, NUM_STEPS)
 
 
 def test_plan_object_checks_the_scales(quantized_folders) -> None:
     llm = LLM(quantized_folders["dynamic"], dtype="float32", max_model_len=256, num_kv_blocks=96)
-    _generate(llm, [[5, 6, 7]])  # the native plan is made at the first decode step
-    plan = _forward(llm).plan
+    greedy_outputs_with_logprobs(llm, [[5, 6, 7]], NUM_STEPS)  # the native plan is made at the first decode step
+    plan = model_runner_forward(llm).plan
     with pytest.raises(RuntimeError, match="weight scales and input scales expected"):
         plan.native.set_w8a8_scales([plan.weight_scales[0]], [None])
     wrong = [scale[:, :-1].contiguous() for scale in plan.weight_scales]
