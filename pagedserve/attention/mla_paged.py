@@ -133,11 +133,25 @@ def attend_absorbed_decodes(
     context = context.to(query.dtype)
     lengths = torch.tensor(seq_lens, device=query.device)[:, None]
     hidden = torch.arange(num_span_blocks * block_size, device=query.device)[None, :] >= lengths
+    return attend_latent_rows(query, context, hidden, kv_lora_rank, scale, w_uv)
+
+
+def attend_latent_rows(
+    query: torch.Tensor,  # [B, H, R + rope]: absorbed queries
+    rows: torch.Tensor,  # [B, L, R + rope]: each request's latent rows, in the query's dtype
+    hidden: torch.Tensor,  # [B, L] bool: rows the request does not attend (padding, unselected)
+    kv_lora_rank: int,
+    scale: float,
+    w_uv: torch.Tensor,  # [H, v, R]
+) -> torch.Tensor:  # [B, H, v]
+    """Absorbed MLA attention over given latent rows: scores against the whole row, values its latent part, then
+    W_UV."""
+    batch = query.shape[0]
     mask = torch.zeros(batch, 1, 1, hidden.shape[1], dtype=query.dtype, device=query.device)
     mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
     # The heads share the single latent "KV head": they are that head's query rows.
     out_latent = F.scaled_dot_product_attention(
-        query[:, None], context[:, None], context[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale,
+        query[:, None], rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale,
     )[:, 0]  # [B, H, R]
     return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
 

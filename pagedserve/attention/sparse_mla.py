@@ -13,13 +13,9 @@ With every visible token selected (top_k >= context) both forms are exactly dens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.mla_paged import (
-    attend_expanded_requests,
-    write_latent_to_cache,
-)
+from pagedserve.attention.mla_paged import attend_expanded_requests, attend_latent_rows, write_latent_to_cache
 
 
 def selection_mask(selection: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -43,7 +39,7 @@ def attend_selected_decodes(
     scale: float,
 ) -> torch.Tensor:  # [B, H, v]
     """One new token per request, attended over its selected latent rows with W_UK / W_UV absorbed."""
-    batch, num_heads, nope = q_nope.shape
+    num_heads, nope = q_nope.shape[1:]
     block_size = kv_cache.shape[1]
     weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
@@ -52,11 +48,7 @@ def attend_selected_decodes(
     positions = selection.clamp(min=0)
     block_ids = block_table.to(torch.long).gather(1, positions // block_size)
     rows = kv_cache[block_ids, positions % block_size].to(query.dtype)  # [B, width, R + rope]
-    mask = torch.zeros(batch, 1, 1, selection.shape[1], dtype=query.dtype, device=query.device)
-    mask.masked_fill_(~is_selected[:, None, None, :], float("-inf"))
-    out_latent = F.scaled_dot_product_attention(
-        query[:, None], rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale)[:, 0]
-    return torch.einsum("bhr,hvr->bhv", out_latent, w_uv)
+    return attend_latent_rows(query, rows, ~is_selected, kv_lora_rank, scale, w_uv)
 
 
 def sparse_mla_attention(

@@ -1,14 +1,13 @@
 """W8A8 models on the native decode stack (linear kind 6, kernels/cpu/decode_stack.cpp): decode steps in one region,
 op by op and on the modules give the same tokens and logprobs bit for bit, in float32 and bfloat16, with per-token
-and static activation scales; greedy steps sample in the stack where the unquantized head allows it."""
+and static activation scales; greedy steps sample on the unquantized LM head in the stack."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_w8a8_models import _quantize
 from tiny_models import tiny_corpus
 
-from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward
+from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward, random_prompts
 
 from pagedserve import LLM
 from pagedserve.layers.quantization.int8_matmul import native_w8a8_linear
@@ -20,12 +19,6 @@ pytestmark = pytest.mark.skipif(
            "modules' W8A8 path is covered by test_w8a8_models.py")
 
 NUM_STEPS = 12
-
-
-def _random_prompts(num: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(4, 30, (num,), generator=generator).tolist()
-    return [torch.randint(3, 250, (length,), generator=generator).tolist() for length in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, s
                                                num_prompts: int) -> None:
     import pagedserve.models.native_decode_stack as stack_module
 
-    prompts = _random_prompts(num_prompts, seed=num_prompts)
+    prompts = random_prompts(num_prompts, 4, 30, seed=num_prompts)
     results = []
     for one_region_max_rows, enabled in ((stack_module.ONE_REGION_MAX_ROWS, True), (0, True), (0, False)):
         monkeypatch.setattr(stack_module, "ONE_REGION_MAX_ROWS", one_region_max_rows)
@@ -63,13 +56,15 @@ def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, s
     assert results[0] == results[1] == results[2]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_steps_sample_in_the_stack(quantized_folders, dtype: str) -> None:
-    prompts = _random_prompts(3, seed=9)
-    llm = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96)
+# The unquantized LM head samples in the stack in the layouts the stack's region runs: tile-packed bfloat16, plain
+# float32 on small_batch_linear (the quantized layers keep their int8 weights whatever the layout).
+@pytest.mark.parametrize("dtype,weight_layout", [("float32", "plain_native"), ("bfloat16", "amx_packed")])
+def test_greedy_steps_sample_in_the_stack(quantized_folders, dtype: str, weight_layout: str) -> None:
+    prompts = random_prompts(3, 4, 30, seed=9)
+    llm = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
+              weight_layout=weight_layout)
     forward = model_runner_forward(llm)
-    if forward.plan.greedy_head is None:
-        pytest.skip(f"the {dtype} LM head's layout here has no in-stack greedy form (weight_layout auto)")
+    assert forward.plan.greedy_head is not None
     greedy = greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS)
     assert forward.num_greedy_steps == NUM_STEPS - 1
     without_stack = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
