@@ -12,6 +12,8 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_paged": ("pagedserve.attention.torch_paged", "TorchPagedAttentionBackend"),
     # Native in-place paged decode kernel for the CPU (built at first use; see attention/cpu_native.py).
     "cpu_native": ("pagedserve.attention.cpu_native", "CpuNativeAttentionBackend"),
+    # decode_context_parallel_size > 1: KV positions split over a group of TP ranks, merged by log-sum-exp.
+    "decode_context_parallel": ("pagedserve.attention.decode_context_parallel", "DecodeContextParallelBackend"),
 }
 
 # The backend Attention layers built inside `use_attention_backend(name)` take (the worker sets the

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # Per-step scratch for backends: anything derived from this metadata alone (e.g. a decode plan)
     # is built by the first layer and reused by the others. A new metadata object comes every step.
     backend_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Decode context parallel (attention/decode_context_parallel.py): the group and the step's tokens this rank
+    # stores (slot_mapping then holds just their slots); None without DCP.
+    context_parallel: Any = None
 
     @property
     def num_seqs(self) -> int:

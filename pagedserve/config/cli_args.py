@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--oproj-tensor-parallel-size", type=int, default=0,
                           help="attention o_proj TP degree, dividing --tensor-parallel-size (0: same)")
     parallel.add_argument("--enable-reduce-sample", action=argparse.BooleanOptionalAction, default=False)
+    parallel.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                          help="split each request's KV history over this many consecutive TP ranks (divides "
+                               "--tensor-parallel-size; attention merged by log-sum-exp)")
     parallel.add_argument("--enable-balance-scheduling", action=argparse.BooleanOptionalAction, default=False)
     parallel.add_argument("--dyntra-lb-config", default=None,
                           help='JSON object, e.g. \'{"enabled": true, "bubble_threshold": 4}\'')
@@ -117,7 +120,8 @@ def parallel_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]
     """The parallel group's flags as EngineConfig.create keywords (same names)."""
     names = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
              "distributed_executor_backend", "lmhead_tensor_parallel_size", "embedding_tensor_parallel_size",
-             "oproj_tensor_parallel_size", "enable_reduce_sample", "enable_balance_scheduling", "dyntra_lb_config")
+             "oproj_tensor_parallel_size", "enable_reduce_sample", "enable_balance_scheduling", "dyntra_lb_config",
+             "decode_context_parallel_size")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -49,6 +49,12 @@ class EngineConfig:
     # Speculative decoding (config/speculative.py, spec_decode/); off unless a method is set.
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions one KV block id covers: block_size on each rank's page, times the decode-context-parallel
+        group that splits the positions (attention/decode_context_parallel.py). The scheduler counts these."""
+        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
+
     @staticmethod
     def create(
         model: str | None = None,
@@ -79,6 +85,7 @@ class EngineConfig:
         embedding_tensor_parallel_size: int = 0,
         oproj_tensor_parallel_size: int = 0,
         enable_reduce_sample: bool = False,
+        decode_context_parallel_size: int = 1,
         enable_balance_scheduling: bool = False,
         dyntra_lb_config: DyntraLBConfig | dict[str, Any] | str | None = None,
         eplb_config: EplbConfig | dict[str, Any] | str | None = None,
@@ -110,6 +117,7 @@ class EngineConfig:
             embedding_tensor_parallel_size=embedding_tensor_parallel_size,
             oproj_tensor_parallel_size=oproj_tensor_parallel_size,
             enable_reduce_sample=enable_reduce_sample,
+            decode_context_parallel_size=decode_context_parallel_size,
             enable_balance_scheduling=enable_balance_scheduling,
             dyntra_lb_config=DyntraLBConfig.parse(dyntra_lb_config),
         )
@@ -200,6 +208,7 @@ class EngineConfig:
 
         if batch_invariant is False and batch_invariant_from_env():  # vLLM's VLLM_BATCH_INVARIANT=1
             batch_invariant = True
+        attention_backend = parallel_config.attention_backend_for(attention_backend, batch_invariant)
         check_batch_invariant_options(batch_invariant, attention_backend, compilation.mode)
         if batch_invariant:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form

@@ -80,9 +80,13 @@ class ParallelConfig:
     enable_reduce_sample: bool = False
     enable_balance_scheduling: bool = False
     dyntra_lb_config: DyntraLBConfig = field(default_factory=DyntraLBConfig)
+    # Decode context parallel (vLLM's knob): each group of this many consecutive TP ranks splits every
+    # request's KV history (position p lives on the group's rank p % size); attention merges by log-sum-exp.
+    decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "decode_context_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -99,6 +103,11 @@ class ParallelConfig:
                 allowed = [d for d in range(1, tp + 1) if tp % d == 0]
                 raise ValueError(f"{name}={value} must divide tensor_parallel_size={tp} (fine-grained groups "
                                  f"are carved from the TP group); allowed: 0 or one of {allowed}")
+        dcp = self.decode_context_parallel_size
+        if tp % dcp:
+            allowed = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (the "
+                             f"context-parallel groups are carved from the TP group); allowed: {allowed}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={backend!r} must be one of {EXECUTOR_BACKENDS}")
@@ -155,6 +164,43 @@ class ParallelConfig:
     def oproj_degree(self) -> int:
         return self.oproj_tensor_parallel_size or self.tensor_parallel_size
 
+    def attention_backend_for(self, requested: str | None, batch_invariant: bool) -> str | None:
+        """The attention backend the engine runs: `requested` (None: the platform's), or decode_context_parallel
+        when decode_context_parallel_size > 1, which no other backend implements."""
+        dcp = self.decode_context_parallel_size
+        if dcp == 1:
+            if requested == "decode_context_parallel":
+                raise ValueError("attention_backend='decode_context_parallel' is chosen by "
+                                 "decode_context_parallel_size > 1; with decode_context_parallel_size=1 use another")
+            return requested
+        if requested not in (None, "decode_context_parallel"):
+            raise ValueError(f"attention_backend={requested!r} does not split KV positions over ranks; with "
+                             f"decode_context_parallel_size={dcp} leave attention_backend unset")
+        if batch_invariant:
+            raise ValueError("batch_invariant=True has no decode-context-parallel form (the ranks' partial "
+                             "attention is plain PyTorch, not the invariant kernels); set "
+                             "decode_context_parallel_size=1 or batch_invariant=False")
+        return "decode_context_parallel"
+
+    def _validate_decode_context_parallel(self, hf_config: Any, num_kv_heads: int) -> None:
+        """The attention types DCP splits: dense attention whose KV heads the group's ranks share (each rank
+        attends every query head of its group over its own positions), and MLA (one latent for all heads)."""
+        dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
+        if dcp == 1:
+            return
+        if getattr(hf_config, "index_topk", None) is not None:
+            raise ValueError(f"decode_context_parallel_size={dcp} is not supported for DeepSeek sparse attention "
+                             f"(the model sets index_topk={hf_config.index_topk}): the indexer's top-k would "
+                             f"need a merge across ranks; use decode_context_parallel_size=1")
+        if getattr(hf_config, "kv_lora_rank", None):
+            return  # MLA: every rank holds the same latent cache
+        replicas = tp // num_kv_heads if tp >= num_kv_heads else 0
+        if replicas == 0 or replicas % dcp:
+            raise ValueError(f"decode_context_parallel_size={dcp} needs each KV head replicated on a multiple of "
+                             f"{dcp} consecutive TP ranks, but tensor_parallel_size={tp} with num_key_value_heads="
+                             f"{num_kv_heads} replicates each head {max(replicas, 1)} time(s); use a "
+                             f"tensor_parallel_size that is a multiple of {num_kv_heads * dcp}")
+
     def validate_for_model(self, hf_config: Any, num_cpus: int | None, num_devices: int | None) -> None:
         """Checks that need the model and the machine (called once by EngineConfig.create)."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -174,6 +220,7 @@ class ParallelConfig:
                              ("embedding_tensor_parallel_size", self.embedding_degree)):
             if degree > vocab_size:
                 raise ValueError(f"{name}={degree} exceeds the model's vocab_size={vocab_size}")
+        self._validate_decode_context_parallel(hf_config, num_kv_heads)
         num_layers = int(hf_config.num_hidden_layers)
         if pp > num_layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's num_hidden_layers={num_layers}")

@@ -106,6 +106,7 @@ class ParallelSizes:
     lmhead_tensor_parallel_size: int = 0
     embedding_tensor_parallel_size: int = 0
     oproj_tensor_parallel_size: int = 0
+    decode_context_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -115,7 +116,7 @@ class ParallelSizes:
         return self.tensor_parallel_size if value == 0 else value
 
 
-_GROUP_NAMES = ("tp", "pp", "dp", "ep", "lmhead_tp", "embedding_tp", "oproj_tp", "oproj_gather")
+_GROUP_NAMES = ("tp", "pp", "dp", "ep", "lmhead_tp", "embedding_tp", "oproj_tp", "oproj_gather", "dcp")
 
 
 def _single(name: str) -> GroupCoordinator:
@@ -156,6 +157,11 @@ def group_rank_lists(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     for tp_group in groups["tp"]:
         groups["oproj_gather"].extend(tp_group[start:start + gather] for start in range(0, tp, gather))
         groups["oproj_tp"].extend(tp_group[index::gather] for index in range(gather))
+    # Decode context parallel: blocks of consecutive TP ranks, which hold the same KV heads (replicas are
+    # consecutive, QKVParallelLinear) or the same MLA latent, and split the positions among them.
+    dcp = sizes.decode_context_parallel_size
+    for tp_group in groups["tp"]:
+        groups["dcp"].extend(tp_group[start:start + dcp] for start in range(0, tp, dcp))
     return groups
 
 
@@ -216,6 +222,12 @@ def get_embedding_tp_group() -> GroupCoordinator:
 def get_oproj_tp_group() -> GroupCoordinator:
     """The ranks holding different o_proj input shards (their partial products are summed)."""
     return _groups["oproj_tp"]
+
+
+def get_dcp_group() -> GroupCoordinator:
+    """The decode-context-parallel group: the ranks that split each request's KV positions
+    (position p on group rank p % world_size)."""
+    return _groups["dcp"]
 
 
 def get_oproj_gather_group() -> GroupCoordinator:

@@ -42,6 +42,7 @@ def initialize_worker_distributed(parallel_config: ParallelConfig, rank: int, in
         lmhead_tensor_parallel_size=parallel_config.lmhead_tensor_parallel_size,
         embedding_tensor_parallel_size=parallel_config.embedding_tensor_parallel_size,
         oproj_tensor_parallel_size=parallel_config.oproj_tensor_parallel_size,
+        decode_context_parallel_size=parallel_config.decode_context_parallel_size,
     ))
 
 

@@ -34,10 +34,10 @@ class EngineCore:
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.runtime_info.num_kv_blocks,
-            block_size=cache_config.block_size,
+            block_size=config.tokens_per_block,
             enable_caching=cache_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, cache_config.block_size,
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.tokens_per_block,
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.
                                    include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1,
@@ -60,7 +60,7 @@ class EngineCore:
                            "prefill chunks keep their default sizes")
             return None
         policy = build_profiling_chunk_policy(
-            samples, profiling.target_tpot_ms, self.config.cache_config.block_size,
+            samples, profiling.target_tpot_ms, self.config.tokens_per_block,
             self.config.scheduler_config.max_num_batched_tokens, profiling.min_chunk, profiling.smoothing)
         model = policy.model
         logger.info("profiling-tuned chunks: step latency %.2f ms + %.4f ms/token + %.3g ms/token^2 + "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.attention.decode_context_parallel import mla_context_parallel_attention
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
 from pagedserve.attention.mla_paged import attend_expanded, mla_paged_attention
@@ -49,8 +50,9 @@ class MLAAttention(nn.Module):
         else:
             if self.kv_cache is None:
                 raise RuntimeError(f"{self.layer_name}: attention metadata is set but no kv_cache is bound")
-            output = mla_paged_attention(q_nope, q_pe, latent, self.kv_cache, metadata, kv_b_weight,
-                                         self.kv_lora_rank, self.v_head_dim, self.scale)
+            attend = mla_paged_attention if metadata.context_parallel is None else mla_context_parallel_attention
+            output = attend(q_nope, q_pe, latent, self.kv_cache, metadata, kv_b_weight, self.kv_lora_rank,
+                            self.v_head_dim, self.scale)
         return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
 
     def extra_repr(self) -> str:

@@ -46,14 +46,15 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype, kv
 
 
 def determine_num_kv_blocks(cache_config: CacheConfig, bytes_per_block: int, available_bytes: int,
-                            max_model_len: int, max_num_seqs: int) -> int:
+                            max_model_len: int, max_num_seqs: int, tokens_per_block: int | None = None) -> int:
     """Blocks from num_kv_blocks, else kv_cache_memory, else a share of available memory.
 
-    The default never exceeds what max_num_seqs full-length sequences can use.
+    The default never exceeds what max_num_seqs full-length sequences can use. A block id covers
+    `tokens_per_block` positions (default block_size; more when decode context parallel splits them over ranks).
 
     Raises ValueError when the cache cannot hold one max_model_len sequence (naming both numbers).
     """
-    block_size = cache_config.block_size
+    block_size = tokens_per_block or cache_config.block_size
     if cache_config.num_kv_blocks is not None:
         num_blocks = cache_config.num_kv_blocks
         source = f"num_kv_blocks={num_blocks}"

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.decode_context_parallel import build_decode_context_parallel
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -47,7 +48,9 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.device = device
-        self.block_size = config.cache_config.block_size
+        # Positions per block id (the block table's unit); a page holds cache_config.block_size of them on this rank.
+        self.block_size = config.tokens_per_block
+        self.context_parallel = build_decode_context_parallel(config)
         self.vocab_size = config.model_config.vocab_size
         self.input_batch = InputBatch(
             max_num_requests=config.scheduler_config.max_num_seqs,
@@ -313,8 +316,12 @@ class ModelRunner:
             num_decodes = int(np.count_nonzero(step.num_scheduled == 1))
             if num_decodes and not np.all(step.num_scheduled[:num_decodes] == 1):
                 num_decodes = 0
-        slot_mapping = block_table[token_requests, positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
+        block_ids = block_table[token_requests, positions // block_size]
+        context_parallel = None
+        if self.context_parallel is None:
+            slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
+        else:
+            slot_mapping, context_parallel = self.context_parallel.local_slots(block_ids, positions, self.device)
         num_tokens = len(positions)
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
@@ -328,7 +335,8 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             query_start_loc_cpu=step.query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
-            block_size=block_size,
+            block_size=self.config.cache_config.block_size,
+            context_parallel=context_parallel,
         )
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:

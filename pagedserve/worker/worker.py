@@ -83,7 +83,7 @@ class Worker:
         num_blocks = determine_num_kv_blocks(cache_config, bytes_per_block,
                                              self.platform.available_memory_bytes(),
                                              model_config.max_model_len,
-                                             config.scheduler_config.max_num_seqs)
+                                             config.scheduler_config.max_num_seqs, config.tokens_per_block)
         if self.world_size > 1:
             # Ranks see different free memory: all of them use the smallest count.
             num_blocks = agree_on_min(num_blocks, self.device)
@@ -93,10 +93,12 @@ class Worker:
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
-        logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB), max %d concurrent tokens",
+        dcp = config.parallel_config.decode_context_parallel_size
+        logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB)%s, max %d concurrent tokens",
                     cache_config.kv_cache_dtype, num_blocks, cache_config.block_size,
                     num_blocks * bytes_per_block / 2**20,
-                    (num_blocks - 1) * cache_config.block_size)
+                    f" on each of {dcp} decode-context-parallel ranks, which split the positions" if dcp > 1 else "",
+                    (num_blocks - 1) * config.tokens_per_block)
         self.platform.prepare_for_serving()
 
     def _profile_chunk_latencies(self, model: torch.nn.Module,

@@ -1,0 +1,233 @@
+"""Decode context parallel (DCP): the KV history of every request split over a group of TP ranks.
+
+vLLM's `decode_context_parallel_size`. The group is `size` consecutive TP ranks that hold the same KV heads
+(replicas, QKVParallelLinear) or the same MLA latent; instead of each storing every position, group rank r stores
+the positions p with p % size == r. A block id then stands for `size * block_size` positions of a request: each
+rank's page of that id holds `block_size` of them, position p at page offset (p % (size * block_size)) // size.
+The scheduler's KV cache manager counts blocks of `size * block_size` tokens (EngineConfig.tokens_per_block), so
+the same memory per rank holds `size` times the tokens.
+
+Attention per step, for every new query token (prefill, chunk or decode alike):
+1. each rank writes only the new tokens it owns;
+2. the query heads of the group are all-gathered (each rank attends every head of the group over its own
+   positions; MLA gathers the W_UK-absorbed queries, since a rank holds W_UK / W_UV of its own heads only);
+3. each rank computes a partial attention over its positions that the query may see (causal, sliding window)
+   with its log-sum-exp, `partial_attention`;
+4. the partials are all-gathered and merged by log-sum-exp (`merge_partial_attention`): exactly the softmax over
+   the union of the positions; each rank keeps its own heads.
+Plain PyTorch throughout: the reference form, and the one path (the native decode stack runs one rank only).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.attention.mla_paged import gather_latent, write_latent_to_cache
+from pagedserve.attention.torch_paged import gather_context, write_to_kv_cache
+from pagedserve.distributed.parallel_state import GroupCoordinator
+
+
+@dataclass
+class ContextParallelStep:
+    """One step's view of the group: which of the step's tokens this rank stores."""
+
+    group: GroupCoordinator
+    # [num_local_tokens] int64: indices into the step's tokens of those whose position this rank owns; the
+    # metadata's slot_mapping holds their slots, in the same order.
+    local_token_indices: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        return self.group.world_size
+
+    def num_local_positions(self, seq_len: int) -> int:
+        """Positions in [0, seq_len) this rank stores: rank, rank + size, ..."""
+        return max(0, -(-(seq_len - self.rank) // self.size))
+
+    def local_key_positions(self, num_local: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(num_local, device=device) * self.size + self.rank
+
+
+class DecodeContextParallel:
+    """The model runner's side: this rank's place in the group and the step's local slots."""
+
+    def __init__(self, group: GroupCoordinator, page_block_size: int) -> None:
+        self.group = group
+        self.page_block_size = page_block_size
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Positions one block id covers over the group."""
+        return self.group.world_size * self.page_block_size
+
+    def local_slots(self, block_ids: np.ndarray, positions: np.ndarray,
+                    device: torch.device) -> tuple[np.ndarray, ContextParallelStep]:
+        """Slots (in this rank's pages) of the step tokens this rank owns, and the step's view.
+
+        `block_ids[t]` is token t's block id (for blocks of `tokens_per_block` positions), `positions[t]` its
+        position."""
+        size, rank = self.group.world_size, self.group.rank
+        is_local = positions % size == rank
+        local_positions = positions[is_local]
+        slots = block_ids[is_local].astype(np.int64) * self.page_block_size \
+            + (local_positions % self.tokens_per_block) // size
+        indices = torch.from_numpy(np.flatnonzero(is_local)).to(device)
+        return slots, ContextParallelStep(self.group, indices)
+
+
+def build_decode_context_parallel(engine_config: Any) -> DecodeContextParallel | None:
+    """This rank's DCP view for the model runner, or None when decode_context_parallel_size is 1."""
+    if engine_config.parallel_config.decode_context_parallel_size == 1:
+        return None
+    from pagedserve.distributed.parallel_state import get_dcp_group
+
+    return DecodeContextParallel(get_dcp_group(), engine_config.cache_config.block_size)
+
+
+def partial_attention(
+    query: torch.Tensor,  # [q_len, H, D]
+    key: torch.Tensor,  # [H_kv, L, D]
+    value: torch.Tensor,  # [H_kv, L, Dv]
+    query_positions: torch.Tensor,  # [q_len]
+    key_positions: torch.Tensor,  # [L]
+    scale: float,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [q_len, H, Dv], [q_len, H]
+    """Softmax attention of each query over the keys it may see (key position <= query position, and within the
+    sliding window), normalised over those keys, with the log-sum-exp of its scores: -inf (and a zero output)
+    for a query that sees none of them. Query head h reads KV head h // (H / H_kv)."""
+    q_len, num_heads, dim = query.shape
+    num_kv_heads = key.shape[0]
+    queries = query.reshape(q_len, num_kv_heads, num_heads // num_kv_heads, dim).permute(1, 2, 0, 3)
+    scores = torch.matmul(queries, key.to(query.dtype).transpose(-1, -2).unsqueeze(1)) * scale  # [H_kv, G, q, L]
+    hidden = key_positions[None, :] > query_positions[:, None]
+    if sliding_window is not None:
+        hidden |= key_positions[None, :] <= query_positions[:, None] - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H_kv, G, q]
+    # A fully hidden row: -inf - -inf is NaN; its weight is zero.
+    probabilities = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    out = torch.matmul(probabilities, value.to(query.dtype).unsqueeze(1))  # [H_kv, G, q, Dv]
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, -1), lse.permute(2, 0, 1).reshape(q_len, num_heads)
+
+
+def merge_partial_attention(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """outputs [R, n, H, D] and lses [R, n, H] of attention over R disjoint key sets -> attention over their
+    union [n, H, D]: partial r weighs exp(lse_r - max lse). A row no partial saw stays zero."""
+    max_lse = lses.max(dim=0).values
+    weights = torch.exp(lses - max_lse.unsqueeze(0)).nan_to_num_(0.0)
+    total = weights.sum(dim=0)
+    merged = (weights.unsqueeze(-1) * outputs).sum(dim=0)
+    return merged / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
+
+
+def _step_of(metadata: AttentionMetadata) -> ContextParallelStep:
+    step = metadata.context_parallel
+    if step is None:
+        raise RuntimeError("the decode_context_parallel attention path needs the step's context-parallel view "
+                           "(the model runner sets it when decode_context_parallel_size > 1)")
+    return step
+
+
+def _merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Tensor,
+                      num_heads: int) -> torch.Tensor:
+    """The group's partials merged, this rank's `num_heads` heads of them."""
+    outputs = step.group.all_gather(out.unsqueeze(0), dim=0)
+    lses = step.group.all_gather(lse.unsqueeze(0), dim=0)
+    merged = merge_partial_attention(outputs, lses)
+    return merged[:, step.rank * num_heads:(step.rank + 1) * num_heads]
+
+
+def _local_partials(
+    queries: torch.Tensor,  # [n, H_group, D]
+    metadata: AttentionMetadata,
+    step: ContextParallelStep,
+    value_dim: int,
+    # (request index, num local positions) -> (key [H_kv, L, D], value [H_kv, L, Dv])
+    read_context: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, _ = queries.shape
+    out = queries.new_zeros(num_tokens, num_heads, value_dim)
+    lse = queries.new_full((num_tokens, num_heads), float("-inf"))
+    starts = metadata.query_start_loc_cpu
+    for index, seq_len in enumerate(metadata.seq_lens_cpu):
+        start, end = starts[index], starts[index + 1]
+        num_local = step.num_local_positions(seq_len)
+        if end == start or num_local == 0:
+            continue
+        key, value = read_context(index, num_local)
+        query_positions = torch.arange(seq_len - (end - start), seq_len, device=queries.device)
+        out[start:end], lse[start:end] = partial_attention(
+            queries[start:end], key, value, query_positions,
+            step.local_key_positions(num_local, queries.device), scale, sliding_window)
+    return out, lse
+
+
+class DecodeContextParallelBackend(AttentionBackend):
+    """Dense (MHA / GQA) attention with the KV positions split over the DCP group."""
+
+    name = "decode_context_parallel"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        step = _step_of(metadata)
+        num_tokens = metadata.num_actual_tokens
+        local = step.local_token_indices
+        write_to_kv_cache(key[local], value[local], kv_cache, metadata.slot_mapping)
+        queries = step.group.all_gather(query[:num_tokens], dim=1)
+
+        def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return gather_context(kv_cache, metadata.block_table[index], num_local)
+
+        out, lse = _local_partials(queries, metadata, step, query.shape[2], read_context, scale, sliding_window)
+        output = torch.zeros_like(query)
+        output[:num_tokens] = _merge_over_group(step, out, lse, query.shape[1])
+        return output
+
+
+def mla_context_parallel_attention(
+    q_nope: torch.Tensor,  # [n, H, nope]
+    q_pe: torch.Tensor,  # [n, H, rope], rotated
+    latent: torch.Tensor,  # [n, R + rope]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_b_weight: torch.Tensor,  # this rank's heads: [H * (nope + v), R]
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [n, H, v]
+    """MLA with the latent positions split over the DCP group, in the absorbed form for every token."""
+    step = _step_of(metadata)
+    num_tokens = metadata.num_actual_tokens
+    write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
+                          kv_lora_rank)
+    num_heads, nope = q_nope.shape[1:]
+    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
+    query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
+    queries = step.group.all_gather(query, dim=1)  # [n, H_group, R + rope]
+
+    def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = gather_latent(kv_cache, metadata.block_table[index], num_local, kv_lora_rank).to(query.dtype)
+        return rows.unsqueeze(0), rows[None, :, :kv_lora_rank]
+
+    out, lse = _local_partials(queries, metadata, step, kv_lora_rank, read_context, scale, None)
+    out_latent = _merge_over_group(step, out, lse, num_heads)  # [n, H, R]
+    output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
+    output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
+    return output
+
+
+__all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "build_decode_context_parallel",
+           "merge_partial_attention", "mla_context_parallel_attention", "partial_attention"]
