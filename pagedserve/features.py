@@ -126,6 +126,16 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/distributed/test_pipeline_parallel.py",),
     ),
     Feature(
+        line="model", family="parallel", feature="decode context parallel: each request's KV positions split "
+                                                 "over consecutive TP ranks, partial attention merged by "
+                                                 "log-sum-exp (dense/GQA and MLA)",
+        modules=("pagedserve.attention.decode_context_parallel",),
+        knobs=("decode_context_parallel_size",),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/attention/test_decode_context_parallel.py",
+               "tests/distributed/test_decode_context_parallel_engine.py"),
+    ),
+    Feature(
         line="model", family="parallel", feature="fine-grained TP: LM head, word embedding, o_proj degrees",
         modules=("pagedserve.layers.output_projection", "pagedserve.layers.embedding"),
         knobs=("lmhead_tensor_parallel_size", "embedding_tensor_parallel_size", "oproj_tensor_parallel_size"),
