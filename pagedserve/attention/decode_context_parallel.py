@@ -31,6 +31,8 @@ from pagedserve.attention.mla_paged import gather_latent, write_latent_to_cache
 from pagedserve.attention.torch_paged import gather_context, write_to_kv_cache
 from pagedserve.distributed.parallel_state import GroupCoordinator
 
+SCORE_CHUNK_BYTES = 64 << 20
+
 
 @dataclass
 class ContextParallelStep:
@@ -167,10 +169,17 @@ def _local_partials(
         if end == start or num_local == 0:
             continue
         key, value = read_context(index, num_local)
-        query_positions = torch.arange(seq_len - (end - start), seq_len, device=queries.device)
-        out[start:end], lse[start:end] = partial_attention(
-            queries[start:end], key, value, query_positions,
-            step.local_key_positions(num_local, queries.device), scale, sliding_window)
+        key_positions = step.local_key_positions(num_local, queries.device)
+        first_position = seq_len - (end - start)
+        # Query rows in groups whose float32 scores [H, rows, L] stay under SCORE_CHUNK_BYTES (a long prompt's
+        # chunk against a long context would otherwise need gigabytes at once).
+        rows = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * num_local))
+        for first in range(start, end, rows):
+            last = min(first + rows, end)
+            query_positions = torch.arange(first_position + first - start, first_position + last - start,
+                                           device=queries.device)
+            out[first:last], lse[first:last] = partial_attention(
+                queries[first:last], key, value, query_positions, key_positions, scale, sliding_window)
     return out, lse
 
 

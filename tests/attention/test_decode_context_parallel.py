@@ -86,3 +86,38 @@ def test_each_rank_reads_back_its_positions_in_order(num_ranks: int) -> None:
                                                                                               num_ranks))
         stored += num_local
     assert stored == seq_len
+
+
+@pytest.mark.parametrize("score_chunk_bytes", [64 << 20, 2048])
+def test_backend_on_a_group_of_one_equals_the_reference_backend(monkeypatch, score_chunk_bytes: int) -> None:
+    """The backend's whole path (local writes, partials per request in query-row groups, merge) on a one-rank
+    group equals torch_paged's reference for a decode, a prefill chunk behind a cached prefix and a fresh prefill;
+    a tiny score budget forces one query row per group."""
+    from paged_inputs import build_attention_metadata
+
+    from pagedserve.attention import decode_context_parallel
+    from pagedserve.attention.decode_context_parallel import DecodeContextParallelBackend
+    from pagedserve.attention.torch_paged import reference_paged_attention
+
+    monkeypatch.setattr(decode_context_parallel, "SCORE_CHUNK_BYTES", score_chunk_bytes)
+    generator = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, dim = 4, 4, 2, 8
+    block_tables = [[3, 1], [2, 5, 6], [4, 7]]
+    num_new, num_computed = [1, 5, 6], [5, 4, 0]
+    metadata, positions = build_attention_metadata(num_new, num_computed, block_tables, block_size)
+    num_tokens = sum(num_new)
+    query = torch.randn(num_tokens, num_heads, dim, generator=generator)
+    key = torch.randn(num_tokens, num_kv_heads, dim, generator=generator)
+    value = torch.randn(num_tokens, num_kv_heads, dim, generator=generator)
+    prefix = torch.randn(2, 8, block_size, num_kv_heads, dim, generator=generator)
+    expected_cache, actual_cache = prefix.clone(), prefix.clone()
+    expected = reference_paged_attention(query, key, value, expected_cache, metadata, 0.4, None)
+    group = GroupCoordinator(name="dcp", rank=0, world_size=1, ranks=[0])
+    dcp = DecodeContextParallel(group, block_size)
+    block_ids = np.array([block_tables[r][p // block_size] for r, count in enumerate(num_new)
+                          for p in range(num_computed[r], num_computed[r] + count)])
+    slots, metadata.context_parallel = dcp.local_slots(block_ids, positions.numpy(), torch.device("cpu"))
+    metadata.slot_mapping = torch.from_numpy(slots)
+    actual = DecodeContextParallelBackend().forward(query, key, value, actual_cache, metadata, 0.4, None)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual_cache, expected_cache)
