@@ -136,6 +136,14 @@ FEATURES: tuple[Feature, ...] = (
                "tests/distributed/test_decode_context_parallel_engine.py"),
     ),
     Feature(
+        line="model", family="parallel", feature="sequence parallel for TP (Llama form): residual stream split by "
+                                                 "tokens, reduce-scatter / all-gather instead of all-reduce",
+        modules=("pagedserve.distributed.sequence_parallel",),
+        knobs=("enable_sequence_parallel",),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_sequence_parallel.py",),
+    ),
+    Feature(
         line="model", family="parallel", feature="fine-grained TP: LM head, word embedding, o_proj degrees",
         modules=("pagedserve.layers.output_projection", "pagedserve.layers.embedding"),
         knobs=("lmhead_tensor_parallel_size", "embedding_tensor_parallel_size", "oproj_tensor_parallel_size"),

@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--oproj-tensor-parallel-size", type=int, default=0,
                           help="attention o_proj TP degree, dividing --tensor-parallel-size (0: same)")
     parallel.add_argument("--enable-reduce-sample", action=argparse.BooleanOptionalAction, default=False)
+    parallel.add_argument("--enable-sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+                          help="split the residual stream by tokens over the TP ranks (reduce-scatter / all-gather "
+                               "instead of all-reduce around the norms)")
     parallel.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
                           help="split each request's KV history over this many consecutive TP ranks (divides "
                                "--tensor-parallel-size; attention merged by log-sum-exp)")
@@ -121,7 +124,7 @@ def parallel_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]
     names = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
              "distributed_executor_backend", "lmhead_tensor_parallel_size", "embedding_tensor_parallel_size",
              "oproj_tensor_parallel_size", "enable_reduce_sample", "enable_balance_scheduling", "dyntra_lb_config",
-             "decode_context_parallel_size")
+             "decode_context_parallel_size", "enable_sequence_parallel")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -86,6 +86,7 @@ class EngineConfig:
         oproj_tensor_parallel_size: int = 0,
         enable_reduce_sample: bool = False,
         decode_context_parallel_size: int = 1,
+        enable_sequence_parallel: bool = False,
         enable_balance_scheduling: bool = False,
         dyntra_lb_config: DyntraLBConfig | dict[str, Any] | str | None = None,
         eplb_config: EplbConfig | dict[str, Any] | str | None = None,
@@ -118,6 +119,7 @@ class EngineConfig:
             oproj_tensor_parallel_size=oproj_tensor_parallel_size,
             enable_reduce_sample=enable_reduce_sample,
             decode_context_parallel_size=decode_context_parallel_size,
+            enable_sequence_parallel=enable_sequence_parallel,
             enable_balance_scheduling=enable_balance_scheduling,
             dyntra_lb_config=DyntraLBConfig.parse(dyntra_lb_config),
         )
@@ -209,6 +211,7 @@ class EngineConfig:
         if batch_invariant is False and batch_invariant_from_env():  # vLLM's VLLM_BATCH_INVARIANT=1
             batch_invariant = True
         attention_backend = parallel_config.attention_backend_for(attention_backend, batch_invariant)
+        parallel_config.check_sequence_parallel(compilation.is_compiled, speculative.reads_target_layers)
         check_batch_invariant_options(batch_invariant, attention_backend, compilation.mode)
         if batch_invariant:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form

@@ -83,6 +83,9 @@ class ParallelConfig:
     # Decode context parallel (vLLM's knob): each group of this many consecutive TP ranks splits every
     # request's KV history (position p lives on the group's rank p % size); attention merges by log-sum-exp.
     decode_context_parallel_size: int = 1
+    # Sequence parallel for TP: the residual stream split by tokens over the TP ranks, reduce-scatter / all-gather
+    # instead of all-reduce around the norms (distributed/sequence_parallel.py).
+    enable_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -90,7 +93,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        for name in ("enable_expert_parallel", "enable_reduce_sample", "enable_balance_scheduling"):
+        for name in ("enable_expert_parallel", "enable_reduce_sample", "enable_balance_scheduling",
+                     "enable_sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         tp = self.tensor_parallel_size
@@ -108,6 +112,15 @@ class ParallelConfig:
             allowed = [d for d in range(1, tp + 1) if tp % d == 0]
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (the "
                              f"context-parallel groups are carved from the TP group); allowed: {allowed}")
+        if self.enable_sequence_parallel and tp == 1:
+            raise ValueError("enable_sequence_parallel=True splits tokens over the TP ranks, but "
+                             "tensor_parallel_size=1; set tensor_parallel_size >= 2 or turn it off")
+        if self.enable_sequence_parallel and self.pipeline_parallel_size > 1:
+            raise ValueError(f"enable_sequence_parallel=True is not supported with pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} (the stages would pass token shards); use one of them")
+        if self.enable_sequence_parallel and self.oproj_degree != tp:
+            raise ValueError(f"enable_sequence_parallel=True needs o_proj summed over the whole TP group, but "
+                             f"oproj_tensor_parallel_size={self.oproj_tensor_parallel_size}; leave it at 0")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={backend!r} must be one of {EXECUTOR_BACKENDS}")
@@ -163,6 +176,17 @@ class ParallelConfig:
     @property
     def oproj_degree(self) -> int:
         return self.oproj_tensor_parallel_size or self.tensor_parallel_size
+
+    def check_sequence_parallel(self, is_compiled: bool, reads_target_layers: bool) -> None:
+        """SP's module hooks against the modes that trace or read the modules (called by EngineConfig.create)."""
+        if not self.enable_sequence_parallel:
+            return
+        if is_compiled:
+            raise ValueError("enable_sequence_parallel=True runs eagerly (its token shards move in module hooks); "
+                             "set enforce_eager=True or leave compilation_config's mode unset")
+        if reads_target_layers:
+            raise ValueError("enable_sequence_parallel=True splits the hidden states by tokens, but the speculative "
+                             "method reads the target's layers; turn one of them off")
 
     def attention_backend_for(self, requested: str | None, batch_invariant: bool) -> str | None:
         """The attention backend the engine runs: `requested` (None: the platform's), or decode_context_parallel
@@ -221,6 +245,13 @@ class ParallelConfig:
             if degree > vocab_size:
                 raise ValueError(f"{name}={degree} exceeds the model's vocab_size={vocab_size}")
         self._validate_decode_context_parallel(hf_config, num_kv_heads)
+        if self.enable_sequence_parallel:
+            from pagedserve.distributed.sequence_parallel import SEQUENCE_PARALLEL_ARCHITECTURES
+
+            architectures = list(getattr(hf_config, "architectures", None) or [])
+            if not set(architectures) & set(SEQUENCE_PARALLEL_ARCHITECTURES):
+                raise ValueError(f"enable_sequence_parallel=True supports {list(SEQUENCE_PARALLEL_ARCHITECTURES)}; "
+                                 f"the model is {architectures}")
         num_layers = int(hf_config.num_hidden_layers)
         if pp > num_layers:
             raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's num_hidden_layers={num_layers}")

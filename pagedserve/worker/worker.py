@@ -71,6 +71,11 @@ class Worker:
             # Speculative decoding's drafter model, when its method runs one (else None).
             draft_model = load_draft_model(config, self.device, read_slices=self.world_size > 1,
                                            weight_layout=weight_layout, target=model)
+        if config.parallel_config.enable_sequence_parallel:
+            from pagedserve.distributed.parallel_state import get_tp_group
+            from pagedserve.distributed.sequence_parallel import apply_sequence_parallel
+
+            apply_sequence_parallel(model, get_tp_group())
         if config.load_config.huge_page_weights:
             self.platform.place_weights(model)
         # EPLB: the periodic rebalance driver (None when disabled); it runs after each executed step.

@@ -1,0 +1,64 @@
+"""Sequence parallel over two gloo ranks: float32 greedy tokens equal to SP off (and to one process) for the Llama
+form, with chunked prefill and prompts whose token counts are odd (padded shards); token shards round-trip in one
+process; unsupported combinations fail at start naming the knob."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config.engine import EngineConfig
+from pagedserve.distributed.parallel_state import GroupCoordinator
+from pagedserve.distributed.sequence_parallel import TokenShards
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+ENGINE = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=31, max_num_seqs=4,
+              enable_prefix_caching=False)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(8, 600) for _ in range(n)] for n in (5, 40, 23)]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_sequence_parallel_equals_tp_without_it_and_one_process(tiny_model_dir, kind: str) -> None:
+    folder = tiny_model_dir(kind)
+    single = _generate(LLM(folder, **ENGINE))
+    results = {}
+    for enabled in (False, True):
+        llm = LLM(folder, tensor_parallel_size=2, enable_sequence_parallel=enabled, **ENGINE)
+        try:
+            results[enabled] = _generate(llm)
+        finally:
+            llm.llm_engine.shutdown()
+    assert results[True] == results[False]
+    assert results[True] == single
+
+
+def test_token_shards_on_one_rank_round_trip() -> None:
+    shards = TokenShards(GroupCoordinator(name="tp"))
+    rows = torch.randn(7, 3)
+    assert torch.equal(shards.scatter(rows), rows)
+    assert torch.equal(shards.reduce_scatter(rows), rows)
+    assert torch.equal(shards.gather(rows), rows)
+
+
+@pytest.mark.parametrize("kind, kwargs, message", [
+    ("llama", dict(enable_sequence_parallel=True), "tensor_parallel_size=1"),
+    ("qwen3-moe", dict(tensor_parallel_size=2, enable_sequence_parallel=True), "enable_sequence_parallel=True supports"),
+    ("llama", dict(tensor_parallel_size=2, enable_sequence_parallel=True, enforce_eager=False,
+                   compilation_config={"mode": "compile"}), "runs eagerly"),
+    ("llama", dict(tensor_parallel_size=2, enable_sequence_parallel=True, oproj_tensor_parallel_size=1),
+     "oproj_tensor_parallel_size=1"),
+])
+def test_unsupported_combinations_fail_at_start(tiny_model_dir, kind: str, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(tiny_model_dir(kind), **kwargs)
