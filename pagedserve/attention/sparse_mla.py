@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention import sparse_int8_cache
+from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.mla_paged import attend_expanded_requests, attend_latent_rows, write_latent_to_cache
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import get_forward_context
-from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
-from pagedserve.attention.sparse_int8_cache import SparseMLAKVCacheSpec
 from pagedserve.attention.kv_page_layout import kv_cache_component
 from pagedserve.attention.lightning_indexer import (
     INDEX_KEY_COMPONENT,
@@ -30,6 +29,7 @@ from pagedserve.attention.lightning_indexer import (
     write_index_keys,
 )
 from pagedserve.attention.mla_paged import attend_expanded
+from pagedserve.attention.sparse_int8_cache import SparseMLAKVCacheSpec
 from pagedserve.attention.sparse_mla import selection_mask, sparse_mla_attention
 from pagedserve.layers.lightning_indexer import IndexerProjections
 from pagedserve.layers.mla_attention import MLAAttention
