@@ -62,7 +62,8 @@ FEATURES: tuple[Feature, ...] = (
                                                          "components (dtype, planes, per-token shape) at byte "
                                                          "offsets of one page; typed views over one byte buffer "
                                                          "per layer, one block-id pool for every component "
-                                                         "(int8 data + scales; MLA latent + DSA indexer keys)",
+                                                         "(int8 data + scales; MLA latent + DSA indexer keys; "
+                                                         "the DSA C8 page)",
         modules=("pagedserve.attention.kv_page_layout", "pagedserve.attention.kv_cache_spec",
                  "pagedserve.worker.kv_cache_allocation"),
         knobs=(),
@@ -255,13 +256,30 @@ FEATURES: tuple[Feature, ...] = (
                                                          "(ReLU(q.k) weighted over index heads, top index_topk per "
                                                          "query) with its keys in the latent's pages, MLA over the "
                                                          "selected tokens only, GLM-5 'shared' indexer layers; "
-                                                         "plain PyTorch (float caches)",
+                                                         "plain PyTorch (float or C8 int8 caches)",
         modules=("pagedserve.models.deepseek_v32", "pagedserve.models.glm_moe_dsa",
                  "pagedserve.layers.lightning_indexer", "pagedserve.layers.sparse_mla_attention",
                  "pagedserve.attention.lightning_indexer", "pagedserve.attention.sparse_mla"),
         knobs=(),
         docs="docs/params-04-kv-and-sparsity.md",
         tests=("tests/models/test_deepseek_sparse_attention.py", "tests/attention/test_lightning_indexer.py"),
+    ),
+    Feature(
+        line="model", family="sparse attention", feature="C8 int8 caches for DeepSeek sparse attention "
+                                                         "(kv_cache_dtype='int8' on DeepSeek-V3.2 / GLM-5): latent "
+                                                         "as int8 with float32 per-128-channel scales + bf16 rope, "
+                                                         "indexer keys Hadamard-rotated int8 with per-token scales, "
+                                                         "one page per block id; the indexer scores int8 keys in "
+                                                         "place, sparse MLA dequantizes only the rows it gathers "
+                                                         "(788 vs 1408 bytes a token at V3.2 dims)",
+        modules=("pagedserve.attention.sparse_int8_cache", "pagedserve.attention.hadamard_rotation",
+                 "pagedserve.attention.lightning_indexer", "pagedserve.attention.sparse_mla"),
+        knobs=("kv_cache_dtype",),
+        docs="docs/params-04-kv-and-sparsity.md",
+        tests=("tests/attention/test_sparse_int8_cache.py",
+               "tests/models/test_deepseek_sparse_attention.py::test_c8_greedy_stays_the_float_models_top_choice",
+               "tests/models/test_deepseek_sparse_attention.py::"
+               "test_c8_fits_a_max_model_len_in_80_percent_of_the_float_cache"),
     ),
     Feature(
         line="model", family="parallel", feature="expert parallel: experts over the EP group, all_to_all "

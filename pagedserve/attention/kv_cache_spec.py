@@ -16,8 +16,9 @@ tensor above; a page with extra components is interleaved (everything one block 
 
 With kv_cache_dtype="int8" a layer whose spec says `supports_int8` gets byte pages instead
 (attention/kv_quantization.py): dense K/V (leading (2,), per token (num_kv_heads, head_dim)) as int8 K/V plus their
-float32 scales; MLA (`latent_rank` > 0) as int8 latent rows plus a scale for c and one for k_pe. Other kinds (the
-block drafter's K/V) refuse it at start.
+float32 scales; MLA (`latent_rank` > 0) as int8 latent rows plus a scale for c and one for k_pe. DeepSeek sparse
+attention layers declare a SparseMLAKVCacheSpec (attention/sparse_int8_cache.py), whose int8 page is C8. Other
+kinds (the block drafter's K/V) refuse it at start.
 """
 from __future__ import annotations
 

@@ -13,6 +13,10 @@ Keys live in the layer's page beside its MLA latent (component INDEX_KEY_COMPONE
 one row of index_head_dim values per token, under the latent's block ids, so prefix caching, preemption and chunked
 prefill see the keys a first computation wrote.
 
+Under kv_cache_dtype="int8" (C8, attention/sparse_int8_cache.py) the keys are int8 with a float32 scale per token
+(`key_scale_cache`) and the queries come int8 with their scales folded into the weights; the score is computed on
+the int8 values in place and the key scale multiplies it: s_q s_k ReLU(q~ . k~) = ReLU((s_q q~) . (s_k k~)).
+
 A step's selection is one int64 tensor [num_tokens, width] of token positions within each token's request, width =
 min(top_k, the step's longest context); unused entries are -1.
 """
@@ -42,11 +46,15 @@ def write_index_keys(keys: torch.Tensor, key_cache: torch.Tensor, slot_mapping: 
     key_cache.index_put_((slots // block_size, slots % block_size), keys.to(key_cache.dtype))
 
 
-def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """I[t, s] for query [..., T, H, D], weights [..., T, H] and keys [..., S, D]: [..., T, S], in float32."""
+def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float,
+                 key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """I[t, s] for query [..., T, H, D], weights [..., T, H] and keys [..., S, D]: [..., T, S], in float32.
+    `key_scales` [..., S]: int8 keys' scales, multiplied into each key's score."""
+    # int8 values multiply exactly in float32 (|q~ . k~| <= 127^2 * D stays below 2^24 for D <= 1040).
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2).unsqueeze(-3)) * softmax_scale
     scores = torch.relu(scores)  # [..., T, H, S]
-    return torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
+    scores = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)
+    return scores if key_scales is None else scores * key_scales.unsqueeze(-2)
 
 
 def top_k_positions(scores: torch.Tensor, visible: torch.Tensor, top_k: int, width: int) -> torch.Tensor:
@@ -63,11 +71,12 @@ def top_k_positions(scores: torch.Tensor, visible: torch.Tensor, top_k: int, wid
 
 
 def gather_index_keys(key_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One request's keys for positions [0, seq_len): [seq_len, index_head_dim] (block_ids: its block table row)."""
-    _, block_size, dim = key_cache.shape
+    """One request's keys for positions [0, seq_len): [seq_len, *per_token] (block_ids: its block table row; the
+    same for a key scale cache [num_blocks, block_size])."""
+    block_size = key_cache.shape[1]
     num_used = -(-seq_len // block_size)
     blocks = key_cache.index_select(0, block_ids[:num_used].to(torch.long))
-    return blocks.reshape(num_used * block_size, dim)[:seq_len]
+    return blocks.reshape(num_used * block_size, *key_cache.shape[2:])[:seq_len]
 
 
 def select_tokens(
@@ -77,9 +86,11 @@ def select_tokens(
     metadata: AttentionMetadata,
     top_k: int,
     softmax_scale: float,
+    key_scale_cache: torch.Tensor | None = None,  # [num_blocks, block_size] float32: int8 keys' scales (C8)
 ) -> torch.Tensor:  # [num_tokens, width] int64 positions, -1 padded
     """Each of the step's tokens' top-k positions (see the module docstring). The leading decodes are scored
-    together against their gathered keys; every other request on its own."""
+    together against their gathered keys; every other request on its own. With `key_scale_cache` the keys are
+    int8 and `query` / `weights` come from sparse_int8_cache.quantize_index_query."""
     num_tokens = metadata.num_actual_tokens
     seq_lens = metadata.seq_lens_cpu
     width = min(top_k, max(seq_lens)) if seq_lens else 0
@@ -93,11 +104,13 @@ def select_tokens(
         num_span_blocks = -(-max(lengths) // block_size)
         block_ids = metadata.block_table[:num_decodes, :num_span_blocks].to(torch.long).reshape(-1)
         keys = key_cache.index_select(0, block_ids).reshape(num_decodes, num_span_blocks * block_size, -1)
+        key_scales = (key_scale_cache.index_select(0, block_ids).reshape(num_decodes, -1)
+                      if key_scale_cache is not None else None)
         positions = torch.arange(keys.shape[1], device=query.device)[None, :]
         visible = positions < torch.tensor(lengths, device=query.device)[:, None]
         for first, last in _row_groups(num_decodes, query.shape[1], keys.shape[1]):
             scores = index_scores(query[first:last, None], weights[first:last, None], keys[first:last],
-                                  softmax_scale)[:, 0]
+                                  softmax_scale, key_scales[first:last] if key_scales is not None else None)[:, 0]
             selection[first:last] = top_k_positions(scores, visible[first:last], top_k, width)
     starts = metadata.query_start_loc_cpu
     for index in range(num_decodes, metadata.num_seqs):
@@ -106,11 +119,13 @@ def select_tokens(
             continue
         seq_len = seq_lens[index]
         keys = gather_index_keys(key_cache, metadata.block_table[index], seq_len)
+        key_scales = (gather_index_keys(key_scale_cache, metadata.block_table[index], seq_len)
+                      if key_scale_cache is not None else None)
         key_positions = torch.arange(seq_len, device=query.device)[None, :]
         first_position = seq_len - (end - start)
         for first, last in _row_groups(end - start, query.shape[1], seq_len):
             scores = index_scores(query[start + first:start + last], weights[start + first:start + last], keys,
-                                  softmax_scale)
+                                  softmax_scale, key_scales)
             query_positions = torch.arange(first_position + first, first_position + last, device=query.device)
             visible = key_positions <= query_positions[:, None]
             selection[start + first:start + last] = top_k_positions(scores, visible, top_k, width)

@@ -197,17 +197,21 @@ def attend_expanded_requests(
     scale: float,
     output: torch.Tensor,  # [n, H, v]: the requests' rows are written
     request_mask: Callable[[int, int, int], torch.Tensor] | None = None,
+    gather_context: Callable[[int, int], torch.Tensor] | None = None,
 ) -> None:
     """The requests after the leading decodes (prefills, chunks), each by expansion over its context: read from the
     cache, or this step's latents when they are the whole context (and the cache is not int8).
-    `request_mask(start, end, seq_len)` gives a request's additive [end - start, seq_len] mask (None: causal)."""
+    `request_mask(start, end, seq_len)` gives a request's additive [end - start, seq_len] mask (None: causal);
+    `gather_context(request, seq_len)` reads a request's context from a cache of another layout (always used)."""
     starts = metadata.query_start_loc_cpu
     for index in range(metadata.num_decodes, metadata.num_seqs):
         start, end = starts[index], starts[index + 1]
         if end == start:
             continue
         seq_len = metadata.seq_lens_cpu[index]
-        if end - start == seq_len and not is_int8_kv_cache(kv_cache):
+        if gather_context is not None:
+            context = gather_context(index, seq_len)
+        elif end - start == seq_len and not is_int8_kv_cache(kv_cache):
             context = latent[start:end]  # no cached prefix: this step's latents are the whole context
         else:
             context = gather_latent(kv_cache, metadata.block_table[index], seq_len, kv_lora_rank)

@@ -9,11 +9,16 @@ Same cache, same two forms as attention/mla_paged.py:
   selection becomes an additive mask (0 at the selected positions, -inf elsewhere; the selection is causal by
   construction).
 With every visible token selected (top_k >= context) both forms are exactly dense MLA.
+
+A C8 cache (kv_cache_dtype="int8", attention/sparse_int8_cache.py) takes the same two forms: the write quantizes,
+a decode dequantizes only the rows it selected, a prefill chunk only its request's context (always read back from
+the cache, so that a prefix-cache hit sees the values a first computation saw).
 """
 from __future__ import annotations
 
 import torch
 
+from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.mla_paged import attend_expanded_requests, attend_latent_rows, write_latent_to_cache
 
@@ -47,7 +52,11 @@ def attend_selected_decodes(
     is_selected = selection >= 0
     positions = selection.clamp(min=0)
     block_ids = block_table.to(torch.long).gather(1, positions // block_size)
-    rows = kv_cache[block_ids, positions % block_size].to(query.dtype)  # [B, width, R + rope]
+    if sparse_int8_cache.is_sparse_int8_cache(kv_cache):
+        rows = sparse_int8_cache.gather_latent_rows(kv_cache, block_ids, positions % block_size)
+    else:
+        rows = kv_cache[block_ids, positions % block_size]
+    rows = rows.to(query.dtype)  # [B, width, R + rope]
     return attend_latent_rows(query, rows, ~is_selected, kv_lora_rank, scale, w_uv)
 
 
@@ -65,7 +74,11 @@ def sparse_mla_attention(
 ) -> torch.Tensor:  # [n, H, v]
     """Write the new latents, then attend each token over its selected positions only."""
     num_tokens = metadata.num_actual_tokens
-    write_latent_to_cache(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens], kv_lora_rank)
+    is_int8 = sparse_int8_cache.is_sparse_int8_cache(kv_cache)
+    if is_int8:
+        sparse_int8_cache.write_latent(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens], kv_lora_rank)
+    else:
+        write_latent_to_cache(latent[:num_tokens], kv_cache, metadata.slot_mapping[:num_tokens], kv_lora_rank)
     output = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], v_head_dim)
     num_decodes = metadata.num_decodes
     if num_decodes:
@@ -74,7 +87,9 @@ def sparse_mla_attention(
             selection[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
     attend_expanded_requests(
         q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
-        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype))
+        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype),
+        gather_context=(lambda index, seq_len: sparse_int8_cache.gather_latent_context(
+            kv_cache, metadata.block_table[index], seq_len)) if is_int8 else None)
     return output
 
 

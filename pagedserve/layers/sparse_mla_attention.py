@@ -7,6 +7,9 @@ selects each token's top-k positions (attention/lightning_indexer.py) and keeps 
 layer without an indexer (GLM-5's "shared" layers) stores no keys and reuses the selection its `selection_source`
 (the previous full layer) made in the same forward. Attention itself is attention/sparse_mla.py's.
 
+Under kv_cache_dtype="int8" the pages are C8 (attention/sparse_int8_cache.py): the index keys are written
+Hadamard-rotated int8 with their scales, and the queries rotated and quantized the same way before scoring.
+
 Without metadata (profiling/dummy runs) the given tokens are one causal sequence and no cache is touched.
 """
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.attention import sparse_int8_cache
+from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
 from pagedserve.attention.kv_page_layout import kv_cache_component
@@ -24,6 +29,7 @@ from pagedserve.attention.lightning_indexer import (
     write_index_keys,
 )
 from pagedserve.attention.mla_paged import attend_expanded
+from pagedserve.attention.sparse_int8_cache import SparseMLAKVCacheSpec
 from pagedserve.attention.sparse_mla import selection_mask, sparse_mla_attention
 from pagedserve.layers.lightning_indexer import IndexerProjections
 from pagedserve.layers.mla_attention import MLAAttention
@@ -55,10 +61,12 @@ class SparseMLAAttention(MLAAttention):
         return self.index_head_dim is not None
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """The latent row per token, plus (with an indexer) the index key row in the same page."""
+        """The latent row per token, plus (with an indexer) the index key row in the same page; the C8 page under
+        kv_cache_dtype="int8"."""
         extra = (ExtraKVComponent(INDEX_KEY_COMPONENT, (self.index_head_dim,)),) if self.has_indexer else ()
-        return KVCacheSpec(per_token_shape=(self.kv_lora_rank + self.qk_rope_head_dim,), latent_rank=self.kv_lora_rank,
-                           extra_components=extra)
+        return SparseMLAKVCacheSpec(per_token_shape=(self.kv_lora_rank + self.qk_rope_head_dim,),
+                                    supports_int8=True, latent_rank=self.kv_lora_rank, extra_components=extra,
+                                    index_head_dim=self.index_head_dim)
 
     def _shared_selection(self, num_tokens: int) -> torch.Tensor:
         selection = self._selection_source[0].latest_selection
@@ -91,17 +99,28 @@ class SparseMLAAttention(MLAAttention):
             if self.kv_cache is None:
                 raise RuntimeError(f"{self.layer_name}: attention metadata is set but no kv_cache is bound")
             if index is not None:
-                key_cache = kv_cache_component(self.kv_cache, INDEX_KEY_COMPONENT)
-                num_actual = metadata.num_actual_tokens
-                write_index_keys(index.key[:num_actual], key_cache, metadata.slot_mapping[:num_actual])
-                selection = select_tokens(index.query, index.weights, key_cache, metadata, self.index_topk,
-                                          self.index_softmax_scale)
+                selection = self._select(index, metadata)
             else:
                 selection = self._shared_selection(num_tokens)
             self.latest_selection = selection
             output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
                                           self.kv_lora_rank, self.v_head_dim, self.scale)
         return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
+
+    def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:
+        """Write this step's index keys, then select every token's top-k positions."""
+        num_actual = metadata.num_actual_tokens
+        slots = metadata.slot_mapping[:num_actual]
+        if sparse_int8_cache.is_sparse_int8_cache(self.kv_cache):
+            sparse_int8_cache.write_index_keys(index.key[:num_actual], self.kv_cache, slots)
+            key_cache, key_scales = sparse_int8_cache.index_key_caches(self.kv_cache)
+            query, weights = sparse_int8_cache.quantize_index_query(index.query, index.weights)
+            return select_tokens(query, weights, key_cache, metadata, self.index_topk, self.index_softmax_scale,
+                                 key_scale_cache=key_scales)
+        key_cache = kv_cache_component(self.kv_cache, INDEX_KEY_COMPONENT)
+        write_index_keys(index.key[:num_actual], key_cache, slots)
+        return select_tokens(index.query, index.weights, key_cache, metadata, self.index_topk,
+                             self.index_softmax_scale)
 
     def extra_repr(self) -> str:
         source = "own indexer" if self.has_indexer else f"shares {self._selection_source[0].layer_name}"

@@ -10,8 +10,8 @@ are a second component of the layer's cache pages, under the latent's block ids.
 
 Differences from DeepSeek-V3 that matter: the main attention always rotates interleaved rope pairs; the indexer
 rotates its rope part as halves (DeepSeek-V3.2) or as interleaved pairs (GLM-5, `indexer_rope_interleave`); which
-MLPs are dense follows `mlp_layer_types`. The native decode stack declines these models (not plain Llama layers)
-and kv_cache_dtype="int8" is refused for them (their pages hold extra components).
+MLPs are dense follows `mlp_layer_types`. The native decode stack declines these models (not plain Llama layers).
+kv_cache_dtype="int8" gives them the C8 page (attention/sparse_int8_cache.py).
 """
 from __future__ import annotations
 

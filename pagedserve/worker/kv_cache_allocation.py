@@ -4,8 +4,8 @@ its spec's page layout: attention/kv_page_layout.py).
 kv_cache_dtype="auto" gives each layer one tensor of the model's dtype; "int8" gives each dense attention layer
 byte pages holding int8 K/V and their per-token-per-head scales (attention/kv_quantization.py), sized by those
 pages' bytes, so the same memory holds about twice the tokens of a bfloat16 cache (four times float32's, less
-the scales); MLA layers get int8 latent pages. Layers that cannot read such pages (the block drafter) are refused
-at start."""
+the scales); MLA layers get int8 latent pages, DeepSeek sparse attention layers the C8 page
+(attention/sparse_int8_cache.py). Layers that cannot read such pages (the block drafter) are refused at start."""
 from __future__ import annotations
 
 import torch

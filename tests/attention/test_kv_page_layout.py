@@ -1,7 +1,8 @@
 """Multi-component KV pages (attention/kv_page_layout.py): on random layouts, in both arrangements, the component
 views never overlap, a write through one component never changes another, block ids are isolated (within a buffer
 and between layers' buffers), and a page written through the views equals the torch.cat packing of its components.
-The existing specs (dense K/V, MLA latent, int8 pages) keep their shapes, sizes and memory order."""
+The same holds for the C8 pages of DeepSeek sparse attention (attention/sparse_int8_cache.py). The existing specs
+(dense K/V, MLA latent, int8 pages) keep their shapes, sizes and memory order."""
 from __future__ import annotations
 
 import random
@@ -16,6 +17,7 @@ from pagedserve.attention.kv_page_layout import (
     kv_cache_component,
 )
 from pagedserve.attention.kv_quantization import Int8KVPageLayout, Int8LatentPageLayout
+from pagedserve.attention.sparse_int8_cache import SparseInt8PageLayout
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float16, torch.uint8, torch.int32)
 
@@ -51,6 +53,10 @@ def _byte_addresses(view: torch.Tensor) -> torch.Tensor:
 
 
 CASES = [(seed, is_interleaved) for seed in range(12) for is_interleaved in (True, False)]
+# C8 pages: the tiny test models' (rank 16, rope 8, index keys 16), one with two latent tiles, one without an indexer.
+C8_LAYOUTS = [SparseInt8PageLayout(4, 16, 8, 16), SparseInt8PageLayout(3, 256, 64, 32),
+              SparseInt8PageLayout(4, 16, 8, None)]
+C8_CASES = [pytest.param(seed, layout.page_layout, id=f"c8-{seed}") for seed, layout in enumerate(C8_LAYOUTS)]
 
 
 def test_pack_aligns_each_component_and_the_page() -> None:
@@ -62,7 +68,15 @@ def test_pack_aligns_each_component_and_the_page() -> None:
 
 @pytest.mark.parametrize("seed,is_interleaved", CASES)
 def test_views_tile_the_pages_without_overlap(seed: int, is_interleaved: bool) -> None:
-    layout = _random_layout(random.Random(seed), is_interleaved)
+    _check_views_tile_the_pages_without_overlap(_random_layout(random.Random(seed), is_interleaved))
+
+
+@pytest.mark.parametrize("seed,layout", C8_CASES)
+def test_c8_views_tile_the_pages_without_overlap(seed: int, layout: KVPageLayout) -> None:
+    _check_views_tile_the_pages_without_overlap(layout)
+
+
+def _check_views_tile_the_pages_without_overlap(layout: KVPageLayout) -> None:
     num_blocks = 5
     buffer = torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8)
     views = layout.views(buffer)
@@ -81,7 +95,15 @@ def test_views_tile_the_pages_without_overlap(seed: int, is_interleaved: bool) -
 
 @pytest.mark.parametrize("seed,is_interleaved", CASES)
 def test_writes_stay_in_their_component_and_block(seed: int, is_interleaved: bool) -> None:
-    layout = _random_layout(random.Random(seed), is_interleaved)
+    _check_writes_stay_in_their_component_and_block(_random_layout(random.Random(seed), is_interleaved), seed)
+
+
+@pytest.mark.parametrize("seed,layout", C8_CASES)
+def test_c8_writes_stay_in_their_component_and_block(seed: int, layout: KVPageLayout) -> None:
+    _check_writes_stay_in_their_component_and_block(layout, seed)
+
+
+def _check_writes_stay_in_their_component_and_block(layout: KVPageLayout, seed: int) -> None:
     num_blocks = 4
     buffer = torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8)
     views = layout.views(buffer)
@@ -108,7 +130,15 @@ def test_writes_stay_in_their_component_and_block(seed: int, is_interleaved: boo
 
 @pytest.mark.parametrize("seed,is_interleaved", CASES)
 def test_page_round_trip_equals_cat_packing(seed: int, is_interleaved: bool) -> None:
-    layout = _random_layout(random.Random(seed), is_interleaved)
+    _check_page_round_trip_equals_cat_packing(_random_layout(random.Random(seed), is_interleaved), seed)
+
+
+@pytest.mark.parametrize("seed,layout", C8_CASES)
+def test_c8_page_round_trip_equals_cat_packing(seed: int, layout: KVPageLayout) -> None:
+    _check_page_round_trip_equals_cat_packing(layout, seed)
+
+
+def _check_page_round_trip_equals_cat_packing(layout: KVPageLayout, seed: int) -> None:
     num_blocks = 3
     buffer = torch.zeros(num_blocks, layout.page_bytes, dtype=torch.uint8)
     views = layout.views(buffer)
