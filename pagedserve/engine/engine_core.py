@@ -166,7 +166,9 @@ class EngineCore:
             logger.exception("model step failed; failing the %d requests of this batch",
                              len(step.scheduler_output.num_scheduled_tokens))
             return self._fail_batch(step.scheduler_output, step)
-        return self._update_from_output(step.scheduler_output, model_output)
+        outputs = self._update_from_output(step.scheduler_output, model_output)
+        self._notify_finished_if_idle()
+        return outputs
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

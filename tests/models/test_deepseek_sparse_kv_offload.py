@@ -129,6 +129,15 @@ def test_offload_with_preemption_frees_the_preempted_buffers(tiny_model_dir, tmp
     engine.shutdown()
 
 
+def test_offload_with_async_scheduling(tiny_model_dir, tmp_path) -> None:
+    folder = tiny_model_dir("deepseek-v32")
+    llm = _engine(folder, sparse_kv_offload=_offload(str(tmp_path)), async_scheduling=True)
+    check_outputs_equal(_resident_tokens(folder), _generate(llm))
+    _assert_tiers_empty(llm)
+    llm.llm_engine.shutdown()
+    assert _tier_files(str(tmp_path)) == []
+
+
 def test_abort_frees_both_tiers(tiny_model_dir, tmp_path) -> None:
     llm = _engine(tiny_model_dir("deepseek-v32"), sparse_kv_offload=_offload(str(tmp_path)))
     engine = llm.llm_engine
