@@ -138,6 +138,23 @@ def test_offload_with_async_scheduling(tiny_model_dir, tmp_path) -> None:
     assert _tier_files(str(tmp_path)) == []
 
 
+def test_latents_live_in_the_tier_and_only_index_keys_in_ram(tiny_model_dir, tmp_path) -> None:
+    from pagedserve.attention.kv_page_layout import kv_cache_components
+
+    llm = _engine(tiny_model_dir("glm-moe-dsa"), sparse_kv_offload=_offload(str(tmp_path)))
+    offload = llm.llm_engine.engine_core.executor.worker.kv_offload
+    tier_storage = offload.tier.layer_views[0].untyped_storage().data_ptr()
+    components = []
+    for layer, tier_rows in zip(offload.layers, offload.tier.layer_views):
+        assert layer.kv_cache is tier_rows and tier_rows.untyped_storage().data_ptr() == tier_storage
+        assert layer.decode_row_gather is not None
+        components.append({name: tuple(view.shape) for name, view in kv_cache_components(layer.kv_cache).items()
+                           if view is not tier_rows})
+    # GLM-5's full, shared, full layers: keys [blocks, block_size, index_head_dim] for the full ones only.
+    assert components == [{"index_key": (128, BLOCK_SIZE, 16)}, {}, {"index_key": (128, BLOCK_SIZE, 16)}]
+    llm.llm_engine.shutdown()
+
+
 def test_abort_frees_both_tiers(tiny_model_dir, tmp_path) -> None:
     llm = _engine(tiny_model_dir("deepseek-v32"), sparse_kv_offload=_offload(str(tmp_path)))
     engine = llm.llm_engine
