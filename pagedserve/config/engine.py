@@ -203,7 +203,8 @@ class EngineConfig:
                 architectures=list(getattr(hf_config, "architectures", None) or []), kv_cache_dtype=kv_cache_dtype,
                 device_type=platform.device_type, speculative_enabled=speculative.is_enabled,
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
-                pipeline_parallel_size=parallel_config.pipeline_parallel_size)
+                pipeline_parallel_size=parallel_config.pipeline_parallel_size,
+                distributed_executor_backend=parallel_config.distributed_executor_backend)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             device_type=platform.device_type)

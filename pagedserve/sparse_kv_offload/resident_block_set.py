@@ -90,12 +90,5 @@ class ResidentBlockSet:
             return None, False
         return self.slot_of_block.pop(oldest), True
 
-    def forget(self, block_ids: list[int]) -> None:
-        """Drop these blocks (their slots become free)."""
-        for block_id in block_ids:
-            slot = self.slot_of_block.pop(block_id, None)
-            if slot is not None:
-                self._free_slots.append(slot)
-
 
 __all__ = ["ResidencyPlan", "ResidencyRound", "ResidentBlockSet"]
