@@ -155,6 +155,18 @@ def test_latents_live_in_the_tier_and_only_index_keys_in_ram(tiny_model_dir, tmp
     llm.llm_engine.shutdown()
 
 
+def test_multiprocess_worker_offloads_reports_and_removes_its_tier_file(tiny_model_dir, tmp_path) -> None:
+    folder = tiny_model_dir("deepseek-v32")
+    llm = _engine(folder, sparse_kv_offload=_offload(str(tmp_path)), distributed_executor_backend="mp")
+    assert len(_tier_files(str(tmp_path))) == 1
+    check_outputs_equal(_resident_tokens(folder), _generate(llm))
+    stats = llm.llm_engine.engine_core.make_stats().sparse_kv_offload  # came back from the worker process
+    assert stats.num_blocks_moved_in == stats.num_block_misses > 0
+    _assert_tiers_empty(llm)
+    llm.llm_engine.shutdown()
+    assert _tier_files(str(tmp_path)) == []
+
+
 def test_abort_frees_both_tiers(tiny_model_dir, tmp_path) -> None:
     llm = _engine(tiny_model_dir("deepseek-v32"), sparse_kv_offload=_offload(str(tmp_path)))
     engine = llm.llm_engine
