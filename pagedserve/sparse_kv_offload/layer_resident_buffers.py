@@ -90,21 +90,20 @@ class LayerResidentBuffers:
             self.stats.num_blocks_evicted += plan.num_evictions
             self.stats.num_multi_round_gathers += len(plan.rounds) > 1
             offsets = positions % block_size
+            # Each unique block's round and slot in that round, then per selected entry.
+            round_and_slot = {block_id: (index, slot) for index, residency_round in enumerate(plan.rounds)
+                              for block_id, slot in residency_round.resident.items()}
+            block_rounds, block_slots = zip(*(round_and_slot[b] for b in unique_block_ids.tolist()))
+            slot_of_entry = torch.tensor(block_slots, dtype=torch.long)[block_of_entry]
             if len(plan.rounds) == 1:
                 self._load(buffer, plan.rounds[0].loads)
-                slots = torch.tensor([plan.rounds[0].resident[b] for b in unique_block_ids.tolist()],
-                                     dtype=torch.long)
-                rows[row, entries] = buffer[slots[block_of_entry], offsets]
+                rows[row, entries] = buffer[slot_of_entry, offsets]
                 continue
-            round_of_block = {block_id: index for index, r in enumerate(plan.rounds) for block_id in r.resident}
-            round_of_entry = torch.tensor([round_of_block[b] for b in unique_block_ids.tolist()],
-                                          dtype=torch.long)[block_of_entry]
+            round_of_entry = torch.tensor(block_rounds, dtype=torch.long)[block_of_entry]
             for index, residency_round in enumerate(plan.rounds):
                 self._load(buffer, residency_round.loads)
                 in_round = (round_of_entry == index).nonzero()[:, 0]
-                slot_of_block = torch.tensor([residency_round.resident.get(b, 0) for b in unique_block_ids.tolist()],
-                                             dtype=torch.long)
-                rows[row, entries[in_round]] = buffer[slot_of_block[block_of_entry[in_round]], offsets[in_round]]
+                rows[row, entries[in_round]] = buffer[slot_of_entry[in_round], offsets[in_round]]
         return rows
 
     def _load(self, buffer: torch.Tensor, loads: list[tuple[int, int]]) -> None:
