@@ -45,3 +45,13 @@ def test_metrics_name_the_offload_counters_only_while_offload_is_on() -> None:
     text = generate_latest(server.registry).decode()
     assert 'pagedserve:sparse_kv_offload_block_misses_total{model_name="m"} 3.0' in text
     assert 'pagedserve:sparse_kv_offload_resident_buffers{model_name="m"} 2.0' in text
+
+
+def test_the_periodic_log_line_reports_the_window_hit_rate() -> None:
+    from pagedserve.engine.stat_loggers import sparse_kv_offload_log_line
+
+    assert sparse_kv_offload_log_line(SchedulerStats(), SchedulerStats()) is None
+    later = SparseKVOffloadStats(num_block_hits=9, num_block_misses=5, num_blocks_moved_in=5, num_resident_blocks=4,
+                                 num_resident_buffers=2)
+    line = sparse_kv_offload_log_line(SchedulerStats(sparse_kv_offload=STATS), SchedulerStats(sparse_kv_offload=later))
+    assert line == "Sparse KV offload: block hit rate 50.0%, blocks moved in: 2, resident blocks: 4 in 2 buffers"
