@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.sparse_mla import gather_selected_rows
 from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 from pagedserve.sparse_kv_offload.resident_block_set import ResidentBlockSet
 
@@ -67,6 +68,9 @@ class LayerResidentBuffers:
         rows = self.tier_rows.new_zeros(num_decodes, width, row_width)
         block_table = metadata.block_table[:num_decodes].to(torch.long)
         request_ids = self.step.request_ids
+        if not request_ids:
+            # A forward outside the scheduler's steps (start-up chunk profiling): read straight from the tier.
+            return gather_selected_rows(self.tier_rows, block_table, selection)
         if len(request_ids) < num_decodes:
             raise RuntimeError(f"sparse KV offload: the step has {num_decodes} decodes but begin_step named "
                                f"{len(request_ids)} requests")

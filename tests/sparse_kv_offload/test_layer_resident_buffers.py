@@ -87,3 +87,13 @@ def test_a_resident_block_sees_rows_written_after_it_was_loaded() -> None:
     tier[5, 1] = 2.0  # the next decode's row, written through to the tier only
     rows = buffers.gather_decode_rows(_metadata(block_table, [2]), torch.tensor([[1, 0]]))
     assert rows[0, 0].eq(2.0).all() and rows[0, 1].eq(1.0).all()
+
+
+def test_a_forward_outside_the_steps_reads_the_tier_directly() -> None:
+    """Start-up chunk profiling runs forwards before any step named its requests: no buffer is made."""
+    tier = torch.randn(8, BLOCK_SIZE, ROW_WIDTH)
+    buffers = LayerResidentBuffers(tier, capacity=2, step=StepRequests(), stats=SparseKVOffloadStats())
+    block_table = torch.tensor([[3, 6]], dtype=torch.int32)
+    selection = torch.tensor([[5, 0, -1]])
+    rows = buffers.gather_decode_rows(_metadata(block_table, [6]), selection)
+    assert torch.equal(rows[0, :2], torch.stack([tier[6, 1], tier[3, 0]])) and not buffers.buffers
