@@ -282,6 +282,20 @@ FEATURES: tuple[Feature, ...] = (
                "test_c8_fits_a_max_model_len_in_80_percent_of_the_float_cache"),
     ),
     Feature(
+        line="framework", family="kv cache mgmt", feature="sparse KV offload for DSA models: latent rows in a "
+                                                         "memory-mapped tier file, indexer keys resident, per "
+                                                         "request and layer an LRU buffer of the selected blocks "
+                                                         "(only misses copied; any buffer size, gathered in rounds); "
+                                                         "CPU only",
+        modules=("pagedserve.sparse_kv_offload.offload_manager", "pagedserve.sparse_kv_offload.offload_tier",
+                 "pagedserve.sparse_kv_offload.layer_resident_buffers",
+                 "pagedserve.sparse_kv_offload.resident_block_set", "pagedserve.config.sparse_kv_offload"),
+        knobs=("sparse_kv_offload",),
+        docs="docs/params-04-kv-and-sparsity.md",
+        tests=("tests/models/test_deepseek_sparse_kv_offload.py", "tests/sparse_kv_offload/test_resident_block_set.py",
+               "tests/sparse_kv_offload/test_layer_resident_buffers.py"),
+    ),
+    Feature(
         line="model", family="parallel", feature="expert parallel: experts over the EP group, all_to_all "
                                                  "dispatch/combine",
         modules=("pagedserve.layers.moe.fused_moe",),

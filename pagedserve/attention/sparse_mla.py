@@ -16,6 +16,8 @@ the cache, so that a prefix-cache hit sees the values a first computation saw).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedserve.attention import sparse_int8_cache
@@ -32,11 +34,32 @@ def selection_mask(selection: torch.Tensor, seq_len: int, dtype: torch.dtype) ->
     return mask.masked_fill_(~is_selected[:, :seq_len], float("-inf"))
 
 
+# (the step's metadata, the leading decodes' selection [num_decodes, width]) -> their latent rows
+# [num_decodes, width, R + rope]: another source of the rows gather_selected_rows reads from the cache (sparse KV
+# offload's resident buffers, sparse_kv_offload/layer_resident_buffers.py). Unselected entries may hold any finite
+# values: attention masks them out.
+DecodeRowGather = Callable[[AttentionMetadata, torch.Tensor], torch.Tensor]
+
+
+def gather_selected_rows(
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, R + rope]
+    block_table: torch.Tensor,  # [B, max_blocks]
+    selection: torch.Tensor,  # [B, width] positions, -1 = none
+) -> torch.Tensor:  # [B, width, R + rope]
+    """The latent rows at the selected positions, read through the block table (-1 reads position 0's row); a C8
+    cache's rows come back dequantized."""
+    block_size = kv_cache.shape[1]
+    positions = selection.clamp(min=0)
+    block_ids = block_table.to(torch.long).gather(1, positions // block_size)
+    if sparse_int8_cache.is_sparse_int8_cache(kv_cache):
+        return sparse_int8_cache.gather_latent_rows(kv_cache, block_ids, positions % block_size)
+    return kv_cache[block_ids, positions % block_size]
+
+
 def attend_selected_decodes(
     q_nope: torch.Tensor,  # [B, H, nope]
     q_pe: torch.Tensor,  # [B, H, rope]
-    kv_cache: torch.Tensor,  # [num_blocks, block_size, R + rope]
-    block_table: torch.Tensor,  # [B, max_blocks]
+    rows: torch.Tensor,  # [B, width, R + rope]: the selected latent rows (gather_selected_rows)
     selection: torch.Tensor,  # [B, width] positions, -1 = none
     kv_b_weight: torch.Tensor,
     kv_lora_rank: int,
@@ -45,19 +68,10 @@ def attend_selected_decodes(
 ) -> torch.Tensor:  # [B, H, v]
     """One new token per request, attended over its selected latent rows with W_UK / W_UV absorbed."""
     num_heads, nope = q_nope.shape[1:]
-    block_size = kv_cache.shape[1]
     weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
     query = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, R + rope]
-    is_selected = selection >= 0
-    positions = selection.clamp(min=0)
-    block_ids = block_table.to(torch.long).gather(1, positions // block_size)
-    if sparse_int8_cache.is_sparse_int8_cache(kv_cache):
-        rows = sparse_int8_cache.gather_latent_rows(kv_cache, block_ids, positions % block_size)
-    else:
-        rows = kv_cache[block_ids, positions % block_size]
-    rows = rows.to(query.dtype)  # [B, width, R + rope]
-    return attend_latent_rows(query, rows, ~is_selected, kv_lora_rank, scale, w_uv)
+    return attend_latent_rows(query, rows.to(query.dtype), selection < 0, kv_lora_rank, scale, w_uv)
 
 
 def sparse_mla_attention(
@@ -71,8 +85,10 @@ def sparse_mla_attention(
     kv_lora_rank: int,
     v_head_dim: int,
     scale: float,
+    gather_decode_rows: DecodeRowGather | None = None,
 ) -> torch.Tensor:  # [n, H, v]
-    """Write the new latents, then attend each token over its selected positions only."""
+    """Write the new latents, then attend each token over its selected positions only (the decodes' rows read by
+    `gather_decode_rows` when given, else from the cache)."""
     num_tokens = metadata.num_actual_tokens
     is_int8 = sparse_int8_cache.is_sparse_int8_cache(kv_cache)
     if is_int8:
@@ -82,9 +98,14 @@ def sparse_mla_attention(
     output = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], v_head_dim)
     num_decodes = metadata.num_decodes
     if num_decodes:
+        decode_selection = selection[:num_decodes]
+        if gather_decode_rows is None:
+            rows = gather_selected_rows(kv_cache, metadata.block_table[:num_decodes], decode_selection)
+        else:
+            rows = gather_decode_rows(metadata, decode_selection)
         output[:num_decodes] = attend_selected_decodes(
-            q_nope[:num_decodes], q_pe[:num_decodes], kv_cache, metadata.block_table[:num_decodes],
-            selection[:num_decodes], kv_b_weight, kv_lora_rank, v_head_dim, scale)
+            q_nope[:num_decodes], q_pe[:num_decodes], rows, decode_selection, kv_b_weight, kv_lora_rank, v_head_dim,
+            scale)
     attend_expanded_requests(
         q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
         request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype),
@@ -93,4 +114,5 @@ def sparse_mla_attention(
     return output
 
 
-__all__ = ["attend_selected_decodes", "selection_mask", "sparse_mla_attention"]
+__all__ = ["DecodeRowGather", "attend_selected_decodes", "gather_selected_rows", "selection_mask",
+           "sparse_mla_attention"]

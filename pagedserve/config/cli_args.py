@@ -83,6 +83,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     speculative.add_argument("--speculative-config", default=None,
                              help='speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
                                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    execution.add_argument("--sparse-kv-offload", default=None,
+                           help='sparse KV offload of DeepSeek sparse-attention models as a JSON object, e.g. '
+                                '\'{"num_resident_blocks": 64, "tier_directory": "/mnt/scratch"}\'')
     add_load_args(parser)
 
 
@@ -136,7 +139,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 attention_backend=getattr(args, "attention_backend", None),
                 batch_invariant=getattr(args, "batch_invariant", False),
                 native_decode_stack=getattr(args, "native_decode_stack", True),
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                sparse_kv_offload=getattr(args, "sparse_kv_offload", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

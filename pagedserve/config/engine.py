@@ -18,6 +18,7 @@ from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
+from pagedserve.config.sparse_kv_offload import SparseKVOffloadConfig
 from pagedserve.config.speculative import SpeculativeConfig
 from pagedserve.kernels import cpu_isa
 
@@ -48,6 +49,8 @@ class EngineConfig:
     native_decode_stack: bool = True
     # Speculative decoding (config/speculative.py, spec_decode/); off unless a method is set.
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Sparse KV offload of DeepSeek sparse-attention models (config/sparse_kv_offload.py); None: off.
+    sparse_kv_offload_config: SparseKVOffloadConfig | None = None
 
     @property
     def tokens_per_block(self) -> int:
@@ -104,6 +107,7 @@ class EngineConfig:
         gguf_dequantize: bool = False,
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        sparse_kv_offload: SparseKVOffloadConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -203,6 +207,14 @@ class EngineConfig:
         speculative.check_engine(async_scheduling=async_scheduling,
                                  pipeline_parallel_size=parallel_config.pipeline_parallel_size,
                                  enable_reduce_sample=enable_reduce_sample)
+        sparse_kv_offload_config = SparseKVOffloadConfig.parse(sparse_kv_offload)
+        if sparse_kv_offload_config is not None:
+            sparse_kv_offload_config.check_engine(
+                architectures=list(getattr(hf_config, "architectures", None) or []), kv_cache_dtype=kv_cache_dtype,
+                device_type=platform.device_type, speculative_enabled=speculative.is_enabled,
+                tensor_parallel_size=parallel_config.tensor_parallel_size,
+                pipeline_parallel_size=parallel_config.pipeline_parallel_size,
+                distributed_executor_backend=parallel_config.distributed_executor_backend)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             device_type=platform.device_type)
@@ -238,6 +250,7 @@ class EngineConfig:
             load_config=load_config,
             native_decode_stack=native_decode_stack,
             speculative_config=speculative,
+            sparse_kv_offload_config=sparse_kv_offload_config,
         )
 
 

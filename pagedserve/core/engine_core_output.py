@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.core.scheduler_output import LogprobsLists
+from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 
 
 @dataclass
@@ -42,3 +43,6 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Sparse KV offload (pagedserve/sparse_kv_offload/): the worker's counters after its latest step; None when
+    # offload is off.
+    sparse_kv_offload: SparseKVOffloadStats | None = None

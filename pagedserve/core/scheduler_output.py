@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -103,5 +104,7 @@ class ModelRunnerOutput:
     # Speculative decoding: per request in request_ids, the drafts proposed for its next step ([]: none);
     # empty when speculation is off.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    # Sparse KV offload: the worker's counters after this step; None when offload is off.
+    sparse_kv_offload_stats: SparseKVOffloadStats | None = None
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

@@ -48,6 +48,9 @@ class EngineCore:
                             if max_concurrent_batches > 1 else None)
         # Set once the executor failed fatally with steps in flight: every later step raises it again.
         self._fatal_error: FatalExecutorError | None = None
+        # Workers learn of finished requests with the next step. With sparse KV offload they hold per-request
+        # resident buffers, so when the engine goes idle an empty step tells them at once.
+        self._notify_finished_when_idle = config.sparse_kv_offload_config is not None
 
     def _prefill_chunk_policy(self) -> PrefillChunkPolicy | None:
         """The profiling-tuned chunk policy when enabled and the worker sent its timings, else None."""
@@ -75,6 +78,15 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         self.scheduler.finish_requests(request_ids, status)
+        self._notify_finished_if_idle()
+
+    def _notify_finished_if_idle(self) -> None:
+        """With nothing left to run, send the workers the finished ids in an empty step (see __init__)."""
+        if self._notify_finished_when_idle and self.scheduler.finished_request_ids and not self.batch_queue \
+                and not self.scheduler.has_unfinished_requests():
+            model_output = self.executor.execute_model(self.scheduler.schedule())
+            if model_output.sparse_kv_offload_stats is not None:
+                self._sparse_kv_offload_stats = model_output.sparse_kv_offload_stats
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting or running, or steps still in flight (their outputs must be collected)."""
@@ -98,6 +110,7 @@ class EngineCore:
             stats.eplb_num_rebalances = self._eplb_num_rebalances
             stats.eplb_imbalance_before = [before for before, _ in imbalance]
             stats.eplb_imbalance_after = [after for _, after in imbalance]
+        stats.sparse_kv_offload = getattr(self, "_sparse_kv_offload_stats", None)
         return stats
 
     def step(self) -> list[EngineCoreOutput]:
@@ -115,7 +128,9 @@ class EngineCore:
             logger.exception("model step failed; failing the %d requests of this batch",
                              len(scheduler_output.num_scheduled_tokens))
             return self._fail_batch(scheduler_output)
-        return self._update_from_output(scheduler_output, model_output)
+        outputs = self._update_from_output(scheduler_output, model_output)
+        self._notify_finished_if_idle()
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Fill the batch queue, then collect the oldest step in flight.
@@ -151,12 +166,16 @@ class EngineCore:
             logger.exception("model step failed; failing the %d requests of this batch",
                              len(step.scheduler_output.num_scheduled_tokens))
             return self._fail_batch(step.scheduler_output, step)
-        return self._update_from_output(step.scheduler_output, model_output)
+        outputs = self._update_from_output(step.scheduler_output, model_output)
+        self._notify_finished_if_idle()
+        return outputs
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         if model_output.eplb_imbalance is not None:
             self._record_eplb(model_output.eplb_imbalance)
+        if model_output.sparse_kv_offload_stats is not None:
+            self._sparse_kv_offload_stats = model_output.sparse_kv_offload_stats
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def _record_eplb(self, imbalance: list[tuple[float, float]]) -> None:

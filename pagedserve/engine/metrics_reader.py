@@ -32,6 +32,10 @@ class Vector(Metric):
 def scheduler_stats_to_metrics(stats: SchedulerStats, model_name: str) -> list[Metric]:
     """The scheduler's gauges and cumulative counters under their vLLM names."""
     labels = {"model_name": model_name}
+    return _scheduler_metrics(stats, labels) + sparse_kv_offload_metrics(stats, labels)
+
+
+def _scheduler_metrics(stats: SchedulerStats, labels: dict[str, str]) -> list[Metric]:
     return [
         Gauge("vllm:num_requests_running", dict(labels), float(stats.num_running_requests)),
         Gauge("vllm:num_requests_waiting", dict(labels), float(stats.num_waiting_requests)),
@@ -45,3 +49,26 @@ def scheduler_stats_to_metrics(stats: SchedulerStats, model_name: str) -> list[M
         Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
                list(stats.spec_decode_num_accepted_tokens_per_pos)),
     ]
+
+
+# Sparse KV offload's counters and gauges (SparseKVOffloadStats field -> metric name); none while offload is off.
+SPARSE_KV_OFFLOAD_COUNTERS = {
+    "num_block_hits": "pagedserve:sparse_kv_offload_block_hits",
+    "num_block_misses": "pagedserve:sparse_kv_offload_block_misses",
+    "num_blocks_moved_in": "pagedserve:sparse_kv_offload_blocks_moved_in",
+    "num_blocks_evicted": "pagedserve:sparse_kv_offload_blocks_evicted",
+    "num_tokens_moved_out": "pagedserve:sparse_kv_offload_tokens_moved_out",
+    "num_multi_round_gathers": "pagedserve:sparse_kv_offload_multi_round_gathers",
+}
+SPARSE_KV_OFFLOAD_GAUGES = {
+    "num_resident_blocks": "pagedserve:sparse_kv_offload_resident_blocks",
+    "num_resident_buffers": "pagedserve:sparse_kv_offload_resident_buffers",
+}
+
+
+def sparse_kv_offload_metrics(stats: SchedulerStats, labels: dict[str, str]) -> list[Metric]:
+    offload = stats.sparse_kv_offload
+    if offload is None:
+        return []
+    return [Counter(name, dict(labels), getattr(offload, stat)) for stat, name in SPARSE_KV_OFFLOAD_COUNTERS.items()] \
+        + [Gauge(name, dict(labels), float(getattr(offload, stat))) for stat, name in SPARSE_KV_OFFLOAD_GAUGES.items()]

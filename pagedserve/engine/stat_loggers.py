@@ -3,7 +3,8 @@
 The log line (INFO, every `interval_s` seconds while the engine reports) carries the throughput since the last
 line, the running and waiting requests, KV-cache usage and the prefix-cache hit rate; with speculative decoding a
 second line gives the mean acceptance length, the acceptance rate and the per-position acceptance rates over the
-same window, as vLLM's SpecDecoding metrics line does.
+same window, as vLLM's SpecDecoding metrics line does; with sparse KV offload a line gives the window's block hit
+rate and blocks moved in, and the resident blocks now.
 """
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ class LoggingStatLogger:
                     self._num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
                     stats.num_running_requests, stats.num_waiting_requests, stats.kv_cache_usage * 100,
                     100 * hits / queries if queries else 0.0)
-        line = spec_decode_log_line(before, stats, elapsed)
-        if line is not None:
-            logger.info("%s", line)
+        for line in (spec_decode_log_line(before, stats, elapsed), sparse_kv_offload_log_line(before, stats)):
+            if line is not None:
+                logger.info("%s", line)
         self._window_start = now
         self._window_stats = stats
         self._num_prompt_tokens = self._num_generation_tokens = 0
@@ -82,6 +83,20 @@ def spec_decode_log_line(before: SchedulerStats, now: SchedulerStats, elapsed_s:
             f"{num_draft_tokens / elapsed_s:.2f} tokens/s, Accepted: {num_accepted} tokens, Drafted: "
             f"{num_draft_tokens} tokens, Per-position acceptance rate: {rates}, Avg Draft acceptance rate: "
             f"{100 * num_accepted / num_draft_tokens if num_draft_tokens else 0.0:.1f}%")
+
+
+def sparse_kv_offload_log_line(before: SchedulerStats, now: SchedulerStats) -> str | None:
+    """The sparse KV offload line for the window from `before` to `now`; None while offload is off."""
+    offload = now.sparse_kv_offload
+    if offload is None:
+        return None
+    earlier = before.sparse_kv_offload
+    hits = offload.num_block_hits - (earlier.num_block_hits if earlier else 0)
+    misses = offload.num_block_misses - (earlier.num_block_misses if earlier else 0)
+    moved_in = offload.num_blocks_moved_in - (earlier.num_blocks_moved_in if earlier else 0)
+    return (f"Sparse KV offload: block hit rate {100 * hits / (hits + misses) if hits + misses else 0.0:.1f}%, "
+            f"blocks moved in: {moved_in}, resident blocks: {offload.num_resident_blocks} in "
+            f"{offload.num_resident_buffers} buffers")
 
 
 class StatLoggers:

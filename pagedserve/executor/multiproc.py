@@ -112,6 +112,7 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
             else:
                 message = codec.decode_to_worker(conn.recv_bytes())
             if isinstance(message, ShutdownWorker):
+                worker.shutdown()
                 break
             if isinstance(message, ResumeSteps):
                 is_held = False

@@ -30,7 +30,7 @@ from pagedserve.attention.lightning_indexer import (
 )
 from pagedserve.attention.mla_paged import attend_expanded
 from pagedserve.attention.sparse_int8_cache import SparseMLAKVCacheSpec
-from pagedserve.attention.sparse_mla import selection_mask, sparse_mla_attention
+from pagedserve.attention.sparse_mla import DecodeRowGather, selection_mask, sparse_mla_attention
 from pagedserve.layers.lightning_indexer import IndexerProjections
 from pagedserve.layers.mla_attention import MLAAttention
 
@@ -55,6 +55,9 @@ class SparseMLAAttention(MLAAttention):
         self._selection_source = [selection_source] if selection_source is not None else []
         # This step's selection [num_tokens, width] (positions, -1 padded), for the layers sharing it.
         self.latest_selection: torch.Tensor | None = None
+        # Where decodes read their selected latent rows; None: the cache. Sparse KV offload sets it
+        # (sparse_kv_offload/offload_manager.py).
+        self.decode_row_gather: DecodeRowGather | None = None
 
     @property
     def has_indexer(self) -> bool:
@@ -104,7 +107,8 @@ class SparseMLAAttention(MLAAttention):
                 selection = self._shared_selection(num_tokens)
             self.latest_selection = selection
             output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
-                                          self.kv_lora_rank, self.v_head_dim, self.scale)
+                                          self.kv_lora_rank, self.v_head_dim, self.scale,
+                                          gather_decode_rows=self.decode_row_gather)
         return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
 
     def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedserve.core.engine_core_output import SchedulerStats
+from pagedserve.engine.metrics_reader import SPARSE_KV_OFFLOAD_COUNTERS, SPARSE_KV_OFFLOAD_GAUGES
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -75,6 +76,13 @@ class ServerMetrics:
         self._accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by draft position.", ["model_name", "position"],
                                          registry=registry)
+        # Sparse KV offload (engine/metrics_reader.py names them); only advanced while offload is on.
+        self._sparse_kv_offload_counters = {
+            field: counter(name, f"Sparse KV offload: cumulative {field.removeprefix('num_').replace('_', ' ')}.")
+            for field, name in SPARSE_KV_OFFLOAD_COUNTERS.items()}
+        self._sparse_kv_offload_gauges = {
+            field: gauge(name, f"Sparse KV offload: {field.removeprefix('num_').replace('_', ' ')} now.")
+            for field, name in SPARSE_KV_OFFLOAD_GAUGES.items()}
         # Last cumulative values seen from the engine (counters advance by the difference).
         self._last_stats = SchedulerStats()
 
@@ -105,6 +113,14 @@ class ServerMetrics:
             before = before_per_pos[position] if position < len(before_per_pos) else 0
             if now > before:
                 self._accepted_per_pos.labels(self._model_name, str(position)).inc(now - before)
+        offload, last_offload = stats.sparse_kv_offload, last.sparse_kv_offload
+        if offload is not None:
+            for field, offload_counter in self._sparse_kv_offload_counters.items():
+                now, before = getattr(offload, field), getattr(last_offload, field) if last_offload else 0
+                if now > before:
+                    offload_counter.inc(now - before)
+            for field, offload_gauge in self._sparse_kv_offload_gauges.items():
+                offload_gauge.set(getattr(offload, field))
         self._last_stats = stats
 
     def record_first_token(self, time_to_first_token: float) -> None:

@@ -36,7 +36,8 @@ from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, 
 from pagedserve.worker.kv_cache_allocation import attention_layers
 from pagedserve.worker.pipeline_stage_forward import build_stage_forward
 
-if TYPE_CHECKING:  # imported only when speculation is on
+if TYPE_CHECKING:  # imported only when speculation / sparse KV offload is on
+    from pagedserve.sparse_kv_offload.offload_manager import SparseKVOffload
     from pagedserve.spec_decode.speculator import Speculator
 
 
@@ -97,6 +98,8 @@ class ModelRunner:
         # as_decode_rows), instead of the modules' multi-token path (benchmarks/README.md, speculative decoding).
         self.verifies_as_decode_rows = self.speculator is not None and isinstance(self.forward, NativeDecodeForward)
         self.max_verify_tokens = 1 + (config.speculative_config.num_speculative_tokens or 0)
+        # Sparse KV offload (sparse_kv_offload/): set by the worker when on; told each step's requests.
+        self.kv_offload: SparseKVOffload | None = None
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:
@@ -116,6 +119,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_scheduler_output(scheduler_output)
+        if self.kv_offload is not None:
+            self.kv_offload.free_requests(scheduler_output.finished_request_ids
+                                          | scheduler_output.preempted_request_ids)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         if self.speculator is None:
@@ -139,6 +145,8 @@ class ModelRunner:
             # A verification step (no prefill chunk): the native decode stack takes its tokens as decode rows.
             attention_step = as_decode_rows(step)
         metadata = self._build_attention_metadata(attention_step)
+        if self.kv_offload is not None:
+            self.kv_offload.begin_step(attention_step.request_ids, attention_step.num_scheduled)
         with set_forward_context(metadata):
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from pagedserve.spec_decode.drafter_loading import load_draft_model
 from pagedserve.worker.kv_cache_allocation import (allocate_kv_caches, determine_num_kv_blocks,
                                                    kv_bytes_per_block)
 from pagedserve.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:  # imported only when sparse KV offload is on
+    from pagedserve.sparse_kv_offload.offload_manager import SparseKVOffload
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +96,21 @@ class Worker:
         if self.world_size > 1:
             # Ranks see different free memory: all of them use the smallest count.
             num_blocks = agree_on_min(num_blocks, self.device)
-        kv_caches = allocate_kv_caches(kv_cache_modules, num_blocks, cache_config.block_size, model_config.dtype,
-                                       self.platform, cache_config.kv_cache_dtype)
+        # Sparse KV offload (sparse_kv_offload/): the DSA layers' latents in a second tier; None when off.
+        self.kv_offload: SparseKVOffload | None = None
+        if config.sparse_kv_offload_config is not None:
+            from pagedserve.sparse_kv_offload.offload_manager import SparseKVOffload
+
+            self.kv_offload = SparseKVOffload(config.sparse_kv_offload_config, kv_cache_modules, num_blocks,
+                                              cache_config.block_size, model_config.dtype, self.platform)
+            kv_caches = self.kv_offload.kv_caches
+        else:
+            kv_caches = allocate_kv_caches(kv_cache_modules, num_blocks, cache_config.block_size,
+                                           model_config.dtype, self.platform, cache_config.kv_cache_dtype)
         self.model_runner.bind_kv_caches(kv_caches)
+        if self.kv_offload is not None:
+            self.kv_offload.bind()
+            self.model_runner.kv_offload = self.kv_offload
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
@@ -126,8 +142,15 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self.model_runner.execute_model(scheduler_output)
+        if self.kv_offload is not None:
+            output.sparse_kv_offload_stats = self.kv_offload.make_stats()
         if self.eplb_hook is not None and scheduler_output.total_num_scheduled_tokens:
             report = self.eplb_hook.after_step()
             if report is not None:
                 output.eplb_imbalance = list(zip(report.imbalance_before, report.imbalance_after))
         return output
+
+    def shutdown(self) -> None:
+        """Release what outlives the process's memory (sparse KV offload's tier file)."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()

@@ -1,0 +1,109 @@
+"""SparseKVOffload: sparse KV offload for one worker (config/sparse_kv_offload.py).
+
+At start it takes the place of the plain KV allocation for the model's DSA layers: each layer's `kv_cache` is its
+region of the tier (OffloadTier: latent rows, a memory-mapped file), with the lightning indexer's keys (the layer's
+extra page components) in a resident buffer of their own under the same block ids. The layers' existing paths then
+write every new latent row through to the tier and read prefill context from it; decodes read their selected rows
+through the layer's LayerResidentBuffers (SparseMLAAttention.decode_row_gather).
+
+The model runner calls two seams per step: `free_requests` with the finished and preempted ids (their resident
+buffers go), and `begin_step` with the step's request order (the rows the decode gather serves). The tier is
+addressed by the engine's block ids, so freeing a request's blocks (finish, abort, preemption) frees its tier rows
+as it frees its resident-cache pages; `close` removes the tier's file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.attention.kv_cache_spec import PRIMARY_COMPONENT
+from pagedserve.attention.kv_page_layout import (
+    KVCacheComponent,
+    KVPageLayout,
+    attach_kv_cache_components,
+    kv_cache_components,
+)
+from pagedserve.config.sparse_kv_offload import SparseKVOffloadConfig
+from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
+from pagedserve.layers.sparse_mla_attention import SparseMLAAttention
+from pagedserve.platforms.interface import Platform
+from pagedserve.sparse_kv_offload.layer_resident_buffers import LayerResidentBuffers, StepRequests
+from pagedserve.sparse_kv_offload.offload_tier import OffloadTier
+from pagedserve.worker.kv_cache_allocation import attention_layers
+
+logger = logging.getLogger(__name__)
+
+
+class SparseKVOffload:
+    def __init__(self, config: SparseKVOffloadConfig, modules: nn.Module, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, platform: Platform) -> None:
+        layers = attention_layers(modules)
+        for layer in layers:
+            if not isinstance(layer, SparseMLAAttention):
+                raise ValueError(f"sparse_kv_offload offloads DeepSeek sparse-attention layers only; "
+                                 f"{getattr(layer, 'layer_name', type(layer).__name__)} is a "
+                                 f"{type(layer).__name__}: drop sparse_kv_offload")
+        self.layers = layers
+        specs = [layer.kv_cache_spec() for layer in layers]
+        self.tier = OffloadTier([spec.tensor_shape(num_blocks, block_size) for spec in specs], dtype,
+                                config.tier_directory)
+        self.stats = SparseKVOffloadStats()
+        self._step = StepRequests()
+        self.layer_buffers: list[LayerResidentBuffers] = []
+        # One cache per layer, in attention_layers order: its tier region, with the resident components attached.
+        self.kv_caches: list[torch.Tensor] = []
+        resident_bytes = 0
+        for spec, tier_rows in zip(specs, self.tier.layer_views):
+            components = {PRIMARY_COMPONENT: tier_rows}
+            if spec.extra_components:
+                layout = KVPageLayout.pack(block_size, [
+                    KVCacheComponent(extra.name, extra.dtype or dtype, extra.per_token_shape)
+                    for extra in spec.extra_components], is_interleaved=len(spec.extra_components) > 1)
+                components |= kv_cache_components(layout.allocate(num_blocks, platform.allocate_zeros))
+                resident_bytes += num_blocks * layout.page_bytes
+            attach_kv_cache_components(tier_rows, components)
+            self.kv_caches.append(tier_rows)
+            self.layer_buffers.append(LayerResidentBuffers(tier_rows, config.num_resident_blocks, self._step,
+                                                           self.stats))
+        logger.info("sparse KV offload: %d layers; resident index keys %.1f MiB; latent tier %.1f MiB; resident "
+                    "buffers of %d blocks per request and layer", len(layers), resident_bytes / 2**20,
+                    self.tier.num_bytes / 2**20, config.num_resident_blocks)
+
+    def bind(self) -> None:
+        """Route the layers' decode gathers through their resident buffers (after their caches are bound)."""
+        for layer, buffers in zip(self.layers, self.layer_buffers):
+            layer.decode_row_gather = buffers.gather_decode_rows
+
+    def free_requests(self, request_ids: set[str]) -> None:
+        """Drop the resident buffers of finished or preempted requests."""
+        if request_ids:
+            for buffers in self.layer_buffers:
+                buffers.free(request_ids)
+
+    def begin_step(self, request_ids: list[str], num_scheduled: np.ndarray) -> None:
+        """The step's requests in attention-metadata row order, with their token counts. A request computing
+        several tokens (a prefill chunk) starts over with empty buffers."""
+        self._step.request_ids = request_ids
+        multi_token = [request_id for request_id, count in zip(request_ids, num_scheduled.tolist()) if count > 1]
+        self.free_requests(set(multi_token))
+        self.stats.num_tokens_moved_out += int(num_scheduled.sum()) * len(self.layers)
+
+    def make_stats(self) -> SparseKVOffloadStats:
+        """The counters so far, with the current gauges."""
+        return dataclasses.replace(
+            self.stats,
+            num_resident_blocks=sum(buffers.num_resident_blocks for buffers in self.layer_buffers),
+            num_resident_buffers=sum(len(buffers.buffers) for buffers in self.layer_buffers))
+
+    def close(self) -> None:
+        """Drop every resident buffer and remove the tier's file (engine shutdown; idempotent)."""
+        for buffers in self.layer_buffers:
+            buffers.buffers.clear()
+        self.tier.close()
+
+
+__all__ = ["SparseKVOffload"]
