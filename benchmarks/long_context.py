@@ -1,0 +1,47 @@
+"""Long context on the CPU: one prompt of `--context` tokens on the tests' tiny DeepSeek-V3.2 model (DSA, index_topk
+2048, float32) with chunked prefill (2,048-token chunks), then 16 greedy tokens.
+
+    PYTHONPATH=. python benchmarks/long_context.py [--context 32768] [--output-len 16]
+
+Prints the time to the first token, the decode time per token and the process's peak resident memory.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--output-len", type=int, default=16)
+    args = parser.parse_args()
+    from tiny_models import build_tiny_model
+
+    folder = build_tiny_model("deepseek-v32", tempfile.mkdtemp(prefix="pagedserve-long-context-"),
+                              max_position_embeddings=args.context + args.output_len + 64, index_topk=2048)
+    llm = LLM(folder, dtype="float32", max_model_len=args.context + args.output_len, max_num_batched_tokens=2048,
+              enable_prefix_caching=False, max_num_seqs=1)
+    rng = random.Random(0)
+    prompt = [rng.randrange(8, 600) for _ in range(args.context)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    metrics = output.metrics
+    first = metrics["first_token_time"] - metrics["arrival_time"]
+    per_token = (metrics["last_token_time"] - metrics["first_token_time"]) / max(args.output_len - 1, 1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"context {args.context}: {len(output.outputs[0].token_ids)} tokens, TTFT {first:.1f} s, "
+          f"decode {per_token * 1e3:.0f} ms/token, peak RSS {peak:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
