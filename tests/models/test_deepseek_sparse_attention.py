@@ -260,3 +260,19 @@ def test_tensor_parallel_2_equals_one_process(tiny_model_dir, kind: str) -> None
     finally:
         sharded_llm.llm_engine.shutdown()
     assert sharded == single
+
+
+def test_c8_and_expert_parallel_over_two_ranks_equal_one_process(tiny_model_dir) -> None:
+    """C8 pages under tensor_parallel_size=2 (each rank holds the whole latent and index keys, quantized alike), and
+    the float model with its experts split over the two ranks (enable_expert_parallel), each equal to one process."""
+    folder = tiny_model_dir("glm-moe-dsa")
+    prompts = PROMPTS[1:3]
+    cases = [dict(kv_cache_dtype="int8"), dict(enable_expert_parallel=True)]
+    for kwargs in cases:
+        single = _generate(_engine(folder, kv_cache_dtype=kwargs.get("kv_cache_dtype", "auto")), prompts)
+        sharded_llm = _engine(folder, tensor_parallel_size=2, **kwargs)
+        try:
+            sharded = _generate(sharded_llm, prompts)
+        finally:
+            sharded_llm.llm_engine.shutdown()
+        assert sharded == single, kwargs
