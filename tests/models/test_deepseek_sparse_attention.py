@@ -276,3 +276,20 @@ def test_c8_and_expert_parallel_over_two_ranks_equal_one_process(tiny_model_dir)
         finally:
             sharded_llm.llm_engine.shutdown()
         assert sharded == single, kwargs
+
+
+@pytest.mark.parametrize("kind", DSA_KINDS)
+def test_bfloat16_logprobs_close_to_transformers(tiny_model_dir, kind: str) -> None:
+    """bf16 weights and compute on both sides (sparse regime): at the first token where the greedy runs differ, each
+    side's token is in the other's top 5 logprobs."""
+    from logprobs_check import check_logprobs_close
+
+    folder = tiny_model_dir(kind, dtype=torch.bfloat16)
+    prompts = PROMPTS[:3]
+    expected = hf_greedy_with_logprobs(folder, prompts, NUM_NEW_TOKENS, 5, dtype=torch.bfloat16)
+    llm = LLM(folder, dtype="bfloat16", max_model_len=256, num_kv_blocks=128, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    actual = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in
+                                              o.outputs[0].logprobs]) for o in outputs]
+    check_logprobs_close(expected, actual)
