@@ -129,7 +129,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="model", family="parallel", feature="decode context parallel: each request's KV positions split "
                                                  "over consecutive TP ranks, partial attention merged by "
-                                                 "log-sum-exp (dense/GQA and MLA)",
+                                                 "log-sum-exp (dense/GQA, MLA, DeepSeek sparse attention "
+                                                 "with a global top-k over the ranks' candidates)",
         modules=("pagedserve.attention.decode_context_parallel",),
         knobs=("decode_context_parallel_size",),
         docs="docs/params-05-parallel.md",

@@ -212,12 +212,8 @@ class ParallelConfig:
         dcp, tp = self.decode_context_parallel_size, self.tensor_parallel_size
         if dcp == 1:
             return
-        if getattr(hf_config, "index_topk", None) is not None:
-            raise ValueError(f"decode_context_parallel_size={dcp} is not supported for DeepSeek sparse attention "
-                             f"(the model sets index_topk={hf_config.index_topk}): the indexer's top-k would "
-                             f"need a merge across ranks; use decode_context_parallel_size=1")
         if getattr(hf_config, "kv_lora_rank", None):
-            return  # MLA: every rank holds the same latent cache
+            return  # MLA and DeepSeek sparse attention: every rank holds the same latent cache
         replicas = tp // num_kv_heads if tp >= num_kv_heads else 0
         if replicas == 0 or replicas % dcp:
             raise ValueError(f"decode_context_parallel_size={dcp} needs each KV head replicated on a multiple of "

@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.decode_context_parallel import dcp_select_tokens, sparse_mla_context_parallel_attention
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
 from pagedserve.attention.kv_page_layout import kv_cache_component
@@ -106,25 +107,36 @@ class SparseMLAAttention(MLAAttention):
             else:
                 selection = self._shared_selection(num_tokens)
             self.latest_selection = selection
-            output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
-                                          self.kv_lora_rank, self.v_head_dim, self.scale,
-                                          gather_decode_rows=self.decode_row_gather)
+            if metadata.context_parallel is not None:
+                output = sparse_mla_context_parallel_attention(q_nope, q_pe, latent, self.kv_cache, metadata,
+                                                               selection, kv_b_weight, self.kv_lora_rank,
+                                                               self.v_head_dim, self.scale)
+            else:
+                output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
+                                              self.kv_lora_rank, self.v_head_dim, self.scale,
+                                              gather_decode_rows=self.decode_row_gather)
         return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
 
     def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:
-        """Write this step's index keys, then select every token's top-k positions."""
+        """Write this step's index keys, then select every token's top-k positions (over the DCP group's keys
+        when decode context parallel splits them: only this rank's tokens are written, at its local slots)."""
         num_actual = metadata.num_actual_tokens
-        slots = metadata.slot_mapping[:num_actual]
+        keys = index.key[:num_actual]
+        if metadata.context_parallel is None:
+            slots = metadata.slot_mapping[:num_actual]
+            select = select_tokens
+        else:
+            keys, slots = keys[metadata.context_parallel.local_token_indices], metadata.slot_mapping
+            select = dcp_select_tokens
         if sparse_int8_cache.is_sparse_int8_cache(self.kv_cache):
-            sparse_int8_cache.write_index_keys(index.key[:num_actual], self.kv_cache, slots)
+            sparse_int8_cache.write_index_keys(keys, self.kv_cache, slots)
             key_cache, key_scales = sparse_int8_cache.index_key_caches(self.kv_cache)
             query, weights = sparse_int8_cache.quantize_index_query(index.query, index.weights)
-            return select_tokens(query, weights, key_cache, metadata, self.index_topk, self.index_softmax_scale,
-                                 key_scale_cache=key_scales)
+            return select(query, weights, key_cache, metadata, self.index_topk, self.index_softmax_scale,
+                          key_scale_cache=key_scales)
         key_cache = kv_cache_component(self.kv_cache, INDEX_KEY_COMPONENT)
-        write_index_keys(index.key[:num_actual], key_cache, slots)
-        return select_tokens(index.query, index.weights, key_cache, metadata, self.index_topk,
-                             self.index_softmax_scale)
+        write_index_keys(keys, key_cache, slots)
+        return select(index.query, index.weights, key_cache, metadata, self.index_topk, self.index_softmax_scale)
 
     def extra_repr(self) -> str:
         source = "own indexer" if self.has_indexer else f"shares {self._selection_source[0].layer_name}"

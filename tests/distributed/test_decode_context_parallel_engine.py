@@ -1,6 +1,6 @@
 """Decode context parallel over two gloo ranks (tensor_parallel_size=2, decode_context_parallel_size=2): float32
 greedy tokens equal to one process for dense attention (GQA whose KV head both ranks hold, with and without a
-sliding window) and MLA, with chunked prefill and prefix-cache hits; the KV capacity doubles; bad combinations fail
+sliding window), MLA and DeepSeek sparse attention (float and C8 pages), with chunked prefill and prefix-cache hits; the KV capacity doubles; bad combinations fail
 at start naming the knobs."""
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def _generate(llm: LLM) -> list[list[int]]:
 ENGINE = dict(dtype="float32", max_model_len=256, num_kv_blocks=40, max_num_batched_tokens=24, max_num_seqs=4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "deepseek-v3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding", "deepseek-v3", "deepseek-v32", "glm-moe-dsa"])
 def test_dcp_2_equals_one_process(tiny_model_dir, kind: str) -> None:
-    overrides = {} if kind == "deepseek-v3" else {"num_key_value_heads": 1}
+    """DeepSeek-V3.2 / GLM-5 (index_topk 8, below the prompts): the global top-k merges the ranks' candidates."""
+    overrides = {"num_key_value_heads": 1} if kind in ("llama", "qwen2-sliding") else {}
     if kind == "qwen2-sliding":
         overrides["sliding_window"] = 20  # below the prompts' lengths: the window hides positions on both ranks
     folder = tiny_model_dir(kind, **overrides)
@@ -53,6 +54,17 @@ def test_dcp_2_equals_one_process(tiny_model_dir, kind: str) -> None:
         llm.llm_engine.shutdown()
     assert first == single
     assert second == single
+
+
+def test_dcp_2_with_c8_pages_equals_one_process_with_c8(tiny_model_dir) -> None:
+    """kv_cache_dtype='int8' on DeepSeek-V3.2: each rank quantizes its own positions exactly as one process does."""
+    folder = tiny_model_dir("deepseek-v32")
+    single = _generate(LLM(folder, kv_cache_dtype="int8", **ENGINE))
+    llm = LLM(folder, tensor_parallel_size=2, decode_context_parallel_size=2, kv_cache_dtype="int8", **ENGINE)
+    try:
+        assert _generate(llm) == single
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_dcp_doubles_the_positions_a_block_budget_holds(tiny_model_dir) -> None:
@@ -75,8 +87,6 @@ def test_dcp_doubles_the_positions_a_block_budget_holds(tiny_model_dir) -> None:
     (dict(tensor_parallel_size=2, decode_context_parallel_size=4), "must divide tensor_parallel_size=2"),
     (dict(kind="llama", tensor_parallel_size=2, decode_context_parallel_size=2),
      "needs each KV head replicated on a multiple of 2"),
-    (dict(kind="deepseek-v32", tensor_parallel_size=2, decode_context_parallel_size=2),
-     "not supported for DeepSeek sparse attention"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, attention_backend="torch_paged"),
      "attention_backend='torch_paged' does not split KV positions"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, batch_invariant=True),
