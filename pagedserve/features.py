@@ -131,7 +131,7 @@ FEATURES: tuple[Feature, ...] = (
                                                  "over consecutive TP ranks, partial attention merged by "
                                                  "log-sum-exp (dense/GQA, MLA, DeepSeek sparse attention "
                                                  "with a global top-k over the ranks' candidates)",
-        modules=("pagedserve.attention.decode_context_parallel",),
+        modules=("pagedserve.attention.decode_context_parallel", "pagedserve.attention.sparse_mla_context_parallel"),
         knobs=("decode_context_parallel_size",),
         docs="docs/params-05-parallel.md",
         tests=("tests/attention/test_decode_context_parallel.py",
@@ -294,7 +294,9 @@ FEATURES: tuple[Feature, ...] = (
         knobs=("sparse_kv_offload",),
         docs="docs/params-04-kv-and-sparsity.md",
         tests=("tests/models/test_deepseek_sparse_kv_offload.py", "tests/sparse_kv_offload/test_resident_block_set.py",
-               "tests/sparse_kv_offload/test_layer_resident_buffers.py"),
+               "tests/sparse_kv_offload/test_layer_resident_buffers.py", "tests/sparse_kv_offload/test_offload_tier.py",
+               "tests/sparse_kv_offload/test_sparse_kv_offload_config.py",
+               "tests/sparse_kv_offload/test_offload_stats_messages.py"),
     ),
     Feature(
         line="model", family="parallel", feature="expert parallel: experts over the EP group, all_to_all "

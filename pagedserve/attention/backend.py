@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pagedserve.attention.decode_context_parallel import ContextParallelStep
 
 
 @dataclass
@@ -44,7 +47,7 @@ class AttentionMetadata:
     backend_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     # Decode context parallel (attention/decode_context_parallel.py): the group and the step's tokens this rank
     # stores (slot_mapping then holds just their slots); None without DCP.
-    context_parallel: Any = None
+    context_parallel: "ContextParallelStep | None" = None
 
     @property
     def num_seqs(self) -> int:

@@ -103,30 +103,29 @@ def partial_attention(
     key_positions: torch.Tensor,  # [L]
     scale: float,
     sliding_window: int | None = None,
-    hidden: torch.Tensor | None = None,  # [q_len, L] bool: keys each query does not attend (DSA's unselected)
-) -> tuple[torch.Tensor, torch.Tensor]:  # [q_len, H, Dv], [q_len, H]
-    """Softmax attention of each query over the keys it may see (key position <= query position, within the
-    sliding window, not `hidden`), normalised over those keys, with the log-sum-exp of its scores: -inf (and a zero
-    output) for a query that sees none of them. Query head h reads KV head h // (H / H_kv)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # float32 [q_len, H, Dv], [q_len, H]
+    """Softmax attention of each query over the keys it may see (key position <= query position, and within the
+    sliding window), normalised over those keys, with the log-sum-exp of its scores: -inf (and a zero output)
+    for a query that sees none of them. Query head h reads KV head h // (H / H_kv). Computed in float32 whatever
+    the inputs' dtype: the partials are merged before anything is rounded to the model's dtype."""
     q_len, num_heads, dim = query.shape
     num_kv_heads = key.shape[0]
-    queries = query.reshape(q_len, num_kv_heads, num_heads // num_kv_heads, dim).permute(1, 2, 0, 3)
-    scores = torch.matmul(queries, key.to(query.dtype).transpose(-1, -2).unsqueeze(1)) * scale  # [H_kv, G, q, L]
-    hidden = key_positions[None, :] > query_positions[:, None] if hidden is None \
-        else hidden | (key_positions[None, :] > query_positions[:, None])
+    queries = query.float().reshape(q_len, num_kv_heads, num_heads // num_kv_heads, dim).permute(1, 2, 0, 3)
+    scores = torch.matmul(queries, key.float().transpose(-1, -2).unsqueeze(1)) * scale  # [H_kv, G, q, L]
+    hidden = key_positions[None, :] > query_positions[:, None]
     if sliding_window is not None:
         hidden |= key_positions[None, :] <= query_positions[:, None] - sliding_window
     scores.masked_fill_(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H_kv, G, q]
     # A fully hidden row: -inf - -inf is NaN; its weight is zero.
     probabilities = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
-    out = torch.matmul(probabilities, value.to(query.dtype).unsqueeze(1))  # [H_kv, G, q, Dv]
+    out = torch.matmul(probabilities, value.float().unsqueeze(1))  # [H_kv, G, q, Dv]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, -1), lse.permute(2, 0, 1).reshape(q_len, num_heads)
 
 
 def merge_partial_attention(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """outputs [R, n, H, D] and lses [R, n, H] of attention over R disjoint key sets -> attention over their
-    union [n, H, D]: partial r weighs exp(lse_r - max lse). A row no partial saw stays zero."""
+    """outputs [R, n, H, D] and lses [R, n, H] (float32) of attention over R disjoint key sets -> attention over
+    their union [n, H, D]: partial r weighs exp(lse_r - max lse). A row no partial saw stays zero."""
     max_lse = lses.max(dim=0).values
     weights = torch.exp(lses - max_lse.unsqueeze(0)).nan_to_num_(0.0)
     total = weights.sum(dim=0)
@@ -134,7 +133,8 @@ def merge_partial_attention(outputs: torch.Tensor, lses: torch.Tensor) -> torch.
     return merged / total.clamp_min(torch.finfo(total.dtype).tiny).unsqueeze(-1)
 
 
-def _step_of(metadata: AttentionMetadata) -> ContextParallelStep:
+def step_of(metadata: AttentionMetadata) -> ContextParallelStep:
+    """The step's context-parallel view (a RuntimeError when the runner set none)."""
     step = metadata.context_parallel
     if step is None:
         raise RuntimeError("the decode_context_parallel attention path needs the step's context-parallel view "
@@ -142,13 +142,14 @@ def _step_of(metadata: AttentionMetadata) -> ContextParallelStep:
     return step
 
 
-def _merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Tensor,
-                      num_heads: int) -> torch.Tensor:
-    """The group's partials merged, this rank's `num_heads` heads of them."""
+def merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The group's float32 partials (out [n, H_group, Dv], lse [n, H_group]) merged, this rank's `num_heads` heads
+    of them, in `dtype`."""
     outputs = step.group.all_gather(out.unsqueeze(0), dim=0)
     lses = step.group.all_gather(lse.unsqueeze(0), dim=0)
     merged = merge_partial_attention(outputs, lses)
-    return merged[:, step.rank * num_heads:(step.rank + 1) * num_heads]
+    return merged[:, step.rank * num_heads:(step.rank + 1) * num_heads].to(dtype)
 
 
 def _local_partials(
@@ -160,12 +161,10 @@ def _local_partials(
     read_context: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     sliding_window: int | None,
-    # (first token row, last token row, num local positions) -> [rows, L] bool: keys those rows do not attend
-    hidden_keys: Callable[[int, int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, _ = queries.shape
-    out = queries.new_zeros(num_tokens, num_heads, value_dim)
-    lse = queries.new_full((num_tokens, num_heads), float("-inf"))
+    out = queries.new_zeros(num_tokens, num_heads, value_dim, dtype=torch.float32)
+    lse = queries.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32)
     starts = metadata.query_start_loc_cpu
     for index, seq_len in enumerate(metadata.seq_lens_cpu):
         start, end = starts[index], starts[index + 1]
@@ -182,9 +181,8 @@ def _local_partials(
             last = min(first + rows, end)
             query_positions = torch.arange(first_position + first - start, first_position + last - start,
                                            device=queries.device)
-            hidden = hidden_keys(first, last, num_local) if hidden_keys is not None else None
             out[first:last], lse[first:last] = partial_attention(
-                queries[first:last], key, value, query_positions, key_positions, scale, sliding_window, hidden)
+                queries[first:last], key, value, query_positions, key_positions, scale, sliding_window)
     return out, lse
 
 
@@ -195,7 +193,7 @@ class DecodeContextParallelBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        step = _step_of(metadata)
+        step = step_of(metadata)
         num_tokens = metadata.num_actual_tokens
         local = step.local_token_indices
         write_to_kv_cache(key[local], value[local], kv_cache, metadata.slot_mapping)
@@ -206,7 +204,7 @@ class DecodeContextParallelBackend(AttentionBackend):
 
         out, lse = _local_partials(queries, metadata, step, query.shape[2], read_context, scale, sliding_window)
         output = torch.zeros_like(query)
-        output[:num_tokens] = _merge_over_group(step, out, lse, query.shape[1])
+        output[:num_tokens] = merge_over_group(step, out, lse, query.shape[1], query.dtype)
         return output
 
 
@@ -222,7 +220,7 @@ def mla_context_parallel_attention(
     scale: float,
 ) -> torch.Tensor:  # [n, H, v]
     """MLA with the latent positions split over the DCP group, in the absorbed form for every token."""
-    step = _step_of(metadata)
+    step = step_of(metadata)
     num_tokens = metadata.num_actual_tokens
     write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
                           kv_lora_rank)
@@ -237,119 +235,14 @@ def mla_context_parallel_attention(
         return rows.unsqueeze(0), rows[None, :, :kv_lora_rank]
 
     out, lse = _local_partials(queries, metadata, step, kv_lora_rank, read_context, scale, None)
-    out_latent = _merge_over_group(step, out, lse, num_heads)  # [n, H, R]
+    out_latent = merge_over_group(step, out, lse, num_heads, query.dtype)  # [n, H, R]
     output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
     output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
     return output
 
 
-
-
-# ---- DeepSeek sparse attention (DSA) under DCP --------------------------------------------------------------------
-# Each rank holds the index keys of its positions. A token's top-k is the top-k of the union of the ranks' local
-# top-k candidates (all-gathered with their scores), so every rank ends with the same global selection; each rank
-# then attends the selected positions it holds and the partials merge as for dense MLA.
-
-
-def dcp_select_tokens(
-    query: torch.Tensor,  # [num_tokens, H, D] index queries (C8: rotated int8, from quantize_index_query)
-    weights: torch.Tensor,  # [num_tokens, H]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, D]: this rank's positions' keys
-    metadata: AttentionMetadata,
-    top_k: int,
-    softmax_scale: float,
-    key_scale_cache: torch.Tensor | None = None,  # C8: [num_blocks, block_size] float32
-) -> torch.Tensor:  # [num_tokens, width] int64 global positions, -1 padded
-    """The lightning indexer's selection (attention/lightning_indexer.py) with the keys split over the DCP group."""
-    from pagedserve.attention.lightning_indexer import gather_index_keys, index_scores
-
-    step = _step_of(metadata)
-    num_tokens = metadata.num_actual_tokens
-    seq_lens = metadata.seq_lens_cpu
-    width = min(top_k, max(seq_lens)) if seq_lens else 0
-    values = query.new_full((num_tokens, width), float("-inf"), dtype=torch.float32)
-    positions = torch.full((num_tokens, width), -1, dtype=torch.long, device=query.device)
-    starts = metadata.query_start_loc_cpu
-    for index, seq_len in enumerate(seq_lens):
-        start, end = starts[index], starts[index + 1]
-        num_local = step.num_local_positions(seq_len)
-        if end == start or num_local == 0:
-            continue
-        keys = gather_index_keys(key_cache, metadata.block_table[index], num_local)
-        scales = None if key_scale_cache is None else \
-            gather_index_keys(key_scale_cache.unsqueeze(-1), metadata.block_table[index], num_local)[:, 0]
-        key_positions = step.local_key_positions(num_local, query.device)
-        rows = max(1, SCORE_CHUNK_BYTES // (4 * query.shape[1] * num_local))
-        for first in range(start, end, rows):
-            last = min(first + rows, end)
-            scores = index_scores(query[first:last], weights[first:last], keys, softmax_scale, scales)
-            query_positions = torch.arange(seq_len - (end - first), seq_len - (end - last), device=query.device)
-            scores = scores.masked_fill(key_positions[None, :] > query_positions[:, None], float("-inf"))
-            count = min(width, num_local)
-            top_values, top_indices = scores.topk(count, dim=-1)
-            values[first:last, :count] = top_values
-            positions[first:last, :count] = key_positions[top_indices]
-    all_values = step.group.all_gather(values, dim=1)  # [n, size * width]
-    all_positions = step.group.all_gather(positions, dim=1)
-    top_values, top_indices = all_values.topk(width, dim=-1)
-    selection = all_positions.gather(1, top_indices).masked_fill_(top_values == float("-inf"), -1)
-    padded = torch.full((query.shape[0], width), -1, dtype=torch.long, device=query.device)
-    padded[:num_tokens] = selection
-    return padded
-
-
-def sparse_mla_context_parallel_attention(
-    q_nope: torch.Tensor,  # [n, H, nope]
-    q_pe: torch.Tensor,  # [n, H, rope], rotated
-    latent: torch.Tensor,  # [n, R + rope]
-    kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    selection: torch.Tensor,  # [n, width] global positions (dcp_select_tokens), -1 = none
-    kv_b_weight: torch.Tensor,
-    kv_lora_rank: int,
-    v_head_dim: int,
-    scale: float,
-) -> torch.Tensor:  # [n, H, v]
-    """Sparse MLA with the latent positions split over the DCP group: each rank attends the selected positions it
-    holds (absorbed form), the partials merge by log-sum-exp."""
-    from pagedserve.attention import sparse_int8_cache
-
-    step = _step_of(metadata)
-    num_tokens = metadata.num_actual_tokens
-    is_int8 = sparse_int8_cache.is_sparse_int8_cache(kv_cache)
-    local_latent = latent[:num_tokens][step.local_token_indices]
-    if is_int8:
-        sparse_int8_cache.write_latent(local_latent, kv_cache, metadata.slot_mapping, kv_lora_rank)
-    else:
-        write_latent_to_cache(local_latent, kv_cache, metadata.slot_mapping, kv_lora_rank)
-    num_heads, nope = q_nope.shape[1:]
-    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
-    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
-    query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
-    queries = step.group.all_gather(query, dim=1)
-
-    def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        block_ids = metadata.block_table[index]
-        rows = (sparse_int8_cache.gather_latent_context(kv_cache, block_ids, num_local) if is_int8
-                else gather_latent(kv_cache, block_ids, num_local, kv_lora_rank)).to(query.dtype)
-        return rows.unsqueeze(0), rows[None, :, :kv_lora_rank]
-
-    def hidden_keys(first: int, last: int, num_local: int) -> torch.Tensor:
-        chosen = selection[first:last]
-        is_local = (chosen >= 0) & (chosen % step.size == step.rank)
-        # Not selected here: the extra last column takes every non-local or empty entry and is dropped.
-        local_index = torch.where(is_local, chosen // step.size, num_local)
-        is_selected = torch.zeros(last - first, num_local + 1, dtype=torch.bool, device=chosen.device)
-        is_selected.scatter_(1, local_index, True)
-        return ~is_selected[:, :num_local]
-
-    out, lse = _local_partials(queries, metadata, step, kv_lora_rank, read_context, scale, None, hidden_keys)
-    out_latent = _merge_over_group(step, out, lse, num_heads)
-    output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
-    output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
-    return output
 
 
 __all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "build_decode_context_parallel",
-           "dcp_select_tokens", "merge_partial_attention", "mla_context_parallel_attention", "partial_attention",
-           "sparse_mla_context_parallel_attention"]
+           "merge_partial_attention", "merge_over_group", "mla_context_parallel_attention", "partial_attention",
+           "step_of"]

@@ -223,7 +223,8 @@ class EngineConfig:
         if batch_invariant is False and batch_invariant_from_env():  # vLLM's VLLM_BATCH_INVARIANT=1
             batch_invariant = True
         attention_backend = parallel_config.attention_backend_for(attention_backend, batch_invariant)
-        parallel_config.check_sequence_parallel(compilation.is_compiled, speculative.reads_target_layers)
+        parallel_config.check_context_parallel_modes(compilation.is_compiled, speculative.method,
+                                                     speculative.reads_target_hidden_states, profiling_chunk.enable)
         check_batch_invariant_options(batch_invariant, attention_backend, compilation.mode)
         if batch_invariant:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form

@@ -177,16 +177,26 @@ class ParallelConfig:
     def oproj_degree(self) -> int:
         return self.oproj_tensor_parallel_size or self.tensor_parallel_size
 
-    def check_sequence_parallel(self, is_compiled: bool, reads_target_layers: bool) -> None:
-        """SP's module hooks against the modes that trace or read the modules (called by EngineConfig.create)."""
-        if not self.enable_sequence_parallel:
-            return
-        if is_compiled:
-            raise ValueError("enable_sequence_parallel=True runs eagerly (its token shards move in module hooks); "
-                             "set enforce_eager=True or leave compilation_config's mode unset")
-        if reads_target_layers:
-            raise ValueError("enable_sequence_parallel=True splits the hidden states by tokens, but the speculative "
-                             "method reads the target's layers; turn one of them off")
+    def check_context_parallel_modes(self, is_compiled: bool, speculative_method: str | None,
+                                     reads_target_hidden_states: bool, profiling_chunks: bool) -> None:
+        """SP and DCP against the engine modes they do not cover (called by EngineConfig.create)."""
+        if self.enable_sequence_parallel:
+            if is_compiled:
+                raise ValueError("enable_sequence_parallel=True runs eagerly (its token shards move in module "
+                                 "hooks); set enforce_eager=True or leave compilation_config's mode unset")
+            if reads_target_hidden_states:
+                # EAGLE drafters call the target's embedding and read its hidden states, which SP splits by token.
+                raise ValueError(f"enable_sequence_parallel=True splits the hidden states by tokens, but "
+                                 f"speculative_config.method={speculative_method!r} reads the target's; turn one off")
+        dcp = self.decode_context_parallel_size
+        if dcp > 1 and speculative_method not in (None, "ngram"):
+            # Drafters with attention layers (or block drafters writing their own caches) would need their own
+            # position split and KV-head check; only the model-free ngram drafter is covered.
+            raise ValueError(f"decode_context_parallel_size={dcp} supports speculative_config.method 'ngram' only, "
+                             f"not {speculative_method!r}")
+        if dcp > 1 and profiling_chunks:
+            raise ValueError(f"profiling_chunk_config.enable=True times forwards without the context-parallel "
+                             f"split, but decode_context_parallel_size={dcp}; disable one of them")
 
     def attention_backend_for(self, requested: str | None, batch_invariant: bool) -> str | None:
         """The attention backend the engine runs: `requested` (None: the platform's), or decode_context_parallel

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.decode_context_parallel import dcp_select_tokens, sparse_mla_context_parallel_attention
+from pagedserve.attention.sparse_mla_context_parallel import dcp_select_tokens, sparse_mla_context_parallel_attention
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
 from pagedserve.attention.kv_page_layout import kv_cache_component

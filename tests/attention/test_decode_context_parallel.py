@@ -121,3 +121,21 @@ def test_backend_on_a_group_of_one_equals_the_reference_backend(monkeypatch, sco
     actual = DecodeContextParallelBackend().forward(query, key, value, actual_cache, metadata, 0.4, None)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(actual_cache, expected_cache)
+
+
+def test_bfloat16_partials_merge_within_the_outputs_own_rounding() -> None:
+    """bf16 inputs: scores, log-sum-exps and the merge run in float32, so the merged output is off the float32
+    attention over the same bf16 values by no more than rounding that output to bf16 costs (twice, for margin)."""
+    generator = torch.Generator().manual_seed(3)
+    num_heads, dim, seq_len = 16, 64, 4096
+    query = torch.randn(1, num_heads, dim, generator=generator).bfloat16()
+    key = torch.randn(1, seq_len, dim, generator=generator).bfloat16()
+    value = torch.randn(1, seq_len, dim, generator=generator).bfloat16()
+    query_positions = torch.tensor([seq_len - 1])
+    partials = [partial_attention(query, key[:, rank::2], value[:, rank::2], query_positions,
+                                  torch.arange(rank, seq_len, 2), dim ** -0.5) for rank in range(2)]
+    merged = merge_partial_attention(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
+    assert merged.dtype == torch.float32
+    expected = _reference(query.float(), key.float(), value.float(), query_positions, dim ** -0.5, None)
+    rounding = (expected.bfloat16().float() - expected).abs().max()
+    assert (merged.bfloat16().float() - expected).abs().max() <= 2 * rounding

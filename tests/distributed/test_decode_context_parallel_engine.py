@@ -92,8 +92,19 @@ def test_dcp_doubles_the_positions_a_block_budget_holds(tiny_model_dir) -> None:
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, batch_invariant=True),
      "batch_invariant=True has no decode-context-parallel form"),
     (dict(attention_backend="decode_context_parallel"), "is chosen by decode_context_parallel_size > 1"),
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, profiling_chunk_config={"enable": True}),
+     "profiling_chunk_config.enable=True times forwards without the context-parallel split"),
 ])
 def test_bad_combinations_fail_at_start(tiny_model_dir, kwargs: dict, message: str) -> None:
     kind = kwargs.pop("kind", "deepseek-v3")
     with pytest.raises(ValueError, match=message):
         EngineConfig.create(tiny_model_dir(kind), **kwargs)
+
+
+def test_drafters_other_than_ngram_are_refused(tiny_model_dir) -> None:
+    """A draft model's own attention layers would need their own position split: refused at start."""
+    folder = tiny_model_dir("deepseek-v3")
+    with pytest.raises(ValueError, match="supports speculative_config.method 'ngram' only, not 'draft_model'"):
+        EngineConfig.create(folder, tensor_parallel_size=2, decode_context_parallel_size=2,
+                            speculative_config={"method": "draft_model", "model": folder,
+                                                "num_speculative_tokens": 2})

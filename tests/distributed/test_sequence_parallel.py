@@ -43,6 +43,44 @@ def test_sequence_parallel_equals_tp_without_it_and_one_process(tiny_model_dir, 
     assert results[True] == single
 
 
+def test_eagle_drafters_are_refused(tiny_model_dir, tmp_path) -> None:
+    """EAGLE calls the target's embedding and reads its hidden states, which SP splits by token."""
+    from spec_decode.drafter_checkpoints import write_eagle_checkpoint
+
+    folder = tiny_model_dir("llama")
+    drafter = write_eagle_checkpoint(str(tmp_path / "eagle"), folder)
+    with pytest.raises(ValueError, match="speculative_config.method='eagle' reads the target's"):
+        EngineConfig.create(folder, tensor_parallel_size=2, enable_sequence_parallel=True,
+                            speculative_config={"method": "eagle", "model": drafter, "num_speculative_tokens": 2})
+
+
+def test_hooks_take_over_the_row_parallel_reductions_and_keep_outputs(tiny_model_dir) -> None:
+    """On a one-rank group the hooks are the identity: the same hidden states, with o_proj / down_proj no longer
+    all-reducing themselves (the reduce-scatter hook does) and every hook in place."""
+    from transformers import AutoConfig
+
+    from pagedserve.attention.forward_context import set_forward_context
+    from pagedserve.config.model import ModelConfig
+    from pagedserve.distributed.sequence_parallel import apply_sequence_parallel
+    from pagedserve.model_loader import load_model
+
+    folder = tiny_model_dir("llama")
+    model = load_model(ModelConfig(model=folder, dtype=torch.float32, hf_config=AutoConfig.from_pretrained(folder)),
+                       "cpu")
+    input_ids, positions = torch.tensor([5, 9, 13, 2, 7]), torch.arange(5)
+    with torch.no_grad(), set_forward_context(None):
+        expected = model(input_ids, positions)
+        apply_sequence_parallel(model, GroupCoordinator(name="tp"))
+        actual = model(input_ids, positions)
+    torch.testing.assert_close(actual, expected)
+    decoder = model.model
+    assert decoder.embed_tokens._forward_hooks and decoder.norm._forward_hooks
+    for layer in decoder.layers:
+        assert layer.self_attn._forward_pre_hooks and layer.mlp._forward_pre_hooks
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            assert not linear.reduce_results and linear._forward_hooks
+
+
 def test_token_shards_on_one_rank_round_trip() -> None:
     shards = TokenShards(GroupCoordinator(name="tp"))
     rows = torch.randn(7, 3)
