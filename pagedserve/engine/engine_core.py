@@ -20,6 +20,7 @@ from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy
 from pagedserve.core.profiling_chunk_predictor import LatencySample, build_profiling_chunk_policy
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 from pagedserve.engine.batch_queue import BatchQueue, InFlightStep
 from pagedserve.executor.abstract import Executor, FatalExecutorError
 
@@ -51,6 +52,8 @@ class EngineCore:
         # Workers learn of finished requests with the next step. With sparse KV offload they hold per-request
         # resident buffers, so when the engine goes idle an empty step tells them at once.
         self._notify_finished_when_idle = config.sparse_kv_offload_config is not None
+        # The workers' latest sparse KV offload counters (None without offload), reported in make_stats.
+        self._sparse_kv_offload_stats: SparseKVOffloadStats | None = None
 
     def _prefill_chunk_policy(self) -> PrefillChunkPolicy | None:
         """The profiling-tuned chunk policy when enabled and the worker sent its timings, else None."""
@@ -82,8 +85,8 @@ class EngineCore:
 
     def _notify_finished_if_idle(self) -> None:
         """With nothing left to run, send the workers the finished ids in an empty step (see __init__)."""
-        if self._notify_finished_when_idle and self.scheduler.finished_request_ids and not self.batch_queue \
-                and not self.scheduler.has_unfinished_requests():
+        if self._notify_finished_when_idle and self._fatal_error is None and self.scheduler.finished_request_ids \
+                and not self.batch_queue and not self.scheduler.has_unfinished_requests():
             model_output = self.executor.execute_model(self.scheduler.schedule())
             if model_output.sparse_kv_offload_stats is not None:
                 self._sparse_kv_offload_stats = model_output.sparse_kv_offload_stats
@@ -110,7 +113,7 @@ class EngineCore:
             stats.eplb_num_rebalances = self._eplb_num_rebalances
             stats.eplb_imbalance_before = [before for before, _ in imbalance]
             stats.eplb_imbalance_after = [after for _, after in imbalance]
-        stats.sparse_kv_offload = getattr(self, "_sparse_kv_offload_stats", None)
+        stats.sparse_kv_offload = self._sparse_kv_offload_stats
         return stats
 
     def step(self) -> list[EngineCoreOutput]:
