@@ -13,6 +13,7 @@ from typing import Any
 from pagedserve.config.cache import CacheConfig, parse_memory_size
 from pagedserve.config.compilation import CompilationConfig
 from pagedserve.config.eplb import EplbConfig
+from pagedserve.config.kv_transfer import KVTransferConfig
 from pagedserve.config.load import LoadConfig
 from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
@@ -48,6 +49,8 @@ class EngineConfig:
     native_decode_stack: bool = True
     # Speculative decoding (config/speculative.py, spec_decode/); off unless a method is set.
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # The KV connector (config/kv_transfer.py, kv_transfer/): prefill/decode disaggregation; None when off.
+    kv_transfer_config: KVTransferConfig | None = None
 
     @property
     def tokens_per_block(self) -> int:
@@ -104,6 +107,7 @@ class EngineConfig:
         gguf_dequantize: bool = False,
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -203,6 +207,9 @@ class EngineConfig:
         speculative.check_engine(async_scheduling=async_scheduling,
                                  pipeline_parallel_size=parallel_config.pipeline_parallel_size,
                                  enable_reduce_sample=enable_reduce_sample)
+        kv_transfer = KVTransferConfig.parse(kv_transfer_config)
+        if kv_transfer is not None:
+            _check_kv_transfer_engine(kv_transfer, parallel_config, async_scheduling, speculative.is_enabled)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             device_type=platform.device_type)
@@ -238,7 +245,30 @@ class EngineConfig:
             load_config=load_config,
             native_decode_stack=native_decode_stack,
             speculative_config=speculative,
+            kv_transfer_config=kv_transfer,
         )
+
+
+def _check_kv_transfer_engine(kv_transfer: KVTransferConfig, parallel_config: ParallelConfig,
+                              async_scheduling: bool, speculation: bool) -> None:
+    """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
+    world = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
+             parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size)
+    if world != (1, 1, 1, 1):
+        raise ValueError(f"kv_transfer_config.kv_connector={kv_transfer.kv_connector!r} runs on one worker for now: "
+                         f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size and "
+                         f"decode_context_parallel_size must be 1 (got {world})")
+    if parallel_config.executor_backend != "uni":
+        raise ValueError(f"kv_transfer_config.kv_connector={kv_transfer.kv_connector!r} runs in the engine's own "
+                         f"process for now: distributed_executor_backend="
+                         f"{parallel_config.distributed_executor_backend!r} must be None or 'uni'")
+    if async_scheduling:
+        # A request waiting for remote KV needs steps with nothing scheduled, which the batch queue skips.
+        raise ValueError(f"kv_transfer_config.kv_connector={kv_transfer.kv_connector!r} is not supported with "
+                         f"async_scheduling=True yet: set async_scheduling=False")
+    if speculation:
+        raise ValueError(f"kv_transfer_config.kv_connector={kv_transfer.kv_connector!r} is not supported with "
+                         f"speculative_config yet (the drafter's KV is not transferred): drop one of them")
 
 
 def _num_devices(device_type: str) -> int | None:

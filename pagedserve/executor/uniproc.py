@@ -36,4 +36,6 @@ class UniProcExecutor(Executor):
             # Steps not started yet are cancelled; a running one finishes first (torch cannot be interrupted).
             self._step_thread.shutdown(wait=True, cancel_futures=True)
             self._step_thread = None
+        if self.worker is not None:
+            self.worker.shutdown()
         self.worker = None  # type: ignore[assignment]
