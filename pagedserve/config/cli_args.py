@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     speculative.add_argument("--speculative-config", default=None,
                              help='speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
                                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    kv_transfer = parser.add_argument_group("KV transfer (prefill/decode disaggregation)")
+    kv_transfer.add_argument("--kv-transfer-config", default=None,
+                             help='the KV connector as a JSON object, e.g. \'{"kv_connector": "PullConnector", '
+                                  '"kv_role": "kv_producer", "kv_port": 5600}\' (docs/kv_transfer.md)')
     add_load_args(parser)
 
 
@@ -136,7 +140,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 attention_backend=getattr(args, "attention_backend", None),
                 batch_invariant=getattr(args, "batch_invariant", False),
                 native_decode_stack=getattr(args, "native_decode_stack", True),
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                kv_transfer_config=getattr(args, "kv_transfer_config", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
