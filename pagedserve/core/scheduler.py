@@ -32,6 +32,7 @@ from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy, UncappedPre
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.spec_decode_stats import SpecDecodeStats
+from pagedserve.kv_transfer.kv_transfer_params import check_kv_transfer_params_accepted
 from pagedserve.core.scheduler_output import (
     CachedRequestData,
     KVConnectorOutput,
@@ -104,10 +105,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt length={request.num_prompt_tokens} of request {request.request_id!r} must be in "
                 f"[1, max_model_len={self.max_model_len}]")
-        extra_args = request.sampling_params.extra_args
-        if self.kv_connector is None and extra_args and extra_args.get("kv_transfer_params") is not None:
-            raise ValueError(f"request {request.request_id!r} has kv_transfer_params but the engine has no KV "
-                             f"connector: start it with kv_transfer_config")
+        check_kv_transfer_params_accepted(request.sampling_params.extra_args, self.kv_connector is not None)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)

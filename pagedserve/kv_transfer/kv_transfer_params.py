@@ -72,3 +72,10 @@ class KVTransferParams:
 def request_kv_transfer_params(extra_args: dict[str, Any] | None) -> Any:
     """The raw kv_transfer_params of a request's SamplingParams.extra_args (None when absent)."""
     return None if extra_args is None else extra_args.get("kv_transfer_params")
+
+
+def check_kv_transfer_params_accepted(extra_args: dict[str, Any] | None, has_connector: bool) -> None:
+    """ValueError when a request carries kv_transfer_params to an engine without a KV connector."""
+    if not has_connector and request_kv_transfer_params(extra_args) is not None:
+        raise ValueError("the request has kv_transfer_params but the engine has no KV connector: start it with "
+                         "kv_transfer_config")
