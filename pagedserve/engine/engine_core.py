@@ -11,6 +11,7 @@ its outputs, so the next step is already queued on the worker when the current o
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
@@ -24,6 +25,10 @@ from pagedserve.engine.batch_queue import BatchQueue, InFlightStep
 from pagedserve.executor.abstract import Executor, FatalExecutorError
 
 logger = logging.getLogger(__name__)
+
+# An empty synchronous step (requests only wait for a KV connector: a remote load, a consumer's done notice) sleeps
+# this long, so that the loop polling the connector leaves the CPU to the threads moving the KV.
+IDLE_STEP_SLEEP_S = 0.001
 
 
 class EngineCore:
@@ -128,7 +133,10 @@ class EngineCore:
             logger.exception("model step failed; failing the %d requests of this batch",
                              len(scheduler_output.num_scheduled_tokens))
             return self._fail_batch(scheduler_output)
-        return self._update_from_output(scheduler_output, model_output)
+        outputs = self._update_from_output(scheduler_output, model_output)
+        if scheduler_output.is_empty and not outputs:
+            time.sleep(IDLE_STEP_SLEEP_S)
+        return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Fill the batch queue, then collect the oldest step in flight.

@@ -42,9 +42,16 @@ class KVPageRegions:
         return int(self.regions[0][0].shape[0]) if self.regions else 0
 
     def gather(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of the blocks' bytes, one contiguous [len(block_ids), region bytes] tensor per region."""
-        index = torch.tensor(block_ids, dtype=torch.long)
-        return [region.index_select(0, index) for layer_regions in self.regions for region in layer_regions]
+        """The blocks' bytes, one contiguous [len(block_ids), region bytes] tensor per region: a view of the cache
+        when the ids are consecutive (nothing copied; the caller keeps the blocks unchanged while it reads),
+        else a copy."""
+        runs = _consecutive_runs(block_ids)
+        flat = [region for layer_regions in self.regions for region in layer_regions]
+        if len(runs) == 1:
+            _, first_block, length = runs[0]
+            return [region[first_block:first_block + length] for region in flat]
+        return [torch.cat([region[first_block:first_block + length] for _, first_block, length in runs])
+                for region in flat]
 
     def region_bytes(self) -> list[int]:
         """Bytes one block has in each region, in gather() order."""
@@ -52,10 +59,23 @@ class KVPageRegions:
 
     def scatter(self, block_ids: list[int], sources: list[torch.Tensor]) -> None:
         """Write `sources` (gather()'s form) into the blocks `block_ids`."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        # Runs of consecutive block ids are copied as slices: index_copy_ on byte rows is ~50x slower than memcpy.
+        runs = _consecutive_runs(block_ids)
         flat = [region for layer_regions in self.regions for region in layer_regions]
         for region, source in zip(flat, sources, strict=True):
-            region.index_copy_(0, index, source)
+            for first_row, first_block, length in runs:
+                region[first_block:first_block + length].copy_(source[first_row:first_row + length])
+
+
+def _consecutive_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first block id, length) of each run of consecutive ids in `block_ids`."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block_id in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, block_id, 1))
+    return runs
 
 
 def _layer_regions(kv_cache: torch.Tensor, layout: KVPageLayout, num_blocks: int) -> list[torch.Tensor]:

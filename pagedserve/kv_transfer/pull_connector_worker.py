@@ -51,6 +51,9 @@ class PullConnectorWorker(KVConnectorWorker):
         self._cancelled_ids: set[str] = set()
         self._pending_ids: set[str] = set()
         self._orders: queue.Queue[LoadOrder | None] = queue.Queue()
+        # Cumulative KV bytes loaded and the seconds their reads took (request sent to blocks written).
+        self.num_loaded_bytes = 0
+        self.load_seconds = 0.0
         self._loader: threading.Thread | None = None
 
     @property
@@ -159,11 +162,19 @@ class PullConnectorWorker(KVConnectorWorker):
             verified.add(endpoint)
         if self._is_cancelled(order.request_id):
             return False
+        start = time.perf_counter()
         _, frames = client.call(*endpoint, {"kind": "read", "block_ids": order.remote_block_ids})
         sources = frames_to_tensors(frames, len(order.local_block_ids), self.regions.region_bytes())
         if self._is_cancelled(order.request_id):
             return False
         self.regions.scatter(order.local_block_ids, sources)
+        seconds = time.perf_counter() - start
+        num_bytes = sum(source.numel() for source in sources)
+        with self._lock:
+            self.num_loaded_bytes += num_bytes
+            self.load_seconds += seconds
+        logger.debug("request %s: loaded %d blocks (%.1f MiB) in %.3f s", order.request_id,
+                     len(order.local_block_ids), num_bytes / 2**20, seconds)
         return True
 
     def _notify_done(self, client: BlockClient, order: LoadOrder) -> None:
