@@ -289,3 +289,29 @@ def test_handshake_mismatch_names_both_sides(tiny_model_dir, caplog, consumer_kw
     finally:
         producer.llm_engine.shutdown()
         consumer.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek-v3"])
+def test_pd_int8_kv_pages(tiny_model_dir, kind) -> None:  # type: ignore[no-untyped-def]
+    """int8 KV pages (int8 K/V or latent with their scales in the page): P -> D equals one engine with the same
+    cache dtype, and D computes one prompt token per request."""
+    model = tiny_model_dir(kind)
+    int8_kwargs = ENGINE_KWARGS | dict(kv_cache_dtype="int8")
+    prompts = random_prompts(2, 30, 50, seed=13)
+    reference_engine = LLM(model, **int8_kwargs)
+    producer = LLM(model, kv_transfer_config=producer_config(), **int8_kwargs)
+    consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail"), **int8_kwargs)
+    try:
+        expected = token_ids(reference_engine, prompts, GREEDY)
+        params = [output.kv_transfer_params for output in producer.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts],
+            SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}),
+            use_tqdm=False)]
+        scheduled = record_scheduled_tokens(consumer)
+        assert token_ids(consumer, prompts, [remote_params(value) for value in params]) == expected
+        assert sorted(steps[0] for steps in scheduled.values()) == [1, 1]
+        assert_all_blocks_free(producer)
+        assert_all_blocks_free(consumer)
+    finally:
+        for llm in (producer, consumer, reference_engine):
+            llm.llm_engine.shutdown()
