@@ -169,7 +169,7 @@ class Scheduler:
         prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_requests=len(self.running),
-            num_waiting_requests=len(self.waiting),
+            num_waiting_requests=len(self.waiting) + len(self.remote_kv_requests),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_cache_stats.queries,
             prefix_cache_hits=prefix_cache_stats.hits,
@@ -312,7 +312,7 @@ class Scheduler:
     def _admit(self, request: Request, token_budget: int) -> int:
         """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted). A request
         whose KV the connector loads asynchronously is parked instead (status WAITING_FOR_REMOTE_KVS, 0)."""
-        if self.kv_cache_manager.get_block_ids(request.request_id):
+        if self.kv_connector is not None and self.kv_cache_manager.get_block_ids(request.request_id):
             # Its remote KV load ended: its blocks hold the prompt's KV up to num_computed_tokens.
             hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
         else:

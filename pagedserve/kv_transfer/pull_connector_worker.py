@@ -199,5 +199,7 @@ class PullConnectorWorker(KVConnectorWorker):
         if self.server is not None:
             self.server.shutdown()
             self.server = None
-        # A loader still waiting on a dead producer is a daemon thread: close its socket from here rather than hang.
-        self.context.destroy(linger=0) if not is_joined else self.context.term()
+        if is_joined:
+            self.context.term()
+        else:  # a loader still waiting on a dead producer (a daemon thread): close its socket rather than hang
+            self.context.destroy(linger=0)
