@@ -74,13 +74,14 @@ class PullConnectorScheduler(KVConnectorScheduler):
         params = self._params(request)
         if params is None or not params.do_remote_prefill:
             return 0, False
-        self._handled_ids.add(request.request_id)
         num_external_tokens = request.num_prompt_tokens - num_computed_tokens
         return (num_external_tokens, True) if num_external_tokens > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
+        # Marked only now: a request whose blocks did not fit is asked again at its next admission.
+        self._handled_ids.add(request.request_id)
         params = self._params(request)
         assert params is not None and params.do_remote_prefill
         first = request.num_computed_tokens // self.block_size

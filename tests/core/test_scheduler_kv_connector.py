@@ -111,3 +111,16 @@ def test_producer_holds_blocks_until_the_consumer_is_done(make_request, model_ou
     assert registered.kv_connector_metadata.sends == ["p"]
     run(scheduler, model_output, KVConnectorOutput(finished_sending={"p", "unknown"}))
     assert not scheduler.has_kv_held_requests() and scheduler.kv_cache_manager.num_free_blocks == 31
+
+
+def test_remote_prefill_that_does_not_fit_waits_and_loads_later(make_request, model_output) -> None:
+    scheduler = connector_scheduler("kv_consumer", num_blocks=5)  # 4 usable blocks
+    scheduler.add_request(make_request("a", list(range(50, 62)), max_tokens=1))  # 3 blocks
+    scheduler.add_request(make_request("d", list(range(14)), max_tokens=2, extra_args={"kv_transfer_params": REMOTE}))
+    first, _ = run(scheduler, model_output)
+    assert first.num_scheduled_tokens == {"a": 12} and first.kv_connector_metadata.loads == []
+    assert scheduler.waiting.peek_request().request_id == "d" and not scheduler.remote_kv_requests
+    second, _ = run(scheduler, model_output)  # "a" finished: its blocks are free again
+    (order,) = second.kv_connector_metadata.loads
+    assert order.request_id == "d" and len(order.local_block_ids) == 4
+    assert scheduler.remote_kv_requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
