@@ -124,3 +124,29 @@ def test_remote_prefill_that_does_not_fit_waits_and_loads_later(make_request, mo
     (order,) = second.kv_connector_metadata.loads
     assert order.request_id == "d" and len(order.local_block_ids) == 4
     assert scheduler.remote_kv_requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_multi_connector_routes_each_request_to_one_part(make_request, model_output) -> None:
+    """MultiConnector of a producer part and a consumer part: a remote prefill is loaded by the consumer part
+    only; a do_remote_decode request is held by the producer part and returns its kv_transfer_params."""
+    from pagedserve.kv_transfer.multi_connector import MultiConnectorScheduler
+
+    config = KVTransferConfig.parse({"kv_connector": "MultiConnector", "kv_role": "kv_both", "engine_id": "m",
+                                     "kv_connector_extra_config": {"connectors": [
+                                         {"kv_connector": "PullConnector", "kv_role": "kv_producer"},
+                                         {"kv_connector": "PullConnector", "kv_role": "kv_consumer"}]}})
+    assert config is not None
+    parts = [PullConnectorScheduler(part, BLOCK_SIZE, "127.0.0.1", 5600) for part in config.connector_configs]
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+                          KVCacheManager(32, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=MultiConnectorScheduler(parts))
+    scheduler.add_request(make_request("d", list(range(14)), extra_args={"kv_transfer_params": REMOTE}))
+    scheduler.add_request(make_request("p", list(range(30, 40)), max_tokens=1,
+                                       extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
+    first, outputs = run(scheduler, model_output)
+    producer_metadata, consumer_metadata = first.kv_connector_metadata
+    assert producer_metadata.loads == [] and [order.request_id for order in consumer_metadata.loads] == ["d"]
+    (output,) = outputs
+    assert output.request_id == "p" and output.kv_transfer_params["remote_engine_id"] == "m-0"
+    assert scheduler.has_kv_held_requests() and "d" in scheduler.remote_kv_requests
+    run(scheduler, model_output, KVConnectorOutput(finished_sending={"p"}, finished_recving={"d"}))
+    assert not scheduler.has_kv_held_requests() and not scheduler.remote_kv_requests
