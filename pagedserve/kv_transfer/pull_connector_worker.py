@@ -148,10 +148,6 @@ class PullConnectorWorker(KVConnectorWorker):
     def _load(self, client: BlockClient, order: LoadOrder, verified: set[tuple[str, int]]) -> bool:
         """Pull one order's blocks; False when it was cancelled before its blocks were written."""
         assert self.regions is not None
-        if len(order.remote_block_ids) != len(order.local_block_ids):
-            raise KVTransferError(f"the producer holds {len(order.remote_block_ids)} blocks for positions this "
-                                  f"engine keeps in {len(order.local_block_ids)} (remote_block_ids does not cover "
-                                  f"the prompt)")
         endpoint = (order.remote_host, order.remote_port)
         if endpoint not in verified:
             answer, _ = client.call(*endpoint, {"kind": "handshake"})
@@ -160,6 +156,11 @@ class PullConnectorWorker(KVConnectorWorker):
                 raise KVTransferError(f"handshake with engine {order.remote_engine_id!r} at {endpoint[0]}:"
                                       f"{endpoint[1]}: the engines' KV caches differ: " + "; ".join(mismatches))
             verified.add(endpoint)
+        # After the handshake, so that a block size mismatch is reported as such.
+        if len(order.remote_block_ids) != len(order.local_block_ids):
+            raise KVTransferError(f"the producer holds {len(order.remote_block_ids)} blocks for positions this "
+                                  f"engine keeps in {len(order.local_block_ids)} (remote_block_ids does not cover "
+                                  f"the prompt)")
         if self._is_cancelled(order.request_id):
             return False
         start = time.perf_counter()

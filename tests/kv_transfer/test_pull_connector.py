@@ -268,14 +268,18 @@ def test_producer_frees_blocks_after_timeout(tiny_model_dir) -> None:  # type: i
         producer.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("consumer_kwargs, message", [
-    (dict(block_size=32), "block_size: producer 16, consumer 32"),
-    (dict(dtype="bfloat16"), "dtype: producer torch.float32, consumer torch.bfloat16"),
+@pytest.mark.parametrize("consumer_model, consumer_kwargs, message", [
+    ({}, dict(block_size=32), "block_size: producer 16, consumer 32"),
+    ({}, dict(block_size=8), "block_size: producer 16, consumer 8"),
+    ({}, dict(dtype="bfloat16"), "dtype: producer torch.float32, consumer torch.bfloat16"),
+    (dict(num_hidden_layers=3), {}, "consumer LlamaForCausalLM layers=3"),
 ])
-def test_handshake_mismatch_names_both_sides(tiny_model_dir, caplog, consumer_kwargs, message) -> None:  # type: ignore[no-untyped-def]
+def test_handshake_mismatch_names_both_sides(tiny_model_dir, caplog, consumer_model, consumer_kwargs,  # type: ignore[no-untyped-def]
+                                             message) -> None:
     model = tiny_model_dir("llama")
     producer = LLM(model, kv_transfer_config=producer_config(), **ENGINE_KWARGS)
-    consumer = LLM(model, kv_transfer_config=consumer_config("fail"), **(ENGINE_KWARGS | consumer_kwargs))
+    consumer = LLM(tiny_model_dir("llama", **consumer_model), kv_transfer_config=consumer_config("fail"),
+                   **(ENGINE_KWARGS | consumer_kwargs))
     prompt = list(range(5, 45))
     try:
         params = producer.generate([{"prompt_token_ids": prompt}], SamplingParams(
