@@ -319,3 +319,41 @@ def test_pd_int8_kv_pages(tiny_model_dir, kind) -> None:  # type: ignore[no-unty
     finally:
         for llm in (producer, consumer, reference_engine):
             llm.llm_engine.shutdown()
+
+
+def test_producer_killed_while_a_read_is_in_flight(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """P answers one pull, is frozen (SIGSTOP), D sends the next read, P is killed before answering: the load
+    times out, D recomputes (same tokens) and every D block ends free."""
+    import signal
+
+    model = tiny_model_dir("llama")
+    prompts = random_prompts(2, 30, 45, seed=17)
+    reference_engine = LLM(model, **ENGINE_KWARGS)
+    expected = token_ids(reference_engine, prompts, GREEDY)
+    reference_engine.llm_engine.shutdown()
+    producer = PrefillProcess(model, kv_transfer_config=producer_config(), **ENGINE_KWARGS)
+    consumer = LLM(model, kv_transfer_config=consumer_config("recompute", transfer_timeout_s=2), **ENGINE_KWARGS)
+    engine = consumer.llm_engine
+    connector = engine.engine_core.executor.worker.kv_connector
+    try:
+        params = producer.prefill(prompts)
+        assert token_ids(consumer, prompts[:1], [remote_params(params[0])]) == expected[:1]
+        num_loaded_bytes = connector.num_loaded_bytes
+        assert num_loaded_bytes > 0
+        producer.process.send_signal(signal.SIGSTOP)
+        engine.add_request("second", {"prompt_token_ids": prompts[1]}, remote_params(params[1]))
+        engine.step()  # parks the request and hands its load order to the loader thread
+        assert "second" in engine.engine_core.scheduler.remote_kv_requests
+        time.sleep(0.2)  # the loader has sent its read to the frozen producer
+        producer.kill()
+        outputs = []
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            outputs += [output for output in engine.step() if output.finished]
+        (output,) = outputs
+        assert output.outputs[0].token_ids == expected[1]
+        assert connector.num_loaded_bytes == num_loaded_bytes  # nothing arrived for the second request
+        assert_all_blocks_free(consumer)
+    finally:
+        producer.close()
+        consumer.llm_engine.shutdown()
