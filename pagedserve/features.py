@@ -476,6 +476,29 @@ FEATURES: tuple[Feature, ...] = (
         docs="docs/speculative-decoding.md",
         tests=("tests/spec_decode/test_rejection_sampler.py",),
     ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="KV connector seam (vLLM v1's scheduler / worker "
+                                                              "split, WAITING_FOR_REMOTE_KVS, held blocks) and "
+                                                              "MultiConnector",
+        modules=("pagedserve.kv_transfer.connector_base", "pagedserve.kv_transfer.connector_factory",
+                 "pagedserve.kv_transfer.multi_connector", "pagedserve.config.kv_transfer"),
+        knobs=("kv_transfer_config",),
+        docs="docs/kv_transfer.md",
+        tests=("tests/core/test_scheduler_kv_connector.py", "tests/kv_transfer/test_kv_transfer_config.py",
+               "tests/kv_transfer/test_pull_connector.py::test_consumer_uses_the_producers_bytes"),
+    ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="PullConnector: D pulls P's KV blocks over ZeroMQ "
+                                                              "(handshake checks, P frees on done or timeout, "
+                                                              "kv_load_failure_policy recompute | fail); dense and "
+                                                              "MLA models",
+        modules=("pagedserve.kv_transfer.pull_connector_scheduler", "pagedserve.kv_transfer.pull_connector_worker",
+                 "pagedserve.kv_transfer.zmq_block_transport", "pagedserve.kv_transfer.kv_page_regions",
+                 "pagedserve.kv_transfer.kv_transfer_params"),
+        knobs=("kv_transfer_config", "extra_args"),
+        docs="docs/kv_transfer.md",
+        tests=("tests/kv_transfer/test_pull_connector.py", "tests/kv_transfer/test_kv_page_regions.py"),
+    ),
 )
 
 

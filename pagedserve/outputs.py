@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -42,3 +43,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # A KV producer's finished request: the kv_transfer_params a consumer pulls its KV with (kv_transfer/).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 # Greedy sampling is temperature below this (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -46,6 +47,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Extra per-request arguments for engine plug-ins (vLLM's name); "kv_transfer_params" drives the KV connector
+    # (pagedserve/kv_transfer/kv_transfer_params.py).
+    extra_args: dict[str, Any] | None = None
     # Set by the engine, not by users: the tokenizer's EOS ids (generation_config may add more).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -102,6 +106,13 @@ class SamplingParams:
         require(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        require(self.extra_args is None or isinstance(self.extra_args, dict),
+                f"extra_args={self.extra_args!r} must be a dict or None")
+        if self.extra_args is not None and self.extra_args.get("kv_transfer_params") is not None:
+            from pagedserve.kv_transfer.kv_transfer_params import KVTransferParams
+
+            KVTransferParams.parse(self.extra_args["kv_transfer_params"], self.max_tokens)
+            require(self.n == 1, f"n={self.n} must be 1 with kv_transfer_params (one request, one set of blocks)")
 
     @property
     def sampling_type(self) -> SamplingType:

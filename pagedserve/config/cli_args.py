@@ -86,6 +86,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument("--sparse-kv-offload", default=None,
                            help='sparse KV offload of DeepSeek sparse-attention models as a JSON object, e.g. '
                                 '\'{"num_resident_blocks": 64, "tier_directory": "/mnt/scratch"}\'')
+    kv_transfer = parser.add_argument_group("KV transfer (prefill/decode disaggregation)")
+    kv_transfer.add_argument("--kv-transfer-config", default=None,
+                             help='the KV connector as a JSON object, e.g. \'{"kv_connector": "PullConnector", '
+                                  '"kv_role": "kv_producer", "kv_port": 5600}\' (docs/kv_transfer.md)')
     add_load_args(parser)
 
 
@@ -140,7 +144,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 batch_invariant=getattr(args, "batch_invariant", False),
                 native_decode_stack=getattr(args, "native_decode_stack", True),
                 speculative_config=getattr(args, "speculative_config", None),
-                sparse_kv_offload=getattr(args, "sparse_kv_offload", None))
+                sparse_kv_offload=getattr(args, "sparse_kv_offload", None),
+                kv_transfer_config=getattr(args, "kv_transfer_config", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

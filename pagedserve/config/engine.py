@@ -13,6 +13,7 @@ from typing import Any
 from pagedserve.config.cache import CacheConfig, parse_memory_size
 from pagedserve.config.compilation import CompilationConfig
 from pagedserve.config.eplb import EplbConfig
+from pagedserve.config.kv_transfer import KVTransferConfig
 from pagedserve.config.load import LoadConfig
 from pagedserve.config.model import ModelConfig, derived_max_model_len, resolve_dtype
 from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
@@ -51,6 +52,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Sparse KV offload of DeepSeek sparse-attention models (config/sparse_kv_offload.py); None: off.
     sparse_kv_offload_config: SparseKVOffloadConfig | None = None
+    # The KV connector (config/kv_transfer.py, kv_transfer/): prefill/decode disaggregation; None when off.
+    kv_transfer_config: KVTransferConfig | None = None
 
     @property
     def tokens_per_block(self) -> int:
@@ -108,6 +111,7 @@ class EngineConfig:
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         sparse_kv_offload: SparseKVOffloadConfig | dict[str, Any] | str | None = None,
+        kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -215,6 +219,10 @@ class EngineConfig:
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
                 pipeline_parallel_size=parallel_config.pipeline_parallel_size,
                 distributed_executor_backend=parallel_config.distributed_executor_backend)
+        kv_transfer = KVTransferConfig.parse(kv_transfer_config)
+        if kv_transfer is not None:
+            kv_transfer.check_engine(parallel_config, async_scheduling, speculative.is_enabled,
+                                     sparse_kv_offload=sparse_kv_offload_config is not None)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
             device_type=platform.device_type)
@@ -252,6 +260,7 @@ class EngineConfig:
             native_decode_stack=native_decode_stack,
             speculative_config=speculative,
             sparse_kv_offload_config=sparse_kv_offload_config,
+            kv_transfer_config=kv_transfer,
         )
 
 

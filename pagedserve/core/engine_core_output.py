@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.scheduler_output import LogprobsLists
 from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
@@ -16,6 +17,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error'
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # A producer's finished request: how a consumer fetches its KV (kv_transfer/kv_transfer_params.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -97,6 +97,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request` after its computed ones.
 
@@ -106,7 +107,8 @@ class KVCacheManager:
         Full blocks are registered in the prefix cache as soon as they are allocated: their KV is
         written by the step that computes them, before any later step can read it.
         `num_lookahead_tokens` more slots are reserved past the new tokens (a draft model writes KV there);
-        they are never registered in the prefix cache.
+        they are never registered in the prefix cache. `delay_cache_blocks`: register none of the new blocks
+        (their KV arrives from another engine later; they are registered by the first step after it arrived).
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} and num_lookahead_tokens={num_lookahead_tokens} "
@@ -140,7 +142,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
         blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._cache_full_blocks(request, min(num_computed_after, request.num_tokens))
         return KVCacheBlocks(new_blocks)
 

@@ -21,11 +21,13 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # Holding its blocks while a KV connector loads their KV from another engine (kv_transfer/).
+    WAITING_FOR_REMOTE_KVS = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:

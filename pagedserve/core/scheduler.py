@@ -13,21 +13,29 @@ itself (steps run in order on the worker). Outputs that come back for a request 
 meanwhile are dropped; a request preempted meanwhile still receives its token (it joins the tokens to
 recompute), and is not admitted again until every output in flight for it is back.
 
+A KV connector (kv_transfer/, optional) plugs in through its scheduler side: at admission it may provide a
+request's KV from another engine; an asynchronous load parks the request, with its blocks, in
+WAITING_FOR_REMOTE_KVS until the worker reports the load ended (then it is admitted with its prompt computed but
+the last token). A finished request whose blocks the connector still needs keeps them until the worker reports
+it done.
+
 Pure Python: no torch, no device code. The scheduler sees KV blocks only through KVCacheManager.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedserve.core.prefill_chunk_policy import PrefillChunkPolicy, UncappedPrefillChunkPolicy
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.request_queue import create_request_queue
 from pagedserve.core.spec_decode_stats import SpecDecodeStats
+from pagedserve.kv_transfer.kv_transfer_params import check_kv_transfer_params_accepted
 from pagedserve.core.scheduler_output import (
     CachedRequestData,
+    KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
@@ -36,6 +44,7 @@ from pagedserve.core.scheduler_output import (
 
 if TYPE_CHECKING:  # the config package imports torch; core stays importable without it
     from pagedserve.config.scheduler import SchedulerConfig
+    from pagedserve.kv_transfer.connector_base import KVConnectorScheduler
 
 
 class Scheduler:
@@ -43,9 +52,12 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
                  prefill_chunk_policy: PrefillChunkPolicy | None = None,
-                 include_new_token_ids: bool = False, num_lookahead_tokens: int = 0) -> None:
+                 include_new_token_ids: bool = False, num_lookahead_tokens: int = 0,
+                 kv_connector: KVConnectorScheduler | None = None, kv_load_failure_policy: str = "recompute") -> None:
         """`include_new_token_ids`: send the generated tokens each step computes in its cached-request
-        deltas (pipeline parallel: only the last stage samples; the other stages learn the tokens there)."""
+        deltas (pipeline parallel: only the last stage samples; the other stages learn the tokens there).
+        `kv_connector`: a KV connector's scheduler side; `kv_load_failure_policy` ('recompute' | 'fail'): what
+        happens to a request whose remote KV did not arrive."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size={block_size} must equal the KV cache manager's block_size={kv_cache_manager.block_size}")
@@ -76,6 +88,12 @@ class Scheduler:
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_decode_stats = SpecDecodeStats()
+        self.kv_connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        # Requests in WAITING_FOR_REMOTE_KVS, by id (out of the waiting queue until their load ends).
+        self.remote_kv_requests: dict[str, Request] = {}
+        # Finished requests whose blocks the connector still needs, by id (freed when the worker says so).
+        self.kv_held_requests: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -87,6 +105,7 @@ class Scheduler:
             raise ValueError(
                 f"prompt length={request.num_prompt_tokens} of request {request.request_id!r} must be in "
                 f"[1, max_model_len={self.max_model_len}]")
+        check_kv_transfer_params_accepted(request.sampling_params.extra_args, self.kv_connector is not None)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -109,6 +128,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 running_to_remove.add(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.remote_kv_requests[request_id]
             else:
                 waiting_to_remove.append(request)
             request.status = finished_status
@@ -118,23 +139,37 @@ class Scheduler:
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Forget a finished request and free its blocks, unless the KV connector still needs them; returns the
+        connector's kv_transfer_params for the request's output (None without)."""
+        is_delayed, kv_transfer_params = False, None
+        if self.kv_connector is not None:
+            is_delayed, kv_transfer_params = self.kv_connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if is_delayed:
+            self.kv_held_requests[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return kv_transfer_params
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.remote_kv_requests)
+
+    def has_kv_held_requests(self) -> bool:
+        """Finished requests still hold blocks for the KV connector (steps must run until it releases them)."""
+        return bool(self.kv_held_requests)
 
     def make_stats(self) -> SchedulerStats:
         """Gauges of this moment plus cumulative counters."""
         prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
             num_running_requests=len(self.running),
-            num_waiting_requests=len(self.waiting),
+            num_waiting_requests=len(self.waiting) + len(self.remote_kv_requests),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_cache_stats.queries,
             prefix_cache_hits=prefix_cache_stats.hits,
@@ -215,6 +250,10 @@ class Scheduler:
                 if request.num_output_placeholders:
                     break  # preempted with a step in flight: its token must come back first
                 num_new_tokens = self._admit(request, token_budget)
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    self.waiting.pop_request()
+                    self.remote_kv_requests[request.request_id] = request
+                    continue
                 if num_new_tokens == 0:
                     break
                 self.waiting.pop_request()
@@ -227,6 +266,8 @@ class Scheduler:
 
         output = self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
         output.scheduled_spec_decode_tokens = scheduled_spec_decode_tokens
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
         return output
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
@@ -269,8 +310,19 @@ class Scheduler:
         return request.num_tokens
 
     def _admit(self, request: Request, token_budget: int) -> int:
-        """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted)."""
-        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted). A request
+        whose KV the connector loads asynchronously is parked instead (status WAITING_FOR_REMOTE_KVS, 0)."""
+        if self.kv_connector is not None and self.kv_cache_manager.get_block_ids(request.request_id):
+            # Its remote KV load ended: its blocks hold the prompt's KV up to num_computed_tokens.
+            hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
+        else:
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_connector is not None:
+                num_external_tokens, is_async = self.kv_connector.get_num_new_matched_tokens(
+                    request, request.num_computed_tokens + num_hit_tokens)
+                if is_async and num_external_tokens > 0:
+                    self._wait_for_remote_kv(request, hit_blocks, num_hit_tokens, num_external_tokens)
+                    return 0
         num_computed_tokens = request.num_computed_tokens + num_hit_tokens
         num_lacking_tokens = request.num_tokens - num_computed_tokens
         if not self.enable_chunked_prefill and num_lacking_tokens > token_budget:
@@ -288,6 +340,55 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # first admission only; a resumed request keeps its first figure
             request.num_cached_tokens = num_hit_tokens
         return num_new_tokens
+
+    def _wait_for_remote_kv(self, request: Request, hit_blocks: KVCacheBlocks, num_hit_tokens: int,
+                            num_external_tokens: int) -> None:
+        """Allocate the blocks the connector loads into (kept out of the prefix cache until the KV is there) and
+        park the request; it stays WAITING (not admitted) when the blocks do not fit now."""
+        assert self.kv_connector is not None
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_external_tokens, hit_blocks, num_hit_tokens,
+                                                          delay_cache_blocks=True)
+        if new_blocks is None:
+            return
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.kv_connector.update_state_after_alloc(
+            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens)
+
+    def _update_from_kv_connector_output(self, connector_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free the blocks the connector released; resume (or, per kv_load_failure_policy, fail) the requests
+        whose load ended. Returns the outputs of the requests failed here."""
+        assert self.kv_connector is not None
+        self.kv_connector.update_connector_output(connector_output)
+        outputs: list[EngineCoreOutput] = []
+        for request_id in connector_output.finished_sending | connector_output.finished_recving:
+            held = self.kv_held_requests.pop(request_id, None)
+            if held is not None:
+                self.kv_cache_manager.free(held)
+        for request_id in connector_output.finished_recving:
+            request = self.remote_kv_requests.pop(request_id, None)
+            if request is None:
+                continue
+            block_ids = self.kv_cache_manager.get_block_ids(request_id)
+            first_invalid = next((index for index, block_id in enumerate(block_ids)
+                                  if block_id in connector_output.invalid_block_ids), None)
+            if first_invalid is not None and self.kv_load_failure_policy == "fail":
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="error",
+                                                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                continue
+            # The last prompt token is computed here (its logits give the first token); recompute starts at the
+            # first block whose KV did not arrive.
+            num_loaded_tokens = request.num_prompt_tokens - 1
+            if first_invalid is not None:
+                num_loaded_tokens = min(num_loaded_tokens, first_invalid * self.block_size)
+            request.num_computed_tokens = max(request.num_computed_tokens, num_loaded_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend_request(request)
+        return outputs
 
     def _num_lookahead(self, request: Request, num_new_tokens: int, num_computed_tokens: int | None = None) -> int:
         """Lookahead slots for a step of `num_new_tokens`: none for a prefill chunk that stops short of the
@@ -373,6 +474,8 @@ class Scheduler:
         """
         index_of = {request_id: index for index, request_id in enumerate(model_runner_output.request_ids)}
         outputs: list[EngineCoreOutput] = []
+        if self.kv_connector is not None and model_runner_output.kv_connector_output is not None:
+            outputs += self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
         stopped: set[Request] = set()
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -401,12 +504,13 @@ class Scheduler:
                 logprobs = _truncate_logprobs(logprobs, len(new_token_ids))
             prompt_logprobs = model_runner_output.prompt_logprobs.get(request_id)
             is_finished = request.is_finished()
+            kv_transfer_params = None
             if is_finished:
                 if was_running:
                     stopped.add(request)
                 else:  # preempted while this step was in flight: it waits for recompute
                     self.waiting.remove_requests([request])
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
             elif index is not None and model_runner_output.spec_token_ids:
                 self._set_drafts(request, model_runner_output.spec_token_ids[index])
             if new_token_ids or prompt_logprobs is not None or is_finished:
@@ -418,6 +522,7 @@ class Scheduler:
                     finish_reason=request.get_finish_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    kv_transfer_params=kv_transfer_params,
                 ))
         if stopped:
             self.running = [request for request in self.running if request not in stopped]

@@ -7,6 +7,7 @@ can cross process boundaries (msgspec/msgpack) unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 from pagedserve.sampling_params import SamplingParams
@@ -59,6 +60,9 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens this step verifies (they follow the request's known
     # tokens and are counted in its num_scheduled_tokens). Only requests with drafts appear.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's orders for this step's worker side (kv_transfer/; built by its scheduler side); None
+    # without a connector.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -91,6 +95,22 @@ class LogprobsLists:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the KV connector's worker side reports each step (kv_transfer/connector_base.py)."""
+
+    # Requests whose blocks no remote engine needs any more (read, or timed out): free them now.
+    finished_sending: set[str] = field(default_factory=set)
+    # Requests whose remote KV load ended (loaded, failed or cancelled): they may run (or be freed).
+    finished_recving: set[str] = field(default_factory=set)
+    # Blocks of finished_recving requests whose KV did not arrive.
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
 class ModelRunnerOutput:
     request_ids: list[str]
     # Per request in request_ids: tokens sampled this step ([] for a partial prefill chunk; with speculative
@@ -106,5 +126,7 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] = field(default_factory=list)
     # Sparse KV offload: the worker's counters after this step; None when offload is off.
     sparse_kv_offload_stats: SparseKVOffloadStats | None = None
+    # The KV connector's report for this step (None without a connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(request_ids=[], sampled_token_ids=[])

@@ -11,6 +11,7 @@ its outputs, so the next step is already queued on the worker when the current o
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
@@ -26,6 +27,10 @@ from pagedserve.executor.abstract import Executor, FatalExecutorError
 
 logger = logging.getLogger(__name__)
 
+# An empty synchronous step (requests only wait for a KV connector: a remote load, a consumer's done notice) sleeps
+# this long, so that the loop polling the connector leaves the CPU to the threads moving the KV.
+IDLE_STEP_SLEEP_S = 0.001
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
@@ -38,11 +43,22 @@ class EngineCore:
             block_size=config.tokens_per_block,
             enable_caching=cache_config.enable_prefix_caching,
         )
+        # The KV connector's scheduler side (kv_transfer/); None without kv_transfer_config.
+        kv_connector = None
+        kv_transfer_config = config.kv_transfer_config
+        if kv_transfer_config is not None:
+            from pagedserve.kv_transfer.connector_factory import create_scheduler_connector
+
+            kv_connector = create_scheduler_connector(kv_transfer_config, config.tokens_per_block,
+                                                      self.runtime_info.kv_transfer_port)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.tokens_per_block,
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.
                                    include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1,
-                                   num_lookahead_tokens=config.speculative_config.num_lookahead_tokens)
+                                   num_lookahead_tokens=config.speculative_config.num_lookahead_tokens,
+                                   kv_connector=kv_connector,
+                                   kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy
+                                   if kv_transfer_config is not None else "recompute")
         # Steps in flight (async scheduling, pipeline micro-batches); None: one step at a time.
         max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(max_concurrent_batches, self.kv_cache_manager)
@@ -92,8 +108,10 @@ class EngineCore:
                 self._sparse_kv_offload_stats = model_output.sparse_kv_offload_stats
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running, or steps still in flight (their outputs must be collected)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        """Requests waiting or running, steps still in flight (their outputs must be collected), or finished
+        requests whose blocks the KV connector still holds (steps release them)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) \
+            or self.scheduler.has_kv_held_requests()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); False, and nothing changes, while a
@@ -120,7 +138,7 @@ class EngineCore:
         """One engine iteration: the outputs of one finished model step (none when idle)."""
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_unfinished_requests() and not self.scheduler.has_kv_held_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         try:
@@ -133,6 +151,8 @@ class EngineCore:
             return self._fail_batch(scheduler_output)
         outputs = self._update_from_output(scheduler_output, model_output)
         self._notify_finished_if_idle()
+        if scheduler_output.is_empty and not outputs:
+            time.sleep(IDLE_STEP_SLEEP_S)
         return outputs
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:

@@ -15,6 +15,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.dp_engine_core import create_engine_core
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.kv_transfer.kv_transfer_params import check_kv_transfer_params_accepted
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.sample.reduce_sample import check_reduce_sample_params
@@ -52,6 +53,7 @@ class LLMEngine:
         """Validate and enqueue one prompt (n > 1 fans out into n engine requests)."""
         if self.config.parallel_config.enable_reduce_sample:
             check_reduce_sample_params(params)
+        check_kv_transfer_params_accepted(params.extra_args, self.config.kv_transfer_config is not None)
         requests = self.input_processor.process(request_id, prompt, params, priority=priority)
         prompt_text = prompt if isinstance(prompt, str) else prompt.get("prompt")
         self.output_processor.add_request(request_id, prompt_text, requests, params, output_kind=output_kind)

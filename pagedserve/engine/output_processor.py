@@ -82,6 +82,8 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # A KV producer's handle on the request's blocks (kv_transfer/), set when it finishes.
+        self.kv_transfer_params: dict[str, Any] | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         # Where the current step's new tokens start (for delta outputs).
@@ -97,6 +99,8 @@ class RequestState:
         self.step_token_start = len(self.output_token_ids)
         new_token_ids = list(output.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if output.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             rows = logprobs_lists_to_dicts(output.new_prompt_logprobs, self.params.prompt_logprobs or 0,
                                            self.decode_token)
@@ -286,7 +290,7 @@ class OutputProcessor:
                 request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
                 outputs=[first.completion_output(delta)], finished=first.is_finished,
                 prompt_logprobs=first.take_prompt_logprobs(delta), num_cached_tokens=first.num_cached_tokens,
-                metrics=first.metrics())
+                metrics=first.metrics(), kv_transfer_params=first.kv_transfer_params)
 
         # n > 1: keep every child's latest cumulative output on the parent.
         delta = kind == RequestOutputKind.DELTA

@@ -12,6 +12,7 @@ from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.worker_init import agree_on_min, initialize_worker_distributed
 from pagedserve.eplb.eplb_step_hook import EplbStepHook
+from pagedserve.kv_transfer.connector_base import KVConnectorWorker
 from pagedserve.layers.moe.moe_options import moe_options_from_engine_config, use_moe_options
 from pagedserve.model_loader import load_model
 from pagedserve.layers.weight_layout import resolve_weight_layout
@@ -38,6 +39,8 @@ class RuntimeInfo:
     attention_backend: str
     # (num_tokens, num_history_tokens, seconds) of the start-up chunk profiling; empty when it is off.
     chunk_latency_samples: tuple[tuple[int, int, float], ...] = ()
+    # The port the KV connector serves this engine's blocks on (0: none).
+    kv_transfer_port: int = 0
 
 
 class Worker:
@@ -111,9 +114,16 @@ class Worker:
         if self.kv_offload is not None:
             self.kv_offload.bind()
             self.model_runner.kv_offload = self.kv_offload
+        # The KV connector's worker side (kv_transfer/): moves KV pages between engines; None without one.
+        self.kv_connector: KVConnectorWorker | None = None
+        if config.kv_transfer_config is not None:
+            from pagedserve.kv_transfer.connector_factory import connect_worker_kv_caches
+
+            self.kv_connector = connect_worker_kv_caches(config, kv_cache_modules, kv_caches, num_blocks)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
-                                        chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks))
+                                        chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks),
+                                        kv_transfer_port=self.kv_connector.port if self.kv_connector else 0)
         dcp = config.parallel_config.decode_context_parallel_size
         logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB)%s, max %d concurrent tokens",
                     cache_config.kv_cache_dtype, num_blocks, cache_config.block_size,
@@ -141,9 +151,15 @@ class Worker:
         return tuple((s.num_tokens, s.num_history_tokens, s.seconds) for s in samples)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(scheduler_output.kv_connector_metadata)
         output = self.model_runner.execute_model(scheduler_output)
         if self.kv_offload is not None:
             output.sparse_kv_offload_stats = self.kv_offload.make_stats()
+        if connector is not None:
+            connector.wait_for_save()
+            output.kv_connector_output = connector.get_finished(scheduler_output.finished_request_ids)
         if self.eplb_hook is not None and scheduler_output.total_num_scheduled_tokens:
             report = self.eplb_hook.after_step()
             if report is not None:
@@ -151,6 +167,10 @@ class Worker:
         return output
 
     def shutdown(self) -> None:
-        """Release what outlives the process's memory (sparse KV offload's tier file)."""
+        """Release what outlives the process's memory (sparse KV offload's tier file) and stop the KV connector's
+        threads and sockets."""
         if self.kv_offload is not None:
             self.kv_offload.close()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None

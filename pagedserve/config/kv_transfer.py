@@ -1,0 +1,163 @@
+"""KVTransferConfig: the KV connector knobs (prefill/decode disaggregation), with vLLM's names.
+
+`kv_transfer_config` is given to EngineConfig.create / LLM(...) as a dict (or JSON text: `--kv-transfer-config`):
+    {"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 5600, "engine_id": "prefill-0",
+     "kv_connector_extra_config": {"transport": "zmq", "free_timeout_s": 120, "transfer_timeout_s": 30}}
+    {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"connectors": [{...one connector's config...}, {...}]}}
+A producer (P) keeps the blocks of a request sent with kv_transfer_params {"do_remote_decode": true} after it
+finishes and serves them; a consumer (D) pulls them for a request sent with the kv_transfer_params P returned
+(pagedserve/kv_transfer/).
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.config.knob_dict import config_from_dict
+
+KV_CONNECTORS = ("PullConnector", "MultiConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+TRANSPORTS = ("zmq",)
+# Extra keys the pull connector reads, with their defaults.
+PULL_CONNECTOR_DEFAULTS: dict[str, Any] = {
+    "transport": "zmq",
+    # Seconds a producer keeps a finished request's blocks when no consumer says it is done with them.
+    "free_timeout_s": 120.0,
+    # Seconds a consumer waits for a producer's answer before the load counts as failed.
+    "transfer_timeout_s": 30.0,
+    # The address consumers reach this producer at (it also binds there).
+    "host": "127.0.0.1",
+}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """One KV connector's settings (MultiConnector: its parts in kv_connector_extra_config.connectors)."""
+
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    # The producer's port for handshakes and block reads; 0 picks a free one (a consumer binds none).
+    kv_port: int = 0
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} must be one of "
+                             f"{list(KV_CONNECTORS)}")
+        if self.kv_role is None:
+            raise ValueError(f"kv_transfer_config.kv_role is missing: give one of {list(KV_ROLES)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role={self.kv_role!r} must be one of {list(KV_ROLES)}")
+        if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_transfer_config.kv_port={self.kv_port!r} must be an integer in [0, 65535]")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ValueError(f"kv_transfer_config.engine_id={self.engine_id!r} must be a non-empty string")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config={self.kv_connector_extra_config!r} "
+                             f"must be a dict")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config.kv_load_failure_policy={self.kv_load_failure_policy!r} must be "
+                             f"one of {list(KV_LOAD_FAILURE_POLICIES)}")
+        if self.kv_connector == "PullConnector":
+            self._check_pull_extra_config()
+        else:
+            self._check_multi_extra_config()
+
+    def _check_pull_extra_config(self) -> None:
+        extra = self.kv_connector_extra_config
+        unknown = sorted(set(extra) - set(PULL_CONNECTOR_DEFAULTS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown} for "
+                             f"PullConnector; allowed: {sorted(PULL_CONNECTOR_DEFAULTS)}")
+        transport = extra.get("transport", "zmq")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.transport={transport!r} must be one "
+                             f"of {list(TRANSPORTS)} (the mooncake transport is not built yet)")
+        for name in ("free_timeout_s", "transfer_timeout_s"):
+            value = extra.get(name, PULL_CONNECTOR_DEFAULTS[name])
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{name}={value!r} must be a "
+                                 f"number > 0")
+        host = extra.get("host", "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.host={host!r} must be a host name")
+
+    def _check_multi_extra_config(self) -> None:
+        connectors = self.kv_connector_extra_config.get("connectors")
+        if not isinstance(connectors, list) or len(connectors) < 1:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.connectors={connectors!r} must be a "
+                             f"non-empty list of connector configs for MultiConnector")
+        parts = self.connector_configs
+        if any(part.kv_connector == "MultiConnector" for part in parts):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors may not hold a "
+                             "MultiConnector")
+        if sum(part.is_producer for part in parts) > 1:
+            raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors holds more than one "
+                             "producer; one engine serves its blocks through one connector")
+
+    @property
+    def connector_configs(self) -> list["KVTransferConfig"]:
+        """MultiConnector's parts, in order (a part without its own kv_role takes this one's)."""
+        parts = []
+        for index, value in enumerate(self.kv_connector_extra_config.get("connectors", [])):
+            if not isinstance(value, dict):
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.connectors[{index}]={value!r} "
+                                 f"must be a dict")
+            value = {"kv_role": self.kv_role, "engine_id": f"{self.engine_id}-{index}",
+                     "kv_load_failure_policy": self.kv_load_failure_policy} | value
+            parts.append(config_from_dict(KVTransferConfig,
+                                          f"kv_transfer_config.kv_connector_extra_config.connectors[{index}]",
+                                          value))
+        return parts
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, name: str) -> Any:
+        """A pull connector extra knob, or its default."""
+        return self.kv_connector_extra_config.get(name, PULL_CONNECTOR_DEFAULTS[name])
+
+    def check_engine(self, parallel_config: Any, async_scheduling: bool, speculation: bool,
+                     sparse_kv_offload: bool = False) -> None:
+        """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
+        world = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
+                 parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size)
+        if world != (1, 1, 1, 1):
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs on one worker for now: "
+                             f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size and "
+                             f"decode_context_parallel_size must be 1 (got {world})")
+        if parallel_config.executor_backend != "uni":
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs in the engine's own "
+                             f"process for now: distributed_executor_backend="
+                             f"{parallel_config.distributed_executor_backend!r} must be None or 'uni'")
+        if async_scheduling:
+            # A request waiting for remote KV needs steps with nothing scheduled, which the batch queue skips.
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
+                             f"async_scheduling=True yet: set async_scheduling=False")
+        if speculation:
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
+                             f"speculative_config yet (the drafter's KV is not transferred): drop one of them")
+        if sparse_kv_offload:
+            # The offloaded latents live in the tier file, not in the KV pages the connector moves.
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
+                             f"sparse_kv_offload: drop one of them")
+
+    @staticmethod
+    def parse(value: "KVTransferConfig | dict[str, Any] | str | None") -> "KVTransferConfig | None":
+        """None (no connector), or the validated config from a dict or its JSON text."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        return config_from_dict(KVTransferConfig, "kv_transfer_config", value)
+
+
+__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES"]

@@ -1,0 +1,206 @@
+"""PullConnector, worker side: serve this engine's blocks (producer) and pull a producer's blocks (consumer).
+
+Producer: a BlockServer thread answers reads of any block; a request whose blocks the scheduler holds (a "send")
+ends when its consumer says done, or free_timeout_s after the worker learnt of it, and is then reported in
+finished_sending so that the scheduler frees its blocks.
+Consumer: one loader thread takes the step's load orders in turn: handshake with the producer once (its page
+regions, block size, dtypes and model must equal this engine's), read the blocks, write them into the request's
+blocks, tell the producer it is done. Every order ends in finished_recving; a failed one also puts its blocks in
+invalid_block_ids (the scheduler recomputes or fails the request, per kv_load_failure_policy). A request that
+finished in the scheduler meanwhile is cancelled: its blocks are not written (the scheduler holds them until the
+order is reported ended, so nothing else can be using them).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from pagedserve.attention.kv_page_layout import KVPageLayout
+from pagedserve.config.kv_transfer import KVTransferConfig
+from pagedserve.core.scheduler_output import KVConnectorOutput
+from pagedserve.kv_transfer.connector_base import KVConnectorWorker
+from pagedserve.kv_transfer.kv_page_regions import KVPageRegions, signature_mismatches
+from pagedserve.kv_transfer.pull_connector_scheduler import LoadOrder, PullConnectorMetadata
+from pagedserve.kv_transfer.zmq_block_transport import (BlockClient, BlockServer, KVTransferError, KVTransferTimeout,
+                                                         frames_to_tensors)
+
+logger = logging.getLogger(__name__)
+
+
+class PullConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, engine_signature: dict[str, Any]) -> None:
+        """`engine_signature`: what a peer must share besides the page regions (block size, dtypes, model)."""
+        self.config = config
+        self.engine_signature = engine_signature
+        self.context = zmq.Context()
+        self.regions: KVPageRegions | None = None
+        self.server: BlockServer | None = None
+        self._lock = threading.Lock()
+        # Producer: held requests by id -> when their blocks are freed without a done notice.
+        self._send_deadlines: dict[str, float] = {}
+        self._done_ids: set[str] = set()
+        # Consumer: ended loads and the blocks that did not arrive, until get_finished reports them.
+        self._finished_loads: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._cancelled_ids: set[str] = set()
+        self._pending_ids: set[str] = set()
+        self._orders: queue.Queue[LoadOrder | None] = queue.Queue()
+        # Cumulative KV bytes loaded and the seconds their reads took (request sent to blocks written).
+        self.num_loaded_bytes = 0
+        self.load_seconds = 0.0
+        self._loader: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port this producer's block server listens on (0 for a consumer)."""
+        return self.server.port if self.server is not None else 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], page_layouts: dict[str, KVPageLayout],
+                           num_blocks: int) -> None:
+        self.regions = KVPageRegions.build(kv_caches, page_layouts, num_blocks, self.engine_signature)
+        if self.config.is_producer:
+            self.server = BlockServer(self.context, self.config.extra("host"), self.config.kv_port, self.regions,
+                                      self._on_done)
+        if self.config.is_consumer:
+            self._loader = threading.Thread(target=self._load_orders, name="pagedserve-kv-loader", daemon=True)
+            self._loader.start()
+
+    # ---- producer ----------------------------------------------------------------------------------------------
+    def _on_done(self, request_id: str) -> None:
+        with self._lock:
+            self._done_ids.add(request_id)
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def start_load_kv(self, metadata: Any) -> None:
+        if not isinstance(metadata, PullConnectorMetadata):
+            return
+        now = time.monotonic()
+        with self._lock:
+            for request_id in metadata.sends:
+                self._send_deadlines[request_id] = now + float(self.config.extra("free_timeout_s"))
+            self._pending_ids.update(order.request_id for order in metadata.loads)
+            self._cancelled_ids.update(self._pending_ids.intersection(metadata.finished_request_ids))
+        for order in metadata.loads:
+            self._orders.put(order)
+
+    def wait_for_save(self) -> None:
+        # Pull mode: the blocks are read from the cache as they are; nothing to wait for.
+        return None
+
+    def get_finished(self, finished_request_ids: set[str]) -> KVConnectorOutput:
+        now = time.monotonic()
+        with self._lock:
+            # A done notice may come before the worker learns of the send: the scheduler frees only what it holds.
+            finished_sending = set(self._done_ids)
+            self._done_ids.clear()
+            for request_id, deadline in list(self._send_deadlines.items()):
+                if request_id in finished_sending or deadline <= now:
+                    if request_id not in finished_sending:
+                        logger.warning("request %s: no consumer fetched its KV within free_timeout_s=%g; freeing "
+                                       "its blocks", request_id, self.config.extra("free_timeout_s"))
+                    finished_sending.add(request_id)
+                    del self._send_deadlines[request_id]
+            output = KVConnectorOutput(finished_sending=finished_sending, finished_recving=self._finished_loads,
+                                       invalid_block_ids=self._invalid_block_ids)
+            self._finished_loads, self._invalid_block_ids = set(), set()
+        return output
+
+    # ---- consumer ----------------------------------------------------------------------------------------------
+    def _load_orders(self) -> None:
+        client = BlockClient(self.context, float(self.config.extra("transfer_timeout_s")))
+        verified: set[tuple[str, int]] = set()
+        try:
+            while True:
+                order = self._orders.get()
+                if order is None:
+                    return
+                is_loaded, is_reachable = False, True
+                try:
+                    is_loaded = self._load(client, order, verified)
+                except KVTransferTimeout as error:
+                    is_reachable = False
+                    logger.error("request %s: KV load from %s:%d failed (kv_load_failure_policy=%s): %s",
+                                 order.request_id, order.remote_host, order.remote_port,
+                                 self.config.kv_load_failure_policy, error)
+                except KVTransferError as error:
+                    logger.error("request %s: KV load from %s:%d failed (kv_load_failure_policy=%s): %s",
+                                 order.request_id, order.remote_host, order.remote_port,
+                                 self.config.kv_load_failure_policy, error)
+                except Exception:
+                    logger.exception("request %s: KV load failed", order.request_id)
+                if is_reachable:
+                    self._notify_done(client, order)
+                with self._lock:
+                    self._pending_ids.discard(order.request_id)
+                    self._cancelled_ids.discard(order.request_id)
+                    self._finished_loads.add(order.request_id)
+                    if not is_loaded:
+                        self._invalid_block_ids.update(order.local_block_ids)
+        finally:
+            client.close()
+
+    def _load(self, client: BlockClient, order: LoadOrder, verified: set[tuple[str, int]]) -> bool:
+        """Pull one order's blocks; False when it was cancelled before its blocks were written."""
+        assert self.regions is not None
+        endpoint = (order.remote_host, order.remote_port)
+        if endpoint not in verified:
+            answer, _ = client.call(*endpoint, {"kind": "handshake"})
+            mismatches = signature_mismatches(self.regions.signature, answer.get("signature") or {})
+            if mismatches:
+                raise KVTransferError(f"handshake with engine {order.remote_engine_id!r} at {endpoint[0]}:"
+                                      f"{endpoint[1]}: the engines' KV caches differ: " + "; ".join(mismatches))
+            verified.add(endpoint)
+        # After the handshake, so that a block size mismatch is reported as such.
+        if len(order.remote_block_ids) != len(order.local_block_ids):
+            raise KVTransferError(f"the producer holds {len(order.remote_block_ids)} blocks for positions this "
+                                  f"engine keeps in {len(order.local_block_ids)} (remote_block_ids does not cover "
+                                  f"the prompt)")
+        if self._is_cancelled(order.request_id):
+            return False
+        start = time.perf_counter()
+        _, frames = client.call(*endpoint, {"kind": "read", "block_ids": order.remote_block_ids})
+        sources = frames_to_tensors(frames, len(order.local_block_ids), self.regions.region_bytes())
+        if self._is_cancelled(order.request_id):
+            return False
+        self.regions.scatter(order.local_block_ids, sources)
+        seconds = time.perf_counter() - start
+        num_bytes = sum(source.numel() for source in sources)
+        with self._lock:
+            self.num_loaded_bytes += num_bytes
+            self.load_seconds += seconds
+        logger.debug("request %s: loaded %d blocks (%.1f MiB) in %.3f s", order.request_id,
+                     len(order.local_block_ids), num_bytes / 2**20, seconds)
+        return True
+
+    def _notify_done(self, client: BlockClient, order: LoadOrder) -> None:
+        """Tell the producer to free the request's blocks (it frees them after free_timeout_s anyway)."""
+        try:
+            client.call(order.remote_host, order.remote_port,
+                        {"kind": "done", "request_id": order.remote_request_id})
+        except KVTransferError as error:
+            logger.warning("request %s: could not tell the producer it is done: %s", order.request_id, error)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled_ids
+
+    def shutdown(self) -> None:
+        is_joined = True
+        if self._loader is not None:
+            self._orders.put(None)
+            self._loader.join(timeout=float(self.config.extra("transfer_timeout_s")) * 2 + 1)
+            is_joined = not self._loader.is_alive()
+            self._loader = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None
+        if is_joined:
+            self.context.term()
+        else:  # a loader still waiting on a dead producer (a daemon thread): close its socket rather than hang
+            self.context.destroy(linger=0)

@@ -1,0 +1,168 @@
+"""The zmq transport of the pull connector: a producer's block server and a consumer's client.
+
+One ROUTER socket on the producer answers three requests, each a msgpack header frame (never pickle):
+- {"kind": "handshake"} -> {"ok": true, "signature": {...}} (kv_page_regions.py: what both sides compare);
+- {"kind": "read", "block_ids": [...]} -> {"ok": true} followed by one raw frame per page region, the blocks'
+  bytes in order, sent zero-copy from the gathered tensors;
+- {"kind": "done", "request_id": ...} -> {"ok": true}: the consumer no longer needs the request's blocks.
+Every request carries a sequence number echoed in its answer, so a late answer to a timed-out request is dropped.
+A failure is {"ok": false, "error": "..."}. The consumer drops a socket whose answer timed out (lazy pirate).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from pagedserve.kv_transfer.kv_page_regions import KVPageRegions
+
+logger = logging.getLogger(__name__)
+
+_POLL_INTERVAL_MS = 100
+
+
+class KVTransferError(RuntimeError):
+    """A block transfer failed: the peer answered with an error, did not answer in time, or does not match."""
+
+
+class KVTransferTimeout(KVTransferError):
+    """The peer did not answer within transfer_timeout_s (it may be gone)."""
+
+
+class BlockServer:
+    """The producer's server thread: handshakes, block reads, done notices (see the module docstring)."""
+
+    def __init__(self, context: zmq.Context, host: str, port: int, regions: KVPageRegions,
+                 on_done: Callable[[str], None]) -> None:
+        self.regions = regions
+        self.on_done = on_done
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://{host}"
+        try:
+            if port == 0:
+                self.port = self.socket.bind_to_random_port(address)
+            else:
+                self.socket.bind(f"{address}:{port}")
+                self.port = port
+        except zmq.ZMQError as error:
+            self.socket.close()
+            raise ValueError(f"kv_transfer_config.kv_port={port}: cannot listen on {host}:{port} ({error})") \
+                from None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-block-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_INTERVAL_MS):
+                continue
+            identity, *frames = self.socket.recv_multipart()
+            reply: list[Any]
+            try:
+                header = msgspec.msgpack.decode(frames[0]) if frames else None
+                if not isinstance(header, dict):
+                    raise KVTransferError(f"a request must be one msgpack map, got {len(frames)} frames")
+                reply = self._answer(header)
+            except Exception as error:  # one bad request never stops the server
+                logger.warning("KV block server: %s", error)
+                sequence = header.get("seq") if isinstance(header, dict) else None
+                reply = [self._encoder.encode({"ok": False, "seq": sequence, "error": str(error)})]
+            self.socket.send_multipart([identity, *reply], copy=False)
+        self.socket.close()
+
+    def _answer(self, header: dict[str, Any]) -> list[Any]:
+        kind, sequence = header.get("kind"), header.get("seq")
+        if kind == "handshake":
+            return [self._encoder.encode({"ok": True, "seq": sequence, "signature": self.regions.signature})]
+        if kind == "done":
+            self.on_done(str(header.get("request_id")))
+            return [self._encoder.encode({"ok": True, "seq": sequence})]
+        if kind == "read":
+            block_ids = header.get("block_ids")
+            num_blocks = self.regions.num_blocks
+            if not isinstance(block_ids, list) or not all(
+                    isinstance(block_id, int) and 0 < block_id < num_blocks for block_id in block_ids):
+                raise KVTransferError(f"read: block_ids={block_ids!r} must be block ids in [1, {num_blocks - 1}]")
+            # numpy views of the gathered copies: zmq sends them without another copy.
+            tensors = self.regions.gather(block_ids)
+            return [self._encoder.encode({"ok": True, "seq": sequence}), *(tensor.numpy() for tensor in tensors)]
+        raise KVTransferError(f"unknown request kind={kind!r}; known: handshake, read, done")
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class BlockClient:
+    """The consumer's side: one DEALER socket per producer, a sequence number per request."""
+
+    def __init__(self, context: zmq.Context, timeout_s: float) -> None:
+        self.context = context
+        self.timeout_ms = int(timeout_s * 1000)
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._sequence = 0
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def _socket(self, host: str, port: int) -> zmq.Socket:
+        socket = self._sockets.get((host, port))
+        if socket is None:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(f"tcp://{host}:{port}")
+            self._sockets[(host, port)] = socket
+        return socket
+
+    def call(self, host: str, port: int, header: dict[str, Any]) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """Send one request and wait for its answer: (the answer's header, its raw frames). KVTransferError when
+        the producer answers with an error or not within the timeout."""
+        self._sequence += 1
+        sequence = self._sequence
+        socket = self._socket(host, port)
+        socket.send(self._encoder.encode(header | {"seq": sequence}))
+        deadline_ms = self.timeout_ms
+        while True:
+            if not socket.poll(deadline_ms, zmq.POLLIN):
+                socket.close()
+                del self._sockets[(host, port)]
+                raise KVTransferTimeout(f"the producer at {host}:{port} did not answer {header.get('kind')!r} within "
+                                      f"{self.timeout_ms / 1000:g} s (transfer_timeout_s)")
+            frames = socket.recv_multipart(copy=False)
+            answer = msgspec.msgpack.decode(frames[0].buffer)
+            if not isinstance(answer, dict) or answer.get("seq") != sequence:
+                continue  # a late answer to a request that timed out earlier
+            if not answer.get("ok"):
+                raise KVTransferError(f"the producer at {host}:{port} refused {header.get('kind')!r}: "
+                                      f"{answer.get('error')}")
+            return answer, frames[1:]
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close()
+        self._sockets.clear()
+
+
+def frames_to_tensors(frames: list[zmq.Frame], num_blocks: int, region_bytes: list[int]) -> list[torch.Tensor]:
+    """Received region frames as [num_blocks, region bytes] uint8 tensors over the frames' memory (no copy);
+    KVTransferError when their number or sizes differ from the local regions'."""
+    if len(frames) != len(region_bytes):
+        raise KVTransferError(f"the producer sent {len(frames)} page regions, this engine has {len(region_bytes)}")
+    tensors = []
+    for index, (frame, nbytes) in enumerate(zip(frames, region_bytes)):
+        buffer = frame.buffer
+        if len(buffer) != num_blocks * nbytes:
+            raise KVTransferError(f"page region {index}: the producer sent {len(buffer)} bytes for {num_blocks} "
+                                  f"blocks, this engine expects {num_blocks * nbytes}")
+        with warnings.catch_warnings():  # zmq's frames are read-only; they are only read from
+            warnings.simplefilter("ignore", UserWarning)
+            tensors.append(torch.frombuffer(buffer, dtype=torch.uint8).view(num_blocks, nbytes))
+    return tensors

@@ -1,0 +1,61 @@
+"""A prefill (producer) engine in its own process, driven by JSON lines on stdin (tests only).
+
+    python prefill_engine_process.py MODEL_DIR 'ENGINE_KWARGS_JSON'
+Commands (one JSON object a line), each answered by one JSON line on stdout:
+    {"op": "prefill", "prompts": [[ids...], ...]} -> {"outputs": [{"token_ids": [...], "kv_transfer_params": {...}}]}
+    {"op": "blocks"} -> {"num_free_blocks": n, "num_blocks": m, "num_held": h}
+    {"op": "quit"}
+Between commands the engine keeps stepping while it holds blocks for consumers, so their done notices and the
+free timeout release them.
+"""
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+
+
+def main() -> None:
+    from pagedserve import LLM, SamplingParams
+
+    model_dir, engine_kwargs = sys.argv[1], json.loads(sys.argv[2])
+    llm = LLM(model_dir, **engine_kwargs)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    print(json.dumps({"ready": True, "port": core.runtime_info.kv_transfer_port}), flush=True)
+    while True:
+        readable, _, _ = select.select([sys.stdin], [], [], 0.02)
+        if not readable:
+            if engine.has_unfinished_requests():
+                engine.step()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            break
+        command = json.loads(line)
+        if command["op"] == "quit":
+            break
+        if command["op"] == "prefill":
+            outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in command["prompts"]], params,
+                                   use_tqdm=False)
+            answer = {"outputs": [{"token_ids": output.outputs[0].token_ids,
+                                   "kv_transfer_params": output.kv_transfer_params} for output in outputs]}
+        elif command["op"] == "blocks":
+            deadline = time.monotonic() + float(command.get("wait_s", 0))
+            while core.scheduler.has_kv_held_requests() and time.monotonic() < deadline:
+                engine.step()
+                time.sleep(0.01)
+            answer = {"num_free_blocks": core.kv_cache_manager.num_free_blocks,
+                      "num_blocks": core.runtime_info.num_kv_blocks,
+                      "num_held": len(core.scheduler.kv_held_requests)}
+        else:
+            answer = {"error": f"unknown op {command['op']!r}"}
+        print(json.dumps(answer), flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

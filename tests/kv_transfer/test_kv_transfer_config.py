@@ -1,0 +1,105 @@
+"""kv_transfer_config and kv_transfer_params: bad input is refused at start (or at SamplingParams) with the field,
+the value and what is allowed."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config.cli_args import add_engine_args, engine_kwargs_from_args
+from pagedserve.config.engine import EngineConfig
+from pagedserve.config.kv_transfer import KVTransferConfig
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
+     "kv_transfer_config.kv_connector='NixlConnector' must be one of ['PullConnector', 'MultiConnector']"),
+    ({"kv_connector": "PullConnector"}, "kv_transfer_config.kv_role is missing"),
+    ({"kv_connector": "PullConnector", "kv_role": "prefill"}, "kv_transfer_config.kv_role='prefill' must be one of"),
+    ('{"kv_connector": "PullConnector", ', "kv_transfer_config='{\"kv_connector\": \"PullConnector\", ' is not a "
+                                           "JSON object"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_port": 70000},
+     "kv_transfer_config.kv_port=70000 must be an integer in [0, 65535]"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_load_failure_policy": "retry"},
+     "kv_transfer_config.kv_load_failure_policy='retry' must be one of ['recompute', 'fail']"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"transport": "mooncake"}},
+     "transport='mooncake' must be one of ['zmq']"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "x"}},
+     "kv_connector_extra_config has unknown keys ['backend'] for PullConnector"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"transfer_timeout_s": 0}},
+     "kv_connector_extra_config.transfer_timeout_s=0 must be a number > 0"),
+    ({"kv_connector": "MultiConnector", "kv_role": "kv_both"},
+     "kv_connector_extra_config.connectors=None must be a non-empty list"),
+    ({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "PullConnector", "kv_role": "kv_producer"},
+                       {"kv_connector": "PullConnector", "kv_role": "kv_both"}]}},
+     "holds more than one producer"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_rank": 0},
+     "kv_transfer_config has unknown keys ['kv_rank']"),
+])
+def test_bad_kv_transfer_config(value, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as error:
+        KVTransferConfig.parse(value)
+    assert message in str(error.value)
+
+
+def test_multi_connector_parts_inherit_role() -> None:
+    config = KVTransferConfig.parse({"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "engine_id": "d",
+                                     "kv_connector_extra_config": {"connectors": [{"kv_connector": "PullConnector"}]}})
+    assert config is not None
+    (part,) = config.connector_configs
+    assert (part.kv_role, part.engine_id, part.is_consumer, part.is_producer) == ("kv_consumer", "d-0", True, False)
+
+
+@pytest.mark.parametrize("engine_kwargs, message", [
+    (dict(async_scheduling=True), "is not supported with async_scheduling=True"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size, pipeline_parallel_size, data_parallel_size"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "with speculative_config"),
+])
+def test_engine_options_refused_with_a_connector(tiny_model_dir, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as error:
+        EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config={"kv_connector": "PullConnector",
+                                                                         "kv_role": "kv_both"}, **engine_kwargs)
+    assert message in str(error.value)
+
+
+def test_cli_flag_parses_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", tiny_model_dir("llama"), "--kv-transfer-config",
+                              '{"kv_connector": "PullConnector", "kv_role": "kv_consumer", "engine_id": "d0"}'])
+    config = EngineConfig.create(**engine_kwargs_from_args(args))
+    assert config.kv_transfer_config == KVTransferConfig(kv_connector="PullConnector", kv_role="kv_consumer",
+                                                         engine_id="d0")
+
+
+@pytest.mark.parametrize("params, max_tokens, message", [
+    ({"do_remote_decode": True}, 16, "do_remote_decode=true needs max_tokens=1 (got max_tokens=16)"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, 1, "sets both do_remote_decode and do_remote_prefill"),
+    ({"do_remote_prefill": True, "remote_host": "127.0.0.1"}, 4, "needs ['remote_engine_id', 'remote_port'"),
+    ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h", "remote_port": 0,
+      "remote_block_ids": [1], "remote_request_id": "r"}, 4, "remote_port=0 must be an integer in [1, 65535]"),
+    ({"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "h", "remote_port": 5,
+      "remote_block_ids": [1, -2], "remote_request_id": "r"}, 4, "remote_block_ids=[1, -2] must be a list"),
+    ({"do_remote_decode": "yes"}, 1, "kv_transfer_params.do_remote_decode='yes' must be true or false"),
+    ({"remote": 1}, 1, "kv_transfer_params has unknown keys ['remote']"),
+])
+def test_bad_kv_transfer_params(params, max_tokens, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as error:
+        SamplingParams(max_tokens=max_tokens, extra_args={"kv_transfer_params": params})
+    assert message in str(error.value)
+
+
+def test_kv_transfer_params_without_a_connector(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Refused at add_request; the engine goes on serving."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=128, num_kv_blocks=32, native_decode_stack=False)
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    with pytest.raises(ValueError, match="has kv_transfer_params but the engine has no KV connector"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert not llm.llm_engine.output_processor.has_unfinished_requests()
+    output = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0),
+                          use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 2
+    llm.llm_engine.shutdown()
