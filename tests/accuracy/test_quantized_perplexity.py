@@ -7,7 +7,9 @@ quantized against unquantized, in float32 compute:
   tests/data/calibration_text.txt` writes from the dequantized weights (every linear int8 but the MLP down
   projections, whose per-token int8 inputs cost this 135M model most of its loss; SmoothQuant on the norms): within
   +3% of those weights on the whole passage (slow test; the issue's target) and +8% on its first HEAD_TOKENS.
-  Measured +1.1% and +6.2%; with every linear int8 and no smoothing +6.9% and +13.8% (docs/quantization.md);
+  Measured +1.1% and +6.2%; with every linear int8 and no smoothing +6.9% and +13.8% (docs/quantization.md).
+  Each W8A8 number is one draw of the int8 rounding noise: float32-rounding-sized perturbations move the first
+  HEAD_TOKENS' perplexity of this recipe between +2.5% and +7.8% (benchmarks/w8a8_perplexity_spread.py);
 - the int8 KV cache: within +1% of the model's own cache, and the same greedy answers to the five chat prompts."""
 from __future__ import annotations
 
@@ -107,8 +109,10 @@ def test_int8_kv_cache_stays_within_one_percent(hf_folders: tuple[str, str], deq
 
 def test_w8a8_stays_within_eight_percent_on_the_passage_head(hf_folders: tuple[str, str],
                                                               dequantized_perplexities: dict[str, float]) -> None:
-    """Measured +6.2% on the first 400 tokens (the whole passage is the issue's target; these 400 tokens alone
-    move by several percent with the recipe, docs/quantization.md)."""
+    """Measured +6.2% on the first 400 tokens (the whole passage is the issue's target). A smoke check: the
+    perplexity of 400 W8A8 tokens is one draw of the rounding noise, +2.5% to +7.8% over five draws of float32-sized
+    perturbations (docs/quantization.md, benchmarks/w8a8_perplexity_spread.py), so a change of float summation order
+    alone can move it close to the bound."""
     _, quantized = hf_folders
     llm = LLM(quantized, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_KV_BLOCKS)
     w8a8 = perplexity(llm, passage_text(), HEAD_TOKENS)
