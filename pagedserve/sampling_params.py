@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
+
 # Greedy sampling is temperature below this (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -46,6 +48,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match this JSON schema / regex / choice / grammar (pagedserve/structured_output/).
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine, not by users: the tokenizer's EOS ids (generation_config may add more).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -102,6 +106,8 @@ class SamplingParams:
         require(all(isinstance(s, str) and s for s in self.stop), f"stop={self.stop!r} must be non-empty strings")
         require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 f"stop_token_ids={self.stop_token_ids!r} must be non-negative integers")
+        require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams or None")
 
     @property
     def sampling_type(self) -> SamplingType:

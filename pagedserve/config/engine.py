@@ -19,6 +19,7 @@ from pagedserve.config.parallel import DyntraLBConfig, ParallelConfig
 from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
 from pagedserve.config.speculative import SpeculativeConfig
+from pagedserve.config.structured_outputs import StructuredOutputsConfig
 from pagedserve.kernels import cpu_isa
 
 
@@ -48,6 +49,8 @@ class EngineConfig:
     native_decode_stack: bool = True
     # Speculative decoding (config/speculative.py, spec_decode/); off unless a method is set.
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Structured outputs' grammar engine (config/structured_outputs.py, structured_output/).
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @staticmethod
     def create(
@@ -96,6 +99,7 @@ class EngineConfig:
         gguf_dequantize: bool = False,
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+        structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -226,6 +230,7 @@ class EngineConfig:
             load_config=load_config,
             native_decode_stack=native_decode_stack,
             speculative_config=speculative,
+            structured_outputs_config=StructuredOutputsConfig.parse(structured_outputs_config),
         )
 
 

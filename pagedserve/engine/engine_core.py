@@ -22,6 +22,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.batch_queue import BatchQueue, InFlightStep
 from pagedserve.executor.abstract import Executor, FatalExecutorError
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class EngineCore:
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.
                                    include_new_token_ids=config.parallel_config.pipeline_parallel_size > 1,
-                                   num_lookahead_tokens=config.speculative_config.num_lookahead_tokens)
+                                   num_lookahead_tokens=config.speculative_config.num_lookahead_tokens,
+                                   structured_output_manager=StructuredOutputManager.from_engine_config(config))
         # Steps in flight (async scheduling, pipeline micro-batches); None: one step at a time.
         max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(max_concurrent_batches, self.kv_cache_manager)
@@ -198,3 +200,5 @@ class EngineCore:
         if self.batch_queue is not None:
             self.batch_queue.clear()  # the executor's shutdown joins or cancels what is still running
         self.executor.shutdown()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
