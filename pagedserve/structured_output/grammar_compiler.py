@@ -67,7 +67,8 @@ def compile_with(compiler: xgrammar.GrammarCompiler, kind: str, spec: str) -> xg
     if kind == "json":
         return compiler.compile_json_schema(spec, any_whitespace=False)
     if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+        # OpenAI's json_object: any JSON object (xgrammar's builtin JSON grammar would allow any JSON value).
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "grammar":

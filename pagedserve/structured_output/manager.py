@@ -92,7 +92,7 @@ class StructuredOutputManager:
         return self._requests[request_id].error
 
     def _start_matcher(self, state: _RequestGrammar, compiled: xgrammar.CompiledGrammar) -> None:
-        state.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=self.max_rollback_tokens)
+        state.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
 
     def free(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
