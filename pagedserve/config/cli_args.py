@@ -77,6 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     speculative.add_argument("--speculative-config", default=None,
                              help='speculative decoding as a JSON object, e.g. \'{"method": "ngram", '
                                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    structured = parser.add_argument_group("structured outputs")
+    structured.add_argument("--structured-outputs-config", default=None,
+                            help='the grammar engine of structured outputs as a JSON object, e.g. \'{"backend": '
+                                 '"xgrammar", "num_compile_threads": 1, "grammar_cache_size": 256}\'')
     add_load_args(parser)
 
 
@@ -129,7 +133,8 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 attention_backend=getattr(args, "attention_backend", None),
                 batch_invariant=getattr(args, "batch_invariant", False),
                 native_decode_stack=getattr(args, "native_decode_stack", True),
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                structured_outputs_config=getattr(args, "structured_outputs_config", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
