@@ -100,6 +100,7 @@ class EngineConfig:
         native_decode_stack: bool = True,
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None,
+        reasoning_parser: str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -230,7 +231,8 @@ class EngineConfig:
             load_config=load_config,
             native_decode_stack=native_decode_stack,
             speculative_config=speculative,
-            structured_outputs_config=StructuredOutputsConfig.parse(structured_outputs_config),
+            structured_outputs_config=StructuredOutputsConfig.parse(structured_outputs_config).with_reasoning_parser(
+                reasoning_parser),
         )
 
 

@@ -106,7 +106,8 @@ class Scheduler:
             if self.structured_output_manager is None:
                 raise ValueError(f"request {request.request_id!r} asks for structured_outputs, but this engine "
                                  f"has no structured output manager")
-            self.structured_output_manager.add_request(request.request_id, structured_outputs)
+            self.structured_output_manager.add_request(request.request_id, structured_outputs,
+                                                       request.prompt_token_ids)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)

@@ -295,6 +295,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # With --reasoning-parser: the model's thinking, apart from the answer (vLLM's field).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -318,6 +320,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

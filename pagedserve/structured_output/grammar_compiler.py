@@ -24,6 +24,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.num_threads = num_threads
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self.tokenizer: Any | None = None  # set with the backend, on first use
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiles = 0
@@ -33,6 +34,7 @@ class GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 tokenizer, stop_token_ids = self._load_tokenizer()
+                self.tokenizer = tokenizer
                 tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(stop_token_ids))
                 # Our own cache below is the one that counts; xgrammar's would hold a second copy.

@@ -18,6 +18,7 @@ import numpy as np
 import xgrammar
 
 from pagedserve.core.scheduler_output import GrammarBitmask
+from pagedserve.reasoning.reasoning_parser import ReasoningParser, get_reasoning_parser
 from pagedserve.structured_output.grammar_compiler import GrammarCompiler
 from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
@@ -34,14 +35,19 @@ class _RequestGrammar:
     future: Future | None = None
     matcher: xgrammar.GrammarMatcher | None = None
     error: str | None = None
+    # Reasoning models: the grammar applies once the output closed its reasoning (reasoning_parser).
+    prompt_token_ids: list[int] | None = None  # held until the grammar is ready, to see whether the prompt closed it
+    is_reasoning: bool = False
+    reasoning_tail: str = ""  # the output's last characters while reasoning, to spot the end tag
 
 
 class StructuredOutputManager:
-    def __init__(self, compiler: GrammarCompiler, num_compile_threads: int = 1, max_rollback_tokens: int = 0) -> None:
-        """`max_rollback_tokens`: the most speculative drafts a step scores per request (their rows need the matcher
-        advanced over them and rolled back)."""
+    def __init__(self, compiler: GrammarCompiler, num_compile_threads: int = 1,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
+        """`reasoning_parser`: the grammar of a request applies only after its reasoning ends (None: from the
+        first output token)."""
         self.compiler = compiler
-        self.max_rollback_tokens = max_rollback_tokens
+        self.reasoning_parser = reasoning_parser
         self._executor = ThreadPoolExecutor(max_workers=num_compile_threads, thread_name_prefix="grammar-compile")
         self._requests: dict[str, _RequestGrammar] = {}
         self.num_words = (compiler.vocab_size + 31) // 32
@@ -59,14 +65,17 @@ class StructuredOutputManager:
             return tokenizer, sorted(source.eos_token_ids(tokenizer))
 
         compiler = GrammarCompiler(load_tokenizer, model_config.vocab_size, structured.grammar_cache_size)
-        return cls(compiler, structured.num_compile_threads,
-                   config.speculative_config.num_speculative_tokens or 0)
+        reasoning_parser = None
+        if structured.reasoning_parser is not None:
+            reasoning_parser = get_reasoning_parser(structured.reasoning_parser)
+        return cls(compiler, structured.num_compile_threads, reasoning_parser)
 
     # ---- requests in and out -------------------------------------------------------------------------
-    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+    def add_request(self, request_id: str, params: StructuredOutputsParams,
+                    prompt_token_ids: list[int] | None = None) -> None:
         """Start compiling the request's grammar (a cached one is ready at once)."""
         key = params.cache_key
-        state = _RequestGrammar()
+        state = _RequestGrammar(prompt_token_ids=prompt_token_ids)
         if self.compiler.is_cached(key):
             self._start_matcher(state, self.compiler.compile(key))
         else:
@@ -93,6 +102,11 @@ class StructuredOutputManager:
 
     def _start_matcher(self, state: _RequestGrammar, compiled: xgrammar.CompiledGrammar) -> None:
         state.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
+        parser = self.reasoning_parser
+        if parser is not None:
+            prompt_text = self.compiler.tokenizer.decode(state.prompt_token_ids or [])
+            state.is_reasoning = not parser.is_reasoning_ended_in_prompt(prompt_text)
+        state.prompt_token_ids = None
 
     def free(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
@@ -114,7 +128,7 @@ class StructuredOutputManager:
         rows: list[tuple[str, xgrammar.GrammarMatcher, list[int]]] = []
         for request_id, draft_token_ids in sampled_positions:
             state = self._requests.get(request_id)
-            if state is None or state.matcher is None or state.matcher.is_terminated():
+            if state is None or state.matcher is None or state.is_reasoning or state.matcher.is_terminated():
                 continue
             rows.append((request_id, state.matcher, draft_token_ids))
         if not rows:
@@ -141,7 +155,7 @@ class StructuredOutputManager:
     def valid_draft_prefix(self, request_id: str, draft_token_ids: list[int]) -> list[int]:
         """The longest prefix of `draft_token_ids` the request's grammar accepts (the matcher is left unchanged)."""
         state = self._requests.get(request_id)
-        if state is None or state.matcher is None:
+        if state is None or state.matcher is None or state.is_reasoning:
             return draft_token_ids
         matcher = state.matcher
         num_valid = 0
@@ -158,10 +172,26 @@ class StructuredOutputManager:
         state = self._requests.get(request_id)
         if state is None or state.matcher is None:
             return True
+        if state.is_reasoning:
+            self._observe_reasoning_token(state, token_id)
+            return True
         if state.matcher.is_terminated():
             # Past the end of the grammar (its stop token did not end the request, e.g. ignore_eos): unconstrained.
             return True
         return bool(state.matcher.accept_token(token_id))
+
+    def _observe_reasoning_token(self, state: _RequestGrammar, token_id: int) -> None:
+        """Track a token generated while reasoning; the end tag ends the reasoning (the grammar applies next)."""
+        parser = self.reasoning_parser
+        assert parser is not None
+        # Tags are ASCII: token-by-token decoding spells them whole, whatever the tokens around them.
+        state.reasoning_tail = (state.reasoning_tail + self.compiler.tokenizer.decode([token_id]))[-64:]
+        if parser.ends_reasoning(state.reasoning_tail):
+            state.is_reasoning = False
+
+    def is_reasoning(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        return state is not None and state.is_reasoning
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -197,3 +197,33 @@ def test_a_grammar_that_fails_to_compile_finishes_only_its_request(tokenizer_and
     assert by_id["bad"].finish_reason == "error" and "could not be compiled" in by_id["bad"].stop_reason
     assert by_id["plain"].new_token_ids == [3] and "bad" not in scheduler.requests
     manager.shutdown()
+
+
+def test_with_a_reasoning_parser_the_grammar_applies_after_the_end_tag(tokenizer_and_stops):
+    from pagedserve.reasoning.reasoning_parser import get_reasoning_parser
+
+    tokenizer, _ = tokenizer_and_stops
+    manager = StructuredOutputManager(make_compiler(tokenizer_and_stops), reasoning_parser=get_reasoning_parser(
+        "deepseek_r1"))
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    manager.add_request("thinking", choice, tokenizer.encode("Question?", add_special_tokens=False))
+    closed_prompt = tokenizer.encode("Question?<think>ok</think>", add_special_tokens=False)
+    manager.add_request("closed", choice, closed_prompt)
+    for request_id in ("thinking", "closed"):
+        if manager._requests[request_id].future is not None:
+            manager._requests[request_id].future.result(timeout=60)
+        assert manager.is_ready(request_id)
+    # The prompt closed the reasoning of "closed": constrained at once; "thinking" is free while it reasons.
+    bitmask = manager.grammar_bitmask([("thinking", []), ("closed", [])])
+    assert bitmask is not None and list(bitmask.first_row) == ["closed"]
+    for token_id in tokenizer.encode("Let me see: x </think", add_special_tokens=False):
+        assert manager.accept_token("thinking", token_id)  # anything goes while reasoning
+        assert manager.is_reasoning("thinking")
+    for token_id in tokenizer.encode(">", add_special_tokens=False):
+        assert manager.accept_token("thinking", token_id)
+    assert not manager.is_reasoning("thinking")
+    bitmask = manager.grammar_bitmask([("thinking", [])])
+    assert bitmask is not None and list(bitmask.first_row) == ["thinking"]
+    allowed = allowed_token_mask(bitmask_words(bitmask), len(tokenizer))[0]
+    assert not allowed[tokenizer.encode("x", add_special_tokens=False)[0]]
+    manager.shutdown()
