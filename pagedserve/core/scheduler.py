@@ -497,7 +497,12 @@ class Scheduler:
         num_room = self.max_model_len - request.num_tokens - 1
         if request.sampling_params.max_tokens is not None:
             num_room = min(num_room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
-        request.spec_token_ids = draft_token_ids[:max(num_room, 0)]
+        draft_token_ids = draft_token_ids[:max(num_room, 0)]
+        if self.structured_output_manager is not None and request.sampling_params.structured_outputs is not None \
+                and draft_token_ids:
+            # Drafts the grammar forbids would be rejected anyway: only the valid prefix is verified.
+            draft_token_ids = self.structured_output_manager.valid_draft_prefix(request.request_id, draft_token_ids)
+        request.spec_token_ids = draft_token_ids
 
     def _check_stop(self, request: Request) -> bool:
         """Apply the stop conditions to the last appended token; sets status and stop_reason on a stop."""

@@ -109,9 +109,6 @@ def _unsupported_keyword(schema: Any, path: str) -> tuple[str, str] | None:
 
 def structured_outputs_refusal(config: EngineConfig) -> str | None:
     """Why an engine with `config` cannot constrain outputs, or None when it can."""
-    if config.speculative_config.is_enabled:
-        return ("speculative decoding is on, and verification does not apply grammar bitmasks yet; "
-                "start the engine without speculative_config")
     if config.parallel_config.enable_reduce_sample:
         return "enable_reduce_sample=True samples from gathered candidates, which a bitmask cannot mask"
     return None

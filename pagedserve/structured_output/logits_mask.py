@@ -18,17 +18,21 @@ def bitmask_words(grammar_bitmask: GrammarBitmask) -> torch.Tensor:
     return words.view(grammar_bitmask.num_rows, grammar_bitmask.num_words)
 
 
-def constrained_rows(grammar_bitmask: GrammarBitmask, row_request_ids: list[str]) -> tuple[list[int], list[int]]:
-    """(logits rows, bitmask rows) of the constrained requests, when logits row i samples row_request_ids[i]'s
-    next token."""
+def constrained_rows(grammar_bitmask: GrammarBitmask, row_request_ids: list[str],
+                     row_positions: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """(logits rows, bitmask rows) of the constrained requests, when logits row i scores position
+    row_positions[i] (0: the next token, j: after the request's first j drafts; default 0) of row_request_ids[i]."""
     first_row = grammar_bitmask.first_row
     logit_rows = [row for row, request_id in enumerate(row_request_ids) if request_id in first_row]
-    return logit_rows, [first_row[row_request_ids[row]] for row in logit_rows]
+    return logit_rows, [first_row[row_request_ids[row]] + (row_positions[row] if row_positions else 0)
+                        for row in logit_rows]
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask, row_request_ids: list[str]) -> None:
-    """Mask `logits` [num_rows, vocab] in place: row i belongs to row_request_ids[i]."""
-    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids)
+def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask, row_request_ids: list[str],
+                          row_positions: list[int] | None = None) -> None:
+    """Mask `logits` [num_rows, vocab] in place: row i belongs to row_request_ids[i] (at draft position
+    row_positions[i] with speculative decoding)."""
+    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids, row_positions)
     if not logit_rows:
         return
     words = bitmask_words(grammar_bitmask)
@@ -46,9 +50,9 @@ def allowed_token_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_grammar_bitmask_reference(logits: torch.Tensor, grammar_bitmask: GrammarBitmask,
-                                    row_request_ids: list[str]) -> None:
+                                    row_request_ids: list[str], row_positions: list[int] | None = None) -> None:
     """The plain-torch form of apply_grammar_bitmask (same result)."""
-    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids)
+    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids, row_positions)
     if not logit_rows:
         return
     allowed = allowed_token_mask(bitmask_words(grammar_bitmask)[mask_rows], logits.shape[1])

@@ -194,7 +194,7 @@ class ModelRunner:
         assert self.speculator is not None
         verified = self.speculator.verify(step, hidden_states, self.input_batch,
                                           scheduler_output.scheduled_spec_decode_tokens, self.generators,
-                                          self.model.compute_logits)
+                                          self.model.compute_logits, scheduler_output.grammar_bitmask)
         sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
         for index, token_ids in zip(verified.request_indices, verified.token_ids):
             sampled_token_ids[index] = token_ids

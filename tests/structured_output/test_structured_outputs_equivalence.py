@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import DEFAULT_MODEL_KWARGS, chat_prompt
 from schema_suite import SCHEMA_SUITE
 
@@ -39,8 +41,13 @@ def _constrained_greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_async_scheduling_preemption_and_chunked_prefill_give_the_same_outputs(default_llm):
-    reference = _constrained_greedy(default_llm)
+@pytest.fixture(scope="module")
+def reference(default_llm) -> list[list[int]]:
+    """The plain engine's constrained greedy outputs."""
+    return _constrained_greedy(default_llm)
+
+
+def test_async_scheduling_preemption_and_chunked_prefill_give_the_same_outputs(reference):
     # 9 blocks of 16 tokens for 3 requests of ~30-token prompts and up to 64 outputs: they preempt each other.
     kwargs = dict(DEFAULT_MODEL_KWARGS, max_model_len=128, num_kv_blocks=9, async_scheduling=True,
                   max_num_batched_tokens=24,
@@ -50,5 +57,18 @@ def test_async_scheduling_preemption_and_chunked_prefill_give_the_same_outputs(d
         assert _constrained_greedy(llm) == reference
         metrics = {metric.name: metric for metric in llm.get_metrics()}
         assert metrics["vllm:num_preemptions"].value > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_speculative_decoding_gives_the_same_constrained_outputs(reference):
+    """ngram drafts for constrained requests: the matcher trims drafts the grammar forbids, verification masks each
+    draft position, and the accepted tokens advance the matcher several per step; greedy outputs are unchanged."""
+    llm = LLM(**DEFAULT_MODEL_KWARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    try:
+        assert _constrained_greedy(llm) == reference
+        metrics = {metric.name: metric for metric in llm.get_metrics()}
+        assert metrics["vllm:spec_decode_num_accepted_tokens"].value > 0
     finally:
         llm.llm_engine.shutdown()
