@@ -377,7 +377,21 @@ FEATURES: tuple[Feature, ...] = (
         docs="docs/structured-outputs.md",
         tests=("tests/structured_output/test_structured_outputs_default_model.py",
                "tests/structured_output/test_structured_outputs_grammar.py",
-               "tests/structured_output/test_structured_outputs_equivalence.py"),
+               "tests/structured_output/test_structured_outputs_equivalence.py",
+               "tests/structured_output/test_structured_outputs_server.py",
+               "tests/structured_output/test_structured_outputs_tensor_parallel.py"),
+    ),
+    Feature(
+        line="framework", family="structured outputs", feature="reasoning parsers qwen3 and deepseek_r1: chat "
+                                                               "answers carry reasoning_content apart from content "
+                                                               "(streamed in its own deltas); structured outputs "
+                                                               "apply after the reasoning ends",
+        modules=("pagedserve.reasoning.reasoning_parser", "pagedserve.server.chat",
+                 "pagedserve.structured_output.manager"),
+        knobs=("reasoning_parser",),
+        docs="docs/reasoning.md",
+        tests=("tests/reasoning/test_reasoning_parser.py", "tests/reasoning/test_reasoning_server.py",
+               "tests/structured_output/test_structured_outputs_grammar.py"),
     ),
     Feature(
         line="framework", family="spec decode", feature="speculative decoding framework with ngram prompt-lookup "
