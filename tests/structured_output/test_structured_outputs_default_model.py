@@ -42,6 +42,8 @@ def test_every_schema_of_the_suite_validates_greedy_and_sampled(default_llm):
         assert completion.finish_reason == "stop", (name, mode, completion.text)
         value = json.loads(completion.text)
         jsonschema.validate(value, SCHEMA_SUITE[name])
+    # Every matcher was dropped with its finished request.
+    assert default_llm.llm_engine.engine_core.scheduler.structured_output_manager._requests == {}
 
 
 def test_json_object_regex_and_choice(default_llm):

@@ -227,3 +227,22 @@ def test_with_a_reasoning_parser_the_grammar_applies_after_the_end_tag(tokenizer
     allowed = allowed_token_mask(bitmask_words(bitmask), len(tokenizer))[0]
     assert not allowed[tokenizer.encode("x", add_special_tokens=False)[0]]
     manager.shutdown()
+
+
+def test_each_distinct_constraint_compiles_once(tokenizer_and_stops):
+    compiler = make_compiler(tokenizer_and_stops)
+    manager = StructuredOutputManager(compiler)
+    schema = SCHEMA_SUITE["ref"]
+    for index in range(3):  # the first compiles on the compile thread; the others find it cached
+        manager.add_request(f"same{index}", StructuredOutputsParams(json=schema))
+        future = manager._requests[f"same{index}"].future
+        if future is not None:
+            future.result(timeout=60)
+        assert manager.is_ready(f"same{index}")
+    manager.add_request("other", StructuredOutputsParams(regex="[ab]+"))
+    manager._requests["other"].future.result(timeout=60)
+    assert (compiler.num_compiles, compiler.num_cache_hits) == (2, 2)
+    for request_id in ("same0", "same1", "same2", "other"):
+        manager.free(request_id)
+    assert manager._requests == {}
+    manager.shutdown()
