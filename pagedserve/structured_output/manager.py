@@ -113,17 +113,15 @@ class StructuredOutputManager:
         if state is not None and state.future is not None:
             state.future.cancel()
 
-    def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     # ---- per step ------------------------------------------------------------------------------------
     def grammar_bitmask(self, sampled_positions: list[tuple[str, list[int]]]) -> GrammarBitmask | None:
         """Rows for the constrained requests a step samples: (request id, drafts scored after it).
 
-        A request gets 1 + len(drafts) rows: the next token's, then each draft position's (the matcher advanced
-        over the drafts before it; drafts the grammar rejects end its rows early, their positions unmasked rows
-        are not needed: verification stops at the first rejected draft, which the mask makes improbable).
-        None when no row is constrained.
+        A request gets 1 + len(drafts) rows: the next token's, then each draft position's, filled with the matcher
+        advanced over the drafts before it and rolled back after. The scheduler keeps only drafts the grammar
+        accepts (valid_draft_prefix); should one still be refused, the rows after it stay all-allowed: verification
+        never emits a token past a rejected draft. Requests still reasoning or past the end of their grammar get no
+        rows. None when no row is constrained.
         """
         rows: list[tuple[str, xgrammar.GrammarMatcher, list[int]]] = []
         for request_id, draft_token_ids in sampled_positions:
