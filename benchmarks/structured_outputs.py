@@ -4,7 +4,7 @@ request under a JSON schema against the same workload unconstrained.
 Compile: each schema of tests/structured_output/schema_suite.py compiled by a fresh GrammarCompiler (cold; the
 tokenizer's xgrammar TokenizerInfo is built once before and timed apart), then again (cached).
 Throughput: recipe A's workload (benchmarks/offline_throughput.py make_workload: prompts U[64, 512] random token
-ids, outputs U[64, 256], ignore_eos, greedy, seed 0) on the default model (SmolLM2-135M-Instruct GGUF: structured
+ids, outputs U[64, 256], ignore_eos, greedy, seed 0; `--temperature` samples instead, seeded) on the default model (SmolLM2-135M-Instruct GGUF: structured
 outputs need its tokenizer). Constrained, every request carries SCHEMA below, which no output of these lengths can
 complete, so every token is generated under the grammar (`constrained_fraction`, the share of tokens before a stop
 token, checks it). The two variants are timed in
@@ -58,7 +58,7 @@ def compile_times() -> dict[str, object]:
             "cold_total_ms": sum(cold.values()), "cached_total_ms": sum(cached.values())}
 
 
-def throughput(num_requests: int, rounds: int, seed: int) -> dict[str, object]:
+def throughput(num_requests: int, rounds: int, seed: int, temperature: float) -> dict[str, object]:
     from pagedserve import LLM, SamplingParams
     from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
@@ -68,9 +68,10 @@ def throughput(num_requests: int, rounds: int, seed: int) -> dict[str, object]:
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     constraint = StructuredOutputsParams(json=SCHEMA)
     variants = {
-        "unconstrained": [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload],
-        "json_schema": [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=constraint)
-                        for _, n in workload],
+        "unconstrained": [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=n, ignore_eos=True)
+                          for i, (_, n) in enumerate(workload)],
+        "json_schema": [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=n, ignore_eos=True,
+                                       structured_outputs=constraint) for i, (_, n) in enumerate(workload)],
     }
     llm.generate(prompts[:2], variants["json_schema"][:2], use_tqdm=False)  # warm-up: tokenizer, compile, kernels
     runs: dict[str, list[float]] = {name: [] for name in variants}
@@ -87,7 +88,7 @@ def throughput(num_requests: int, rounds: int, seed: int) -> dict[str, object]:
             if name == "json_schema" and constrained_fraction is None:
                 constrained_fraction = _constrained_fraction(llm, outputs)
     best = {name: max(values) for name, values in runs.items()}
-    return {"num_requests": num_requests, "num_output_tokens": num_tokens, "tokens_per_s_runs": runs,
+    return {"num_requests": num_requests, "temperature": temperature, "num_output_tokens": num_tokens, "tokens_per_s_runs": runs,
             "tokens_per_s_best": best, "ratio_json_schema_to_unconstrained": best["json_schema"] / best["unconstrained"],
             "constrained_fraction": constrained_fraction}
 
@@ -109,13 +110,15 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, recipe A's (the default); > 0: seeded sampling, both variants")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     result: dict[str, object] = {"compile": compile_times()}
     print(json.dumps(result["compile"], indent=1), flush=True)
     if not args.skip_throughput:
-        result["throughput"] = throughput(args.num_requests, args.rounds, args.seed)
+        result["throughput"] = throughput(args.num_requests, args.rounds, args.seed, args.temperature)
         print(json.dumps(result["throughput"], indent=1), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
