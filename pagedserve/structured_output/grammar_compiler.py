@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import xgrammar
+if TYPE_CHECKING:
+    import xgrammar
 
 
 class GrammarCompiler:
@@ -31,6 +32,8 @@ class GrammarCompiler:
         self.num_cache_hits = 0
 
     def _backend(self) -> xgrammar.GrammarCompiler:
+        import xgrammar  # imported on first use: an engine without it runs, refusing structured outputs
+
         with self._lock:
             if self._compiler is None:
                 tokenizer, stop_token_ids = self._load_tokenizer()

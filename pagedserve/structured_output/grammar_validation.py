@@ -8,6 +8,7 @@ regex's error names the position. Results are cached per distinct constraint.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,9 @@ def _unsupported_keyword(schema: Any, path: str) -> tuple[str, str] | None:
 
 def structured_outputs_refusal(config: EngineConfig) -> str | None:
     """Why an engine with `config` cannot constrain outputs, or None when it can."""
+    if importlib.util.find_spec("xgrammar") is None:
+        return ("the grammar engine xgrammar is not installed; install it with "
+                "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2")
     if config.parallel_config.enable_reduce_sample:
         return "enable_reduce_sample=True samples from gathered candidates, which a bitmask cannot mask"
     return None

@@ -7,7 +7,6 @@ without a constraint are left as they are.
 from __future__ import annotations
 
 import torch
-import xgrammar
 
 from pagedserve.core.scheduler_output import GrammarBitmask
 
@@ -35,6 +34,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask,
     logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids, row_positions)
     if not logit_rows:
         return
+    import xgrammar  # only steps with constrained rows need it
+
     words = bitmask_words(grammar_bitmask)
     # xgrammar indexes the logits and the bitmask with the same row numbers: lay the masks out like the logits.
     bitmask = torch.full((logits.shape[0], grammar_bitmask.num_words), -1, dtype=torch.int32)

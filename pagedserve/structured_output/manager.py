@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xgrammar
 
 from pagedserve.core.scheduler_output import GrammarBitmask
 from pagedserve.reasoning.reasoning_parser import ReasoningParser, get_reasoning_parser
@@ -23,6 +22,8 @@ from pagedserve.structured_output.grammar_compiler import GrammarCompiler
 from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from pagedserve.config.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class StructuredOutputManager:
         return self._requests[request_id].error
 
     def _start_matcher(self, state: _RequestGrammar, compiled: xgrammar.CompiledGrammar) -> None:
+        import xgrammar  # imported on first use: an engine without it runs, refusing structured outputs
+
         state.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
         parser = self.reasoning_parser
         if parser is not None:

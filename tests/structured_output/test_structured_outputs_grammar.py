@@ -246,3 +246,19 @@ def test_each_distinct_constraint_compiles_once(tokenizer_and_stops):
         manager.free(request_id)
     assert manager._requests == {}
     manager.shutdown()
+
+
+def test_without_xgrammar_structured_outputs_are_refused_by_name(monkeypatch):
+    import importlib.util
+
+    from pagedserve.engine.input_processor import InputProcessor
+    from pagedserve.structured_output.grammar_validation import structured_outputs_refusal
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "xgrammar" else real_find_spec(name, *args))
+    reason = structured_outputs_refusal(object())  # the engine config is not read before the install check
+    assert reason is not None and "pip install --no-deps xgrammar" in reason
+    processor = InputProcessor(object(), vocab_size=100, max_model_len=64, structured_outputs_refusal=reason)
+    with pytest.raises(ValueError, match="structured_outputs is not supported by this engine: the grammar engine"):
+        processor.resolve_params(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), 4)
