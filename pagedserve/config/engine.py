@@ -21,6 +21,7 @@ from pagedserve.config.profiling_chunk import ProfilingChunkConfig
 from pagedserve.config.scheduler import SchedulerConfig
 from pagedserve.config.sparse_kv_offload import SparseKVOffloadConfig
 from pagedserve.config.speculative import SpeculativeConfig
+from pagedserve.config.structured_outputs import StructuredOutputsConfig
 from pagedserve.kernels import cpu_isa
 
 
@@ -54,6 +55,9 @@ class EngineConfig:
     sparse_kv_offload_config: SparseKVOffloadConfig | None = None
     # The KV connector (config/kv_transfer.py, kv_transfer/): prefill/decode disaggregation; None when off.
     kv_transfer_config: KVTransferConfig | None = None
+
+    # Structured outputs' grammar engine (config/structured_outputs.py, structured_output/).
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def tokens_per_block(self) -> int:
@@ -112,6 +116,8 @@ class EngineConfig:
         speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
         sparse_kv_offload: SparseKVOffloadConfig | dict[str, Any] | str | None = None,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
+        structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None,
+        reasoning_parser: str | None = None,
     ) -> "EngineConfig":
         from pagedserve.model_loader.model_source import open_model_source
         from pagedserve.platforms import current_platform
@@ -261,6 +267,8 @@ class EngineConfig:
             speculative_config=speculative,
             sparse_kv_offload_config=sparse_kv_offload_config,
             kv_transfer_config=kv_transfer,
+            structured_outputs_config=StructuredOutputsConfig.parse(structured_outputs_config).with_reasoning_parser(
+                reasoning_parser),
         )
 
 

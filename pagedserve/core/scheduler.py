@@ -23,6 +23,7 @@ Pure Python: no torch, no device code. The scheduler sees KV blocks only through
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ from pagedserve.core.scheduler_output import (
 if TYPE_CHECKING:  # the config package imports torch; core stays importable without it
     from pagedserve.config.scheduler import SchedulerConfig
     from pagedserve.kv_transfer.connector_base import KVConnectorScheduler
+    from pagedserve.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -53,11 +57,13 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, block_size: int,
                  prefill_chunk_policy: PrefillChunkPolicy | None = None,
                  include_new_token_ids: bool = False, num_lookahead_tokens: int = 0,
-                 kv_connector: KVConnectorScheduler | None = None, kv_load_failure_policy: str = "recompute") -> None:
+                 kv_connector: KVConnectorScheduler | None = None, kv_load_failure_policy: str = "recompute",
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         """`include_new_token_ids`: send the generated tokens each step computes in its cached-request
         deltas (pipeline parallel: only the last stage samples; the other stages learn the tokens there).
         `kv_connector`: a KV connector's scheduler side; `kv_load_failure_policy` ('recompute' | 'fail'): what
-        happens to a request whose remote KV did not arrive."""
+        happens to a request whose remote KV did not arrive. `structured_output_manager`: grammars and matchers of
+        requests with structured outputs (None: such requests are refused)."""
         if block_size != kv_cache_manager.block_size:
             raise ValueError(
                 f"block_size={block_size} must equal the KV cache manager's block_size={kv_cache_manager.block_size}")
@@ -77,6 +83,13 @@ class Scheduler:
         self.include_new_token_ids = include_new_token_ids
         # KV slots reserved past each step's tokens: a speculative draft model writes its drafts' KV there.
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Structured outputs (structured_output/): a constrained request waits until its grammar is compiled, is
+        # scheduled only with all its tokens back (its bitmask needs them), and its matcher sees every token.
+        self.structured_output_manager = structured_output_manager
+        # Outputs of requests finished outside a step (a grammar that failed to compile), sent with the next one.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        # The requests whose next token the step being scheduled samples (set by _make_output).
+        self._sampling_request_ids: list[str] = []
         # Tokens of this step a prefill chunk shares it with (running decodes + chunks already taken).
         self._num_other_step_tokens = 0
 
@@ -106,6 +119,13 @@ class Scheduler:
                 f"prompt length={request.num_prompt_tokens} of request {request.request_id!r} must be in "
                 f"[1, max_model_len={self.max_model_len}]")
         check_kv_transfer_params_accepted(request.sampling_params.extra_args, self.kv_connector is not None)
+        structured_outputs = request.sampling_params.structured_outputs
+        if structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError(f"request {request.request_id!r} asks for structured_outputs, but this engine "
+                                 f"has no structured output manager")
+            self.structured_output_manager.add_request(request.request_id, structured_outputs,
+                                                       request.prompt_token_ids)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -150,6 +170,8 @@ class Scheduler:
             self.kv_held_requests[request.request_id] = request
         else:
             self.kv_cache_manager.free(request)
+        if self.structured_output_manager is not None and request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.free(request.request_id)
         self.finished_request_ids.add(request.request_id)
         del self.requests[request.request_id]
         return kv_transfer_params
@@ -244,11 +266,17 @@ class Scheduler:
             request_index += 1
 
         # 2. Waiting requests (new or preempted), only if the cache did not just run out.
+        waiting_for_grammar: list[Request] = []
         if not preempted:
             while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.peek_request()
                 if request.num_output_placeholders:
                     break  # preempted with a step in flight: its token must come back first
+                if request.sampling_params.structured_outputs is not None and not self._is_grammar_ready(request):
+                    if not request.is_finished():
+                        # Its grammar is still compiling: the requests behind it go first; it keeps its place.
+                        waiting_for_grammar.append(self.waiting.pop_request())
+                    continue
                 num_new_tokens = self._admit(request, token_budget)
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     self.waiting.pop_request()
@@ -263,12 +291,39 @@ class Scheduler:
                     self._num_other_step_tokens += num_new_tokens
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+        for request in reversed(waiting_for_grammar):
+            self.waiting.prepend_request(request)
 
         output = self._make_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids, preempted)
         output.scheduled_spec_decode_tokens = scheduled_spec_decode_tokens
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output)
+        if self.structured_output_manager is not None and self._sampling_request_ids:
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [(request_id, scheduled_spec_decode_tokens.get(request_id, []))
+                 for request_id in self._sampling_request_ids
+                 if self.requests[request_id].sampling_params.structured_outputs is not None])
         return output
+
+    def _is_grammar_ready(self, request: Request) -> bool:
+        """Whether the constrained request at the head of the waiting queue can be admitted; one whose grammar
+        failed leaves the queue here, finished with finish_reason='error' (its output goes out with the next
+        step's)."""
+        manager = self.structured_output_manager
+        assert manager is not None
+        if not manager.is_ready(request.request_id):
+            return False
+        error = manager.error(request.request_id)
+        if error is None:
+            return True
+        self.waiting.pop_request()
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = error
+        self._free_request(request)
+        self._pending_outputs.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                                      finish_reason=request.get_finish_reason(),
+                                                      stop_reason=error))
+        return False
 
     def _num_tokens_to_schedule(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         """Tokens the request lacks, capped by the budget, the long-prefill threshold and max_model_len.
@@ -305,8 +360,9 @@ class Scheduler:
 
         Without async scheduling a request whose sampled token is in flight (pipeline micro-batches) has
         nothing to compute until it comes back."""
-        if self.async_scheduling:
+        if self.async_scheduling and request.sampling_params.structured_outputs is None:
             return request.num_tokens + request.num_output_placeholders
+        # A constrained request's next bitmask needs the matcher past every token: it waits for them.
         return request.num_tokens
 
     def _admit(self, request: Request, token_budget: int) -> int:
@@ -442,12 +498,14 @@ class Scheduler:
             new_token_ids=[_generated_tokens_to_compute(request, num_scheduled_tokens[request.request_id])
                            for request in scheduled_running] if self.include_new_token_ids else [],
         )
+        sampling_request_ids = self._sampling_request_ids = []
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 # This step samples the request's next token (and, past it, verifies drafts): one placeholder
                 # until update_from_output.
                 request.num_output_placeholders += 1
+                sampling_request_ids.append(request.request_id)
 
         output = SchedulerOutput(
             scheduled_new_requests=new_requests_data,
@@ -473,9 +531,10 @@ class Scheduler:
         A request preempted while this step was in flight still takes its token (async scheduling).
         """
         index_of = {request_id: index for index, request_id in enumerate(model_runner_output.request_ids)}
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         if self.kv_connector is not None and model_runner_output.kv_connector_output is not None:
             outputs += self._update_from_kv_connector_output(model_runner_output.kv_connector_output)
+        manager = self.structured_output_manager
         stopped: set[Request] = set()
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -490,7 +549,15 @@ class Scheduler:
                 self.spec_decode_stats.observe(num_spec_tokens, len(sampled_token_ids) - 1)
             was_running = request.status == RequestStatus.RUNNING
             new_token_ids: list[int] = []
+            is_constrained = manager is not None and request.sampling_params.structured_outputs is not None
             for token_id in sampled_token_ids:
+                if is_constrained and not manager.accept_token(request_id, token_id):
+                    # The bitmask allowed no token (e.g. min_tokens masked the only one the grammar allowed).
+                    logger.error("request %s: token %d is not allowed by its structured output grammar",
+                                 request_id, token_id)
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.stop_reason = f"token {token_id} violates the structured output grammar"
+                    break
                 request.append_output_token_ids([token_id])
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
@@ -534,7 +601,12 @@ class Scheduler:
         num_room = self.max_model_len - request.num_tokens - 1
         if request.sampling_params.max_tokens is not None:
             num_room = min(num_room, request.sampling_params.max_tokens - request.num_output_tokens - 1)
-        request.spec_token_ids = draft_token_ids[:max(num_room, 0)]
+        draft_token_ids = draft_token_ids[:max(num_room, 0)]
+        if self.structured_output_manager is not None and request.sampling_params.structured_outputs is not None \
+                and draft_token_ids:
+            # Drafts the grammar forbids would be rejected anyway: only the valid prefix is verified.
+            draft_token_ids = self.structured_output_manager.valid_draft_prefix(request.request_id, draft_token_ids)
+        request.spec_token_ids = draft_token_ids
 
     def _check_stop(self, request: Request) -> bool:
         """Apply the stop conditions to the last appended token; sets status and stop_reason on a stop."""

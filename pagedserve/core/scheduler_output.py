@@ -48,6 +48,21 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: the allowed tokens of the rows a step samples for constrained requests.
+
+    `bitmask` holds int32 words [num_rows, num_words] (native byte order; bit j of word w set: token 32*w + j
+    allowed). A constrained request owns rows first_row[id] .. first_row[id] + its drafts this step (one per
+    sampled position); rows of other requests are not constrained.
+    """
+
+    first_row: dict[str, int]
+    num_rows: int
+    num_words: int
+    bitmask: bytes
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_requests: list[NewRequestData]
     scheduled_cached_requests: CachedRequestData
@@ -63,6 +78,8 @@ class SchedulerOutput:
     # The KV connector's orders for this step's worker side (kv_transfer/; built by its scheduler side); None
     # without a connector.
     kv_connector_metadata: Any = None
+    # Structured outputs: the token bitmask of the constrained rows this step samples (None: no such row).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

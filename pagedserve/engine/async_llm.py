@@ -31,6 +31,7 @@ from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKin
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.grammar_validation import structured_outputs_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class AsyncLLM:
         self.tokenizer = source.load_tokenizer(model_config.tokenizer)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer, vocab_size=model_config.vocab_size, max_model_len=model_config.max_model_len,
-            eos_token_ids=source.eos_token_ids(self.tokenizer))
+            eos_token_ids=source.eos_token_ids(self.tokenizer),
+            structured_outputs_refusal=structured_outputs_refusal(self.config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = stat_logger
         self.client: EngineCoreClient | None = None

@@ -24,6 +24,7 @@ from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.sparse_kv_offload_stats import SparseKVOffloadStats
 from pagedserve.engine.batch_queue import BatchQueue, InFlightStep
 from pagedserve.executor.abstract import Executor, FatalExecutorError
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class EngineCore:
                                    num_lookahead_tokens=config.speculative_config.num_lookahead_tokens,
                                    kv_connector=kv_connector,
                                    kv_load_failure_policy=kv_transfer_config.kv_load_failure_policy
-                                   if kv_transfer_config is not None else "recompute")
+                                   if kv_transfer_config is not None else "recompute",
+                                   structured_output_manager=StructuredOutputManager.from_engine_config(config))
         # Steps in flight (async scheduling, pipeline micro-batches); None: one step at a time.
         max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(max_concurrent_batches, self.kv_cache_manager)
@@ -240,3 +242,5 @@ class EngineCore:
         if self.batch_queue is not None:
             self.batch_queue.clear()  # the executor's shutdown joins or cancels what is still running
         self.executor.shutdown()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()

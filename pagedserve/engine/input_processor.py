@@ -16,6 +16,7 @@ from typing import Any, Union
 from pagedserve.core.request import Request
 from pagedserve.engine.parallel_sampling import ParentRequest
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.grammar_validation import validate_structured_outputs
 
 # A prompt is text, or a dict with 'prompt_token_ids' (optionally with the 'prompt' text they came
 # from) or with 'prompt' alone; 'cache_salt' may be added to keep this request's KV cache private.
@@ -52,7 +53,8 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Any | None, *, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Iterable[int] | None = None) -> None:
+                 eos_token_ids: Iterable[int] | None = None, structured_outputs_refusal: str | None = None) -> None:
+        """`structured_outputs_refusal`: why this engine cannot constrain outputs (None: it can)."""
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r} must be an integer >= 1")
         if not isinstance(max_model_len, int) or max_model_len < 2:
@@ -65,6 +67,7 @@ class InputProcessor:
         all_eos = [] if self.eos_token_id is None else [self.eos_token_id]
         all_eos += [int(token) for token in (eos_token_ids or [])]
         self.eos_token_ids: frozenset[int] = frozenset(all_eos)
+        self.structured_outputs_refusal = structured_outputs_refusal
 
     @classmethod
     def from_model_config(cls, tokenizer: Any | None, model_config: Any) -> "InputProcessor":
@@ -143,6 +146,12 @@ class InputProcessor:
         if params.stop and (not params.detokenize or self.tokenizer is None):
             raise ValueError(
                 f"stop={params.stop!r} needs detokenize=True and a tokenizer; stop strings are matched on text")
+        if params.structured_outputs is not None:
+            if self.structured_outputs_refusal is not None:
+                raise ValueError(f"structured_outputs is not supported by this engine: {self.structured_outputs_refusal}")
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer (the grammar is matched on token texts)")
+            validate_structured_outputs(params.structured_outputs)
         eos_ids = set() if params.ignore_eos else set(self.eos_token_ids)
         return params.clone(max_tokens=max_tokens, all_stop_token_ids=eos_ids)
 

@@ -20,6 +20,7 @@ from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.sample.reduce_sample import check_reduce_sample_params
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.structured_output.grammar_validation import structured_outputs_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class LLMEngine:
             vocab_size=config.model_config.vocab_size,
             max_model_len=config.model_config.max_model_len,
             eos_token_ids=source.eos_token_ids(self.tokenizer),
+            structured_outputs_refusal=structured_outputs_refusal(self.config),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()

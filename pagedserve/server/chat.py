@@ -2,6 +2,8 @@
 
 Streaming sends, per choice, a first chunk with the assistant role, then content deltas; the chunk
 that finishes a choice carries its finish_reason; an optional usage chunk precedes `data: [DONE]`.
+With a reasoning parser (--reasoning-parser) the model's thinking goes to `reasoning_content`, apart from
+`content`, streamed in its own deltas (pagedserve/reasoning/).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.engine.async_llm import EngineDeadError, RequestStream
 from pagedserve.outputs import CompletionOutput
+from pagedserve.reasoning.reasoning_parser import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedserve.server.disconnect import run_until_disconnected
 from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import chat_logprobs
@@ -37,6 +40,8 @@ class ChatHandler:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.engine = state.engine
+        name = self.engine.config.structured_outputs_config.reasoning_parser
+        self.reasoning_parser: ReasoningParser | None = None if name is None else get_reasoning_parser(name)
 
     def decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -96,7 +101,7 @@ class ChatHandler:
         response = ChatCompletionResponse(
             id=request_id, created=created, model=model_name,
             choices=[ChatCompletionChoice(
-                index=index, message=ChatResponseMessage(content="".join(choice.text)),
+                index=index, message=self._message("".join(choice.text)),
                 logprobs=ChatChoiceLogprobs(content=choice.logprobs or []) if body.logprobs else None,
                 finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                 token_ids=choice.token_ids if body.return_token_ids else None)
@@ -105,6 +110,12 @@ class ChatHandler:
                             total_tokens=stream.num_prompt_tokens + num_completion_tokens))
         return JSONResponse(response.model_dump())
 
+    def _message(self, text: str) -> ChatResponseMessage:
+        if self.reasoning_parser is None:
+            return ChatResponseMessage(content=text)
+        reasoning, content = self.reasoning_parser.split(text)
+        return ChatResponseMessage(content=content, reasoning_content=reasoning)
+
     async def _stream(self, body: ChatCompletionRequest, request_id: str, model_name: str, created: int,
                       stream: RequestStream):
         options = body.stream_options
@@ -112,6 +123,8 @@ class ChatHandler:
         continuous_usage = include_usage and options is not None and options.continuous_usage_stats
         num_prompt_tokens = stream.num_prompt_tokens
         num_completion_tokens = 0
+        reasoning_streams = [ReasoningStream(self.reasoning_parser) for _ in range(body.n)] \
+            if self.reasoning_parser is not None else None
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
@@ -135,8 +148,16 @@ class ChatHandler:
                                 body.logprobs or body.return_token_ids):
                             continue  # e.g. half a UTF-8 character: OpenAI sends no empty content deltas
                         delta_logprobs = self._delta_logprobs(body, completion)
+                        delta = DeltaMessage(content=completion.text)
+                        if reasoning_streams is not None:
+                            reasoning, content = reasoning_streams[completion.index].feed(
+                                completion.text, is_final=completion.finish_reason is not None)
+                            if not (reasoning or content or completion.finish_reason is not None or body.logprobs
+                                    or body.return_token_ids):
+                                continue  # a tag still arriving: nothing certain to send yet
+                            delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None)
                         chunk_choices.append(ChatStreamChoice(
-                            index=completion.index, delta=DeltaMessage(content=completion.text),
+                            index=completion.index, delta=delta,
                             logprobs=ChatChoiceLogprobs(content=delta_logprobs) if delta_logprobs is not None else None,
                             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
                             token_ids=list(completion.token_ids) if body.return_token_ids else None))

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.structured_output.grammar_validation import validate_structured_outputs
+from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
 # Integer request fields go to the engine as 64-bit signed integers (msgpack messages, int64 tensors).
 # seed has its own range, the sampler's (SamplingParams checks it).
@@ -45,6 +47,21 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic reserves that name on models.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling knobs shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
@@ -72,6 +89,9 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
     # vLLM extension: also return the generated token ids (choices[].token_ids).
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    # vLLM extension: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
+    structured_outputs: dict[str, Any] | None = None
 
     def check_numbers(self) -> None:
         """ValueError naming the field, value and limit for an integer beyond 64 bits or a float that is not
@@ -94,6 +114,29 @@ class SamplingFields(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream=true")
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint from response_format or structured_outputs (ValueError names the field)."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            if self.structured_outputs is not None:
+                raise ValueError("response_format and structured_outputs both constrain the output: give one")
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise ValueError("response_format.json_schema.schema is missing: type 'json_schema' needs a schema")
+            params = StructuredOutputsParams(json=response_format.json_schema.json_schema)
+            validate_structured_outputs(params, "response_format.json_schema.schema")
+            return params
+        if self.structured_outputs is None:
+            return None
+        unknown = sorted(set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown keys {unknown}; allowed: json, regex, choice, grammar, "
+                             f"json_object")
+        params = StructuredOutputsParams(**self.structured_outputs)
+        validate_structured_outputs(params, f"structured_outputs.{params.kind}")
+        return params
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams of this request (ValueError names any bad field and its range)."""
@@ -103,7 +146,8 @@ class SamplingFields(OpenAIModel):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -251,6 +295,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # With --reasoning-parser: the model's thinking, apart from the answer (vLLM's field).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -274,6 +320,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedserve.config.speculative import BLOCK_DRAFT_METHODS, HIDDEN_STATE_METHODS, SpeculativeConfig
-from pagedserve.core.scheduler_output import LogprobsLists
+from pagedserve.core.scheduler_output import GrammarBitmask, LogprobsLists
 from pagedserve.sample.fused_greedy_head import head_first_argmax
 from pagedserve.sample.greedy import first_argmax
 from pagedserve.sample.logprobs import compute_logprobs, gather_logprobs
@@ -31,6 +31,7 @@ from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import build_sampling_metadata, has_penalty
 from pagedserve.sampling_params import SamplingParams, SamplingType
 from pagedserve.spec_decode.block_draft_proposer import BlockDraftProposer
+from pagedserve.structured_output.logits_mask import apply_grammar_bitmask
 from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
 from pagedserve.spec_decode.hidden_state_proposer import HiddenStateProposer, TargetStep
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
@@ -128,8 +129,13 @@ class Speculator:
     # ---- after the forward ------------------------------------------------------------------------
     def verify(self, step: StepInputs, hidden_states: torch.Tensor, batch: InputBatch,
                scheduled_spec_decode_tokens: dict[str, list[int]], generators: dict[str, torch.Generator],
-               compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> VerifiedTokens:
-        """Verify the step's drafts and append what is emitted to the batch (see the module docstring)."""
+               compute_logits: Callable[[torch.Tensor], torch.Tensor],
+               grammar_bitmask: GrammarBitmask | None = None) -> VerifiedTokens:
+        """Verify the step's drafts and append what is emitted to the batch (see the module docstring).
+
+        `grammar_bitmask` (structured outputs): the constrained requests' allowed tokens at each scored position;
+        their logits are masked before verification, so a draft the grammar forbids is rejected and the token
+        emitted in its place is one the grammar allows."""
         request_indices = step.is_sampled.nonzero()[0].tolist()
         states = [batch.requests[step.request_ids[i]] for i in request_indices]
         draft_lists = [scheduled_spec_decode_tokens.get(state.request_id, []) for state in states]
@@ -143,12 +149,17 @@ class Speculator:
         within = np.arange(int(offsets[-1])) - offsets[:-1][position_requests]
         logits_indices = ends[position_requests] - num_positions[position_requests] + within
         scored = hidden_states[torch.from_numpy(logits_indices).to(hidden_states.device)]
+        masked_logits = None
+        if grammar_bitmask is not None:
+            masked_logits = compute_logits(scored)
+            apply_grammar_bitmask(masked_logits, grammar_bitmask,
+                                  [states[b].request_id for b in position_requests.tolist()], within.tolist())
         if all(_is_plain_greedy(state.sampling_params) for state in states):
-            token_ids = self._verify_greedy(scored, compute_logits, draft_lists, offsets)
+            token_ids = self._verify_greedy(scored, compute_logits, draft_lists, offsets, masked_logits)
             for state, emitted in zip(states, token_ids):
                 batch.extend_tokens(state.row, int(batch.num_tokens[state.row]), emitted)
             return VerifiedTokens(request_indices=request_indices, token_ids=token_ids)
-        logits = compute_logits(scored)
+        logits = compute_logits(scored) if masked_logits is None else masked_logits
 
         processed = self.sampler.processed_logits(logits, self._position_metadata(states, draft_lists, batch,
                                                                                    generators))
@@ -180,14 +191,19 @@ class Speculator:
         return verified
 
     def _verify_greedy(self, scored: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                       draft_lists: list[list[int]], offsets: np.ndarray) -> list[list[int]]:
+                       draft_lists: list[list[int]], offsets: np.ndarray,
+                       logits: torch.Tensor | None = None) -> list[list[int]]:
         """Greedy verification when every request samples greedily and asks for nothing else: the target's argmax
         at each scored position (the sampler's pick; fused into the LM head where it can be), each request's drafts
-        accepted while they equal it, then the argmax where they stop (the rejection sampler's greedy rule)."""
-        lm_head = getattr(self.target_model, "lm_head", None)
-        targets = None if lm_head is None else head_first_argmax(lm_head, scored)
-        if targets is None:
-            targets = first_argmax(compute_logits(scored))
+        accepted while they equal it, then the argmax where they stop (the rejection sampler's greedy rule).
+        `logits`: the scored positions' logits when already computed (masked by a grammar)."""
+        if logits is not None:
+            targets = first_argmax(logits)
+        else:
+            lm_head = getattr(self.target_model, "lm_head", None)
+            targets = None if lm_head is None else head_first_argmax(lm_head, scored)
+            if targets is None:
+                targets = first_argmax(compute_logits(scored))
         target_ids = targets.tolist()
         token_ids = []
         for start, drafts in zip(offsets[:-1].tolist(), draft_lists):

@@ -31,6 +31,7 @@ from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
+from pagedserve.structured_output.logits_mask import apply_grammar_bitmask
 from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, as_decode_rows
 from pagedserve.worker.kv_cache_allocation import attention_layers
@@ -134,7 +135,8 @@ class ModelRunner:
         return output
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.greedy_decode is not None:
+        grammar_bitmask = scheduler_output.grammar_bitmask
+        if self.greedy_decode is not None and grammar_bitmask is None:
             output = self._greedy_decode_step(scheduler_output)
             if output is not None:
                 return output
@@ -174,9 +176,12 @@ class ModelRunner:
                 states = [requests[step.request_ids[i]] for i in sampled_rows]
                 sampled_states = hidden_states[logits_indices]
             metadata = self._sampling_metadata(states)
-            sampler_output = self.fused_greedy_sample(sampled_states, metadata)
+            # Constrained rows need their logits to mask: no argmax inside the LM head then.
+            sampler_output = self.fused_greedy_sample(sampled_states, metadata) if grammar_bitmask is None else None
             if sampler_output is None:
                 logits = self.sample_logits(sampled_states, [s.sampling_params for s in states])
+                if grammar_bitmask is not None:  # structured outputs (structured_output/logits_mask.py)
+                    apply_grammar_bitmask(logits, grammar_bitmask, [s.request_id for s in states])
                 sampler_output = self.sampler(logits, metadata)
             token_ids = sampler_output.sampled_token_ids.tolist()
             logprobs_lists = None
@@ -200,7 +205,7 @@ class ModelRunner:
         assert self.speculator is not None
         verified = self.speculator.verify(step, hidden_states, self.input_batch,
                                           scheduler_output.scheduled_spec_decode_tokens, self.generators,
-                                          self.model.compute_logits)
+                                          self.model.compute_logits, scheduler_output.grammar_bitmask)
         sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
         for index, token_ids in zip(verified.request_indices, verified.token_ids):
             sampled_token_ids[index] = token_ids
