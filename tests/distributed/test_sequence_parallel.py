@@ -1,4 +1,4 @@
-"""Sequence parallel over two gloo ranks: float32 greedy tokens equal to SP off (and to one process) for the Llama
+"""Sequence parallel over two gloo ranks: float32 greedy tokens equal to one process for the Llama
 form, with chunked prefill and prompts whose token counts are odd (padded shards); token shards round-trip in one
 process; unsupported combinations fail at start naming the knob."""
 from __future__ import annotations
@@ -28,19 +28,17 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_sequence_parallel_equals_tp_without_it_and_one_process(tiny_model_dir, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_sequence_parallel_equals_one_process(tiny_model_dir, kind: str) -> None:
+    """(TP=2 without SP equals one process: tests/distributed/test_tensor_parallel.py.) Qwen3 (q/k norms in the
+    gathered attention input) runs with `-m slow`."""
     folder = tiny_model_dir(kind)
     single = _generate(LLM(folder, **ENGINE))
-    results = {}
-    for enabled in (False, True):
-        llm = LLM(folder, tensor_parallel_size=2, enable_sequence_parallel=enabled, **ENGINE)
-        try:
-            results[enabled] = _generate(llm)
-        finally:
-            llm.llm_engine.shutdown()
-    assert results[True] == results[False]
-    assert results[True] == single
+    llm = LLM(folder, tensor_parallel_size=2, enable_sequence_parallel=True, **ENGINE)
+    try:
+        assert _generate(llm) == single
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_eagle_drafters_are_refused(tiny_model_dir, tmp_path) -> None:
