@@ -76,5 +76,6 @@ def test_missing_cache_and_bad_head_counts_are_reported() -> None:
 
 def test_backend_registry() -> None:
     assert get_attention_backend("torch_paged").name == "torch_paged"
-    with pytest.raises(ValueError, match="attention backend='nope' is not supported; supported: \\['cpu_native', 'torch_paged'\\]"):
+    with pytest.raises(ValueError, match="attention backend='nope' is not supported; supported: \\['cpu_native', "
+                                         "'decode_context_parallel', 'torch_paged'\\]"):
         get_attention_backend("nope")
