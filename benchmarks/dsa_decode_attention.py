@@ -4,7 +4,8 @@ One request decoding at context lengths 1k-32k over a paged latent cache, DeepSe
 (128 heads on one rank, kv_lora_rank 512, rope 64, nope 128, v 128; indexer 64 heads x 128, index_topk 2048),
 block_size 16, shuffled block ids, float32:
   dense   mla_paged.attend_absorbed_decodes over the whole context (the same layer forced dense)
-  DSA     lightning_indexer.select_tokens over every key + sparse_mla.attend_selected_decodes over the top 2048
+  DSA     lightning_indexer.select_tokens over every key + sparse_mla.gather_selected_rows and
+          attend_selected_decodes over the top 2048
 Both include only the attention op (the projections around it are the same for both). The indexer reads every
 key, so DSA still grows with the context, by index_head_dim floats a token instead of the latent's 576 x heads.
 
@@ -24,7 +25,7 @@ import torch
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.lightning_indexer import select_tokens
 from pagedserve.attention.mla_paged import attend_absorbed_decodes
-from pagedserve.attention.sparse_mla import attend_selected_decodes
+from pagedserve.attention.sparse_mla import attend_selected_decodes, gather_selected_rows
 
 BLOCK_SIZE = 16
 KV_LORA_RANK, ROPE, NOPE, V_HEAD_DIM = 512, 64, 128, 128
@@ -69,8 +70,8 @@ def run(context: int, num_heads: int, top_k: int, repeats: int) -> tuple[float, 
 
     def sparse() -> torch.Tensor:
         selection = select_tokens(index_query, index_weights, key_cache, metadata, top_k, INDEX_HEAD_DIM ** -0.5)
-        return attend_selected_decodes(q_nope, q_pe, latent_cache, block_table, selection, kv_b_weight,
-                                       KV_LORA_RANK, V_HEAD_DIM, scale)
+        rows = gather_selected_rows(latent_cache, block_table, selection)
+        return attend_selected_decodes(q_nope, q_pe, rows, selection, kv_b_weight, KV_LORA_RANK, V_HEAD_DIM, scale)
 
     dense_times, sparse_times = [], []
     for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
