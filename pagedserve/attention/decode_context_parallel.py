@@ -208,6 +208,18 @@ class DecodeContextParallelBackend(AttentionBackend):
         return output
 
 
+def absorbed_group_queries(step: ContextParallelStep, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                           kv_b_weight: torch.Tensor, kv_lora_rank: int, v_head_dim: int,
+                           num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's W_UK-absorbed queries [n, H_group, R + rope] (this rank holds W_UK / W_UV of its own heads only,
+    so it absorbs its heads before the gather) and this rank's W_UV [H, v, R] for the merged output."""
+    num_heads, nope = q_nope.shape[1:]
+    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
+    query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
+    return step.group.all_gather(query, dim=1), w_uv
+
+
 def mla_context_parallel_attention(
     q_nope: torch.Tensor,  # [n, H, nope]
     q_pe: torch.Tensor,  # [n, H, rope], rotated
@@ -224,25 +236,20 @@ def mla_context_parallel_attention(
     num_tokens = metadata.num_actual_tokens
     write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
                           kv_lora_rank)
-    num_heads, nope = q_nope.shape[1:]
-    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
-    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
-    query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
-    queries = step.group.all_gather(query, dim=1)  # [n, H_group, R + rope]
+    num_heads = q_nope.shape[1]
+    queries, w_uv = absorbed_group_queries(step, q_nope, q_pe, kv_b_weight, kv_lora_rank, v_head_dim, num_tokens)
 
     def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = gather_latent(kv_cache, metadata.block_table[index], num_local, kv_lora_rank).to(query.dtype)
+        rows = gather_latent(kv_cache, metadata.block_table[index], num_local, kv_lora_rank).to(queries.dtype)
         return rows.unsqueeze(0), rows[None, :, :kv_lora_rank]
 
     out, lse = _local_partials(queries, metadata, step, kv_lora_rank, read_context, scale, None)
-    out_latent = merge_over_group(step, out, lse, num_heads, query.dtype)  # [n, H, R]
+    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)  # [n, H, R]
     output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
     output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
     return output
 
 
-
-
-__all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "build_decode_context_parallel",
-           "merge_partial_attention", "merge_over_group", "mla_context_parallel_attention", "partial_attention",
+__all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "absorbed_group_queries",
+           "build_decode_context_parallel", "merge_partial_attention", "merge_over_group", "mla_context_parallel_attention", "partial_attention",
            "step_of"]

@@ -13,7 +13,8 @@ import torch
 
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.decode_context_parallel import SCORE_CHUNK_BYTES, merge_over_group, step_of
+from pagedserve.attention.decode_context_parallel import (SCORE_CHUNK_BYTES, absorbed_group_queries, merge_over_group,
+                                                          step_of)
 from pagedserve.attention.lightning_indexer import gather_index_keys, index_scores
 from pagedserve.attention.mla_paged import write_latent_to_cache
 from pagedserve.attention.sparse_mla import gather_selected_rows
@@ -100,11 +101,8 @@ def sparse_mla_context_parallel_attention(
         sparse_int8_cache.write_latent(local_latent, kv_cache, metadata.slot_mapping, kv_lora_rank)
     else:
         write_latent_to_cache(local_latent, kv_cache, metadata.slot_mapping, kv_lora_rank)
-    num_heads, nope = q_nope.shape[1:]
-    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
-    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
-    query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
-    queries = step.group.all_gather(query, dim=1)  # [n, H_group, R + rope]
+    num_heads = q_nope.shape[1]
+    queries, w_uv = absorbed_group_queries(step, q_nope, q_pe, kv_b_weight, kv_lora_rank, v_head_dim, num_tokens)
     chosen = selection[:num_tokens]
     is_local = (chosen >= 0) & (chosen % step.size == step.rank)
     local_index = torch.where(is_local, chosen // step.size, -1)  # index among this rank's positions
@@ -122,7 +120,7 @@ def sparse_mla_context_parallel_attention(
                                     local_index[first:last])
         out[first:last], lse[first:last] = _partial_over_rows(queries[first:last], rows, ~is_local[first:last],
                                                               kv_lora_rank, scale)
-    out_latent = merge_over_group(step, out, lse, num_heads, query.dtype)
+    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)
     output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
     output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
     return output
