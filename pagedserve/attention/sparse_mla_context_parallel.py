@@ -107,10 +107,12 @@ def sparse_mla_context_parallel_attention(
     is_local = (chosen >= 0) & (chosen % step.size == step.rank)
     local_index = torch.where(is_local, chosen // step.size, -1)  # index among this rank's positions
     # Each token's rows through its request's block table (gather_selected_rows reads -1 as row 0, masked below).
-    token_requests = torch.repeat_interleave(
-        torch.arange(metadata.num_seqs, device=chosen.device),
-        torch.tensor([metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i]
-                      for i in range(metadata.num_seqs)], device=chosen.device))
+    # The token -> request map depends on the step only: the first layer builds it, the others reuse it.
+    token_requests = metadata.backend_cache.get("token_requests")
+    if token_requests is None:
+        token_requests = torch.repeat_interleave(torch.arange(metadata.num_seqs, device=chosen.device),
+                                                 torch.diff(metadata.query_start_loc.to(torch.long)))
+        metadata.backend_cache["token_requests"] = token_requests
     out = queries.new_zeros(num_tokens, queries.shape[1], kv_lora_rank, dtype=torch.float32)
     lse = queries.new_full((num_tokens, queries.shape[1]), float("-inf"), dtype=torch.float32)
     rows_per_group = max(1, SCORE_CHUNK_BYTES // (4 * max(chosen.shape[1], 1) * queries.shape[2]))
