@@ -1,4 +1,4 @@
-"""What /proc/self/smaps says about the mapping that holds an address (huge-page tests)."""
+"""What /proc/self/smaps and /proc/self/maps say about a process's mappings (huge-page and offload-tier tests)."""
 from __future__ import annotations
 
 
@@ -16,3 +16,10 @@ def smaps_field_of_mapping(address: int, field: str) -> list[str]:
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds address {address:#x}, or it has no {field}")
 
+
+
+def mapped_file_paths(prefix: str) -> list[str]:
+    """The paths (with " (deleted)" for unlinked files) of this process's file mappings that start with `prefix`."""
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(maxsplit=5) for line in maps]
+    return sorted({entry[5].strip() for entry in fields if len(entry) == 6 and entry[5].startswith(prefix)})

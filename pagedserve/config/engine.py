@@ -223,8 +223,7 @@ class EngineConfig:
                 architectures=list(getattr(hf_config, "architectures", None) or []), kv_cache_dtype=kv_cache_dtype,
                 device_type=platform.device_type, speculative_enabled=speculative.is_enabled,
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
-                pipeline_parallel_size=parallel_config.pipeline_parallel_size,
-                distributed_executor_backend=parallel_config.distributed_executor_backend)
+                pipeline_parallel_size=parallel_config.pipeline_parallel_size)
         kv_transfer = KVTransferConfig.parse(kv_transfer_config)
         if kv_transfer is not None:
             kv_transfer.check_engine(parallel_config, async_scheduling, speculative.is_enabled,

@@ -11,7 +11,8 @@ Knobs (`sparse_kv_offload={...}`, `--sparse-kv-offload JSON`; None / absent: off
 - num_resident_blocks: the resident buffer's size in blocks, per request and layer (>= 1). Smaller than the blocks
   one step's top-k spans is allowed: that step then loads and gathers its blocks in several rounds.
 - tier_directory: where the tier's file is created (default: the system's temporary directory); the file is
-  removed at shutdown.
+  unlinked as soon as it is mapped, so no exit (not even SIGKILL) leaves it behind. A RAM file system (tmpfs)
+  is allowed with a warning: the tier then saves no memory.
 """
 from __future__ import annotations
 
@@ -60,8 +61,7 @@ class SparseKVOffloadConfig:
         return config_from_dict(SparseKVOffloadConfig, "sparse_kv_offload", value)
 
     def check_engine(self, *, architectures: list[str], kv_cache_dtype: str, device_type: str,
-                     speculative_enabled: bool, tensor_parallel_size: int, pipeline_parallel_size: int,
-                     distributed_executor_backend: str | None = None) -> None:
+                     speculative_enabled: bool, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """ValueError naming sparse_kv_offload and the other knob when the engine cannot offload."""
         architecture = architectures[0] if architectures else "?"
         if architecture not in SPARSE_ATTENTION_ARCHITECTURES:
@@ -82,10 +82,6 @@ class SparseKVOffloadConfig:
             raise ValueError(f"sparse_kv_offload needs tensor_parallel_size=1 and pipeline_parallel_size=1 (got "
                              f"{tensor_parallel_size} and {pipeline_parallel_size}): several worker ranks are "
                              f"not supported with it yet")
-        if distributed_executor_backend == "ray":
-            raise ValueError("sparse_kv_offload cannot be combined with distributed_executor_backend='ray' (Ray "
-                             "actors are killed at shutdown, before the worker removes its tier file); use 'uni' or "
-                             "'mp'")
 
 
 __all__ = ["SPARSE_ATTENTION_ARCHITECTURES", "SparseKVOffloadConfig"]

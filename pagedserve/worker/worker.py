@@ -105,7 +105,8 @@ class Worker:
             from pagedserve.sparse_kv_offload.offload_manager import SparseKVOffload
 
             self.kv_offload = SparseKVOffload(config.sparse_kv_offload_config, kv_cache_modules, num_blocks,
-                                              cache_config.block_size, model_config.dtype, self.platform)
+                                              cache_config.block_size, model_config.dtype, self.platform,
+                                              config.scheduler_config.max_num_seqs)
             kv_caches = self.kv_offload.kv_caches
         else:
             kv_caches = allocate_kv_caches(kv_cache_modules, num_blocks, cache_config.block_size,
@@ -167,8 +168,7 @@ class Worker:
         return output
 
     def shutdown(self) -> None:
-        """Release what outlives the process's memory (sparse KV offload's tier file) and stop the KV connector's
-        threads and sockets."""
+        """Release sparse KV offload's tier and buffers and stop the KV connector's threads and sockets."""
         if self.kv_offload is not None:
             self.kv_offload.close()
         if self.kv_connector is not None:

@@ -228,3 +228,20 @@ def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, folder: s
     with pytest.raises(ImportError, match="distributed_executor_backend='ray' needs the ray package"):
         LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray", max_model_len=128,
             num_kv_blocks=32)
+
+
+# Slow: the executor-independent worker path is covered by the 'mp' offload test in
+# tests/models/test_deepseek_sparse_kv_offload.py; this adds the Ray actor's shutdown.
+@pytest.mark.slow
+def test_sparse_kv_offload_in_a_ray_actor_equals_one_process(ray_session, tiny_model_dir, tmp_path) -> None:
+    """The worker maps the offload tier from an unlinked file, so an actor killed at shutdown leaves nothing."""
+    folder = tiny_model_dir("deepseek-v32")
+    kwargs = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
+    prompts = [p["prompt_token_ids"] for p in _prompts()[:2]]
+    expected = generated_token_ids(LLM(folder, **kwargs), prompts, GREEDY)
+    llm = LLM(folder, distributed_executor_backend="ray",
+              sparse_kv_offload={"num_resident_blocks": 2, "tier_directory": str(tmp_path)}, **kwargs)
+    assert generated_token_ids(llm, prompts, GREEDY) == expected
+    assert llm.llm_engine.engine_core.make_stats().sparse_kv_offload.num_block_misses > 0
+    llm.llm_engine.shutdown()
+    assert os.listdir(tmp_path) == []

@@ -1,8 +1,8 @@
 """Sparse KV offload (sparse_kv_offload=...) on the tiny DeepSeek-V3.2 and GLM-5 checkpoints: float32 greedy
 tokens identical with offload on and off over 32 steps, with resident buffers smaller than the blocks one step's
 top-k spans (block_size 4, index_topk 8, 3 resident blocks: forced misses and multi-round gathers); with prefix
-caching, chunked prefill and preemption; both tiers empty after finish, abort and preemption; the tier file removed
-at shutdown; the knob refused for a model without an indexer and with an int8 cache."""
+caching, chunked prefill and preemption; both tiers empty after finish, abort and preemption; the tier mapped from
+an unlinked file (no name left in the directory at any time); the knob refused for a model without an indexer and with an int8 cache."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import random
 
 import pytest
 from logprobs_check import check_outputs_equal
+from process_mappings import mapped_file_paths
 from tiny_models import DSA_KINDS
 
 from pagedserve import LLM, SamplingParams
@@ -63,6 +64,10 @@ def _tier_files(directory: str) -> list[str]:
     return [name for name in os.listdir(directory) if name.startswith(TIER_FILE_PREFIX)]
 
 
+def _mapped_tier_files(directory: str) -> list[str]:
+    return mapped_file_paths(os.path.join(directory, TIER_FILE_PREFIX))
+
+
 def _assert_tiers_empty(llm: LLM) -> None:
     """No block held in the block pool (the tier is addressed by its ids) and no resident buffer left."""
     stats = llm.llm_engine.engine_core.make_stats()
@@ -76,7 +81,7 @@ def test_offload_equals_resident_cache_with_forced_misses(tiny_model_dir, tmp_pa
     folder = tiny_model_dir(kind)
     expected = _resident_tokens(folder)
     llm = _engine(folder, sparse_kv_offload=_offload(str(tmp_path)))
-    assert len(_tier_files(str(tmp_path))) == 1
+    assert _tier_files(str(tmp_path)) == [] and len(_mapped_tier_files(str(tmp_path))) == 1
     check_outputs_equal(expected, _generate(llm), name_0="resident", name_1="offloaded")
     stats = llm.llm_engine.engine_core.make_stats().sparse_kv_offload
     assert stats.num_block_misses > 0 and stats.num_block_hits > 0
@@ -155,10 +160,10 @@ def test_latents_live_in_the_tier_and_only_index_keys_in_ram(tiny_model_dir, tmp
     llm.llm_engine.shutdown()
 
 
-def test_multiprocess_worker_offloads_reports_and_removes_its_tier_file(tiny_model_dir, tmp_path) -> None:
+def test_multiprocess_worker_offloads_and_reports(tiny_model_dir, tmp_path) -> None:
     folder = tiny_model_dir("deepseek-v32")
     llm = _engine(folder, sparse_kv_offload=_offload(str(tmp_path)), distributed_executor_backend="mp")
-    assert len(_tier_files(str(tmp_path))) == 1
+    assert _tier_files(str(tmp_path)) == [] and _mapped_tier_files(str(tmp_path)) == []  # the worker maps it
     check_outputs_equal(_resident_tokens(folder), _generate(llm))
     stats = llm.llm_engine.engine_core.make_stats().sparse_kv_offload  # came back from the worker process
     assert stats.num_blocks_moved_in == stats.num_block_misses > 0

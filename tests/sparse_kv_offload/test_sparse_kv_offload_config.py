@@ -50,7 +50,6 @@ def test_bad_values_are_named(value, message: str) -> None:
     (dict(device_type="cuda"), r"CPU platform only so far \(this is cuda\)"),
     (dict(speculative_enabled=True), r"cannot be combined with speculative_config"),
     (dict(tensor_parallel_size=2), r"needs tensor_parallel_size=1 and pipeline_parallel_size=1 \(got 2 and 1\)"),
-    (dict(distributed_executor_backend="ray"), r"cannot be combined with distributed_executor_backend='ray'"),
 ])
 def test_engine_combinations_that_cannot_offload_are_refused(change: dict, message: str) -> None:
     SparseKVOffloadConfig(4).check_engine(**_ENGINE)
