@@ -59,8 +59,16 @@ class LLMEngine:
         requests = self.input_processor.process(request_id, prompt, params, priority=priority)
         prompt_text = prompt if isinstance(prompt, str) else prompt.get("prompt")
         self.output_processor.add_request(request_id, prompt_text, requests, params, output_kind=output_kind)
-        for request in requests:
-            self.engine_core.add_request(request)
+        num_added = 0
+        try:
+            for request in requests:
+                self.engine_core.add_request(request)
+                num_added += 1
+        except BaseException:
+            # The core refused one (n > 1: the others may be in): forget the whole request on both sides.
+            self.output_processor.abort_requests([request_id])
+            self.engine_core.abort_requests([request.request_id for request in requests[:num_added]])
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         child_ids = self.output_processor.abort_requests(request_ids)
