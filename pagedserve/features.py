@@ -519,15 +519,18 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         line="framework", family="PD disaggregation", feature="PullConnector: D pulls P's KV blocks over ZeroMQ "
+                                                              "or Mooncake's Transfer Engine "
                                                               "(handshake checks, P frees on done or timeout, "
                                                               "kv_load_failure_policy recompute | fail); dense and "
                                                               "MLA models",
         modules=("pagedserve.kv_transfer.pull_connector_scheduler", "pagedserve.kv_transfer.pull_connector_worker",
-                 "pagedserve.kv_transfer.zmq_block_transport", "pagedserve.kv_transfer.kv_page_regions",
+                 "pagedserve.kv_transfer.zmq_block_transport", "pagedserve.kv_transfer.mooncake_block_transport",
+                 "pagedserve.kv_transfer.kv_page_regions",
                  "pagedserve.kv_transfer.kv_transfer_params"),
         knobs=("kv_transfer_config", "extra_args"),
         docs="docs/kv_transfer.md",
-        tests=("tests/kv_transfer/test_pull_connector.py", "tests/kv_transfer/test_kv_page_regions.py"),
+        tests=("tests/kv_transfer/test_pull_connector.py", "tests/kv_transfer/test_kv_page_regions.py",
+               "tests/kv_transfer/test_mooncake_transport.py"),
     ),
 )
 

@@ -3,6 +3,7 @@
 `kv_transfer_config` is given to EngineConfig.create / LLM(...) as a dict (or JSON text: `--kv-transfer-config`):
     {"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 5600, "engine_id": "prefill-0",
      "kv_connector_extra_config": {"transport": "zmq", "free_timeout_s": 120, "transfer_timeout_s": 30}}
+    (transport "mooncake": the bytes over Mooncake's Transfer Engine, kv_transfer/mooncake_block_transport.py)
     {"kv_connector": "MultiConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {"connectors": [{...one connector's config...}, {...}]}}
 A producer (P) keeps the blocks of a request sent with kv_transfer_params {"do_remote_decode": true} after it
@@ -20,7 +21,7 @@ from pagedserve.config.knob_dict import config_from_dict
 KV_CONNECTORS = ("PullConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-TRANSPORTS = ("zmq",)
+TRANSPORTS = ("zmq", "mooncake")
 # Extra keys the pull connector reads, with their defaults.
 PULL_CONNECTOR_DEFAULTS: dict[str, Any] = {
     "transport": "zmq",
@@ -77,7 +78,7 @@ class KVTransferConfig:
         transport = extra.get("transport", "zmq")
         if transport not in TRANSPORTS:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config.transport={transport!r} must be one "
-                             f"of {list(TRANSPORTS)} (the mooncake transport is not built yet)")
+                             f"of {list(TRANSPORTS)}")
         for name in ("free_timeout_s", "transfer_timeout_s"):
             value = extra.get(name, PULL_CONNECTOR_DEFAULTS[name])
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:

@@ -4,8 +4,9 @@ Producer: a BlockServer thread answers reads of any block; a request whose block
 ends when its consumer says done, or free_timeout_s after the worker learnt of it, and is then reported in
 finished_sending so that the scheduler frees its blocks.
 Consumer: one loader thread takes the step's load orders in turn: handshake with the producer once (its page
-regions, block size, dtypes and model must equal this engine's), read the blocks, write them into the request's
-blocks, tell the producer it is done. Every order ends in finished_recving; a failed one also puts its blocks in
+regions, block size, dtypes, model and transport must equal this engine's), read the blocks into the request's
+blocks (transport "zmq": the producer sends them on the control socket and they are scattered here; "mooncake":
+read cache to cache by the Transfer Engine, mooncake_block_transport.py), tell the producer it is done. Every order ends in finished_recving; a failed one also puts its blocks in
 invalid_block_ids (the scheduler recomputes or fails the request, per kv_load_failure_policy). A request that
 finished in the scheduler meanwhile is cancelled: its blocks are not written (the scheduler holds them until the
 order is reported ended, so nothing else can be using them).
@@ -26,6 +27,7 @@ from pagedserve.config.kv_transfer import KVTransferConfig
 from pagedserve.core.scheduler_output import KVConnectorOutput
 from pagedserve.kv_transfer.connector_base import KVConnectorWorker
 from pagedserve.kv_transfer.kv_page_regions import KVPageRegions, signature_mismatches
+from pagedserve.kv_transfer.mooncake_block_transport import MooncakeEndpoint
 from pagedserve.kv_transfer.pull_connector_scheduler import LoadOrder, PullConnectorMetadata
 from pagedserve.kv_transfer.zmq_block_transport import (BlockClient, BlockServer, KVTransferError, KVTransferTimeout,
                                                          frames_to_tensors)
@@ -55,6 +57,7 @@ class PullConnectorWorker(KVConnectorWorker):
         self.num_loaded_bytes = 0
         self.load_seconds = 0.0
         self._loader: threading.Thread | None = None
+        self.mooncake: MooncakeEndpoint | None = None
 
     @property
     def port(self) -> int:
@@ -63,10 +66,16 @@ class PullConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], page_layouts: dict[str, KVPageLayout],
                            num_blocks: int) -> None:
-        self.regions = KVPageRegions.build(kv_caches, page_layouts, num_blocks, self.engine_signature)
+        transport = self.config.extra("transport")
+        self.regions = KVPageRegions.build(kv_caches, page_layouts, num_blocks,
+                                           self.engine_signature | {"transport": transport})
+        handshake_extra = {}
+        if transport == "mooncake":
+            self.mooncake = MooncakeEndpoint(self.regions, self.config.extra("host"))
+            handshake_extra["mooncake"] = self.mooncake.descriptor()
         if self.config.is_producer:
             self.server = BlockServer(self.context, self.config.extra("host"), self.config.kv_port, self.regions,
-                                      self._on_done)
+                                      self._on_done, handshake_extra)
         if self.config.is_consumer:
             self._loader = threading.Thread(target=self._load_orders, name="pagedserve-kv-loader", daemon=True)
             self._loader.start()
@@ -114,7 +123,8 @@ class PullConnectorWorker(KVConnectorWorker):
     # ---- consumer ----------------------------------------------------------------------------------------------
     def _load_orders(self) -> None:
         client = BlockClient(self.context, float(self.config.extra("transfer_timeout_s")))
-        verified: set[tuple[str, int]] = set()
+        # Producers handshaken with, by (host, port) -> their handshake answer.
+        verified: dict[tuple[str, int], dict[str, Any]] = {}
         try:
             while True:
                 order = self._orders.get()
@@ -145,7 +155,7 @@ class PullConnectorWorker(KVConnectorWorker):
         finally:
             client.close()
 
-    def _load(self, client: BlockClient, order: LoadOrder, verified: set[tuple[str, int]]) -> bool:
+    def _load(self, client: BlockClient, order: LoadOrder, verified: dict[tuple[str, int], dict[str, Any]]) -> bool:
         """Pull one order's blocks; False when it was cancelled before its blocks were written."""
         assert self.regions is not None
         endpoint = (order.remote_host, order.remote_port)
@@ -155,7 +165,7 @@ class PullConnectorWorker(KVConnectorWorker):
             if mismatches:
                 raise KVTransferError(f"handshake with engine {order.remote_engine_id!r} at {endpoint[0]}:"
                                       f"{endpoint[1]}: the engines' KV caches differ: " + "; ".join(mismatches))
-            verified.add(endpoint)
+            verified[endpoint] = answer
         # After the handshake, so that a block size mismatch is reported as such.
         if len(order.remote_block_ids) != len(order.local_block_ids):
             raise KVTransferError(f"the producer holds {len(order.remote_block_ids)} blocks for positions this "
@@ -164,13 +174,18 @@ class PullConnectorWorker(KVConnectorWorker):
         if self._is_cancelled(order.request_id):
             return False
         start = time.perf_counter()
-        _, frames = client.call(*endpoint, {"kind": "read", "block_ids": order.remote_block_ids})
-        sources = frames_to_tensors(frames, len(order.local_block_ids), self.regions.region_bytes())
-        if self._is_cancelled(order.request_id):
-            return False
-        self.regions.scatter(order.local_block_ids, sources)
+        if self.mooncake is not None:
+            # Written in place; a request cancelled meanwhile still holds these blocks until the order ends.
+            num_bytes = self.mooncake.read(verified[endpoint].get("mooncake") or {}, order.remote_block_ids,
+                                           order.local_block_ids)
+        else:
+            _, frames = client.call(*endpoint, {"kind": "read", "block_ids": order.remote_block_ids})
+            sources = frames_to_tensors(frames, len(order.local_block_ids), self.regions.region_bytes())
+            if self._is_cancelled(order.request_id):
+                return False
+            self.regions.scatter(order.local_block_ids, sources)
+            num_bytes = sum(source.numel() for source in sources)
         seconds = time.perf_counter() - start
-        num_bytes = sum(source.numel() for source in sources)
         with self._lock:
             self.num_loaded_bytes += num_bytes
             self.load_seconds += seconds
@@ -200,6 +215,9 @@ class PullConnectorWorker(KVConnectorWorker):
         if self.server is not None:
             self.server.shutdown()
             self.server = None
+        if self.mooncake is not None and is_joined:
+            self.mooncake.close()
+            self.mooncake = None
         if is_joined:
             self.context.term()
         else:  # a loader still waiting on a dead producer (a daemon thread): close its socket rather than hang

@@ -1,7 +1,8 @@
 """The zmq transport of the pull connector: a producer's block server and a consumer's client.
 
 One ROUTER socket on the producer answers three requests, each a msgpack header frame (never pickle):
-- {"kind": "handshake"} -> {"ok": true, "signature": {...}} (kv_page_regions.py: what both sides compare);
+- {"kind": "handshake"} -> {"ok": true, "signature": {...}} (kv_page_regions.py: what both sides compare), with
+  the mooncake transport's descriptor under "mooncake" when the producer uses it;
 - {"kind": "read", "block_ids": [...]} -> {"ok": true} followed by one raw frame per page region, the blocks'
   bytes in order, sent zero-copy from the gathered tensors;
 - {"kind": "done", "request_id": ...} -> {"ok": true}: the consumer no longer needs the request's blocks.
@@ -39,9 +40,11 @@ class BlockServer:
     """The producer's server thread: handshakes, block reads, done notices (see the module docstring)."""
 
     def __init__(self, context: zmq.Context, host: str, port: int, regions: KVPageRegions,
-                 on_done: Callable[[str], None]) -> None:
+                 on_done: Callable[[str], None], handshake_extra: dict[str, Any] | None = None) -> None:
+        """`handshake_extra`: more keys for the handshake answer (the mooncake transport's descriptor)."""
         self.regions = regions
         self.on_done = on_done
+        self.handshake_extra = handshake_extra or {}
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         address = f"tcp://{host}"
@@ -83,7 +86,8 @@ class BlockServer:
     def _answer(self, header: dict[str, Any]) -> list[Any]:
         kind, sequence = header.get("kind"), header.get("seq")
         if kind == "handshake":
-            return [self._encoder.encode({"ok": True, "seq": sequence, "signature": self.regions.signature})]
+            return [self._encoder.encode({"ok": True, "seq": sequence, "signature": self.regions.signature}
+                                         | self.handshake_extra)]
         if kind == "done":
             self.on_done(str(header.get("request_id")))
             return [self._encoder.encode({"ok": True, "seq": sequence})]
