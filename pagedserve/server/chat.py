@@ -75,6 +75,8 @@ class ChatHandler:
         tool_constraint = tool_request.structured_outputs()
         if tool_constraint is not None:
             params = dataclasses.replace(params, structured_outputs=tool_constraint)
+        if tool_request.needs_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         prompt_token_ids = self.prompt_token_ids(body, tool_request.template_tools)
         self.state.admit(params.n)
         request_id = new_request_id("chatcmpl")

@@ -21,7 +21,7 @@ from pagedserve.structured_output.structured_outputs_params import StructuredOut
 from pagedserve.tool_parsers.constrained_tool_calls import (NamedFunctionParser, RequiredToolCallsParser,
                                                             named_function_schema, required_tool_calls_schema)
 from pagedserve.tool_parsers.tool_parser import ToolParser
-from pagedserve.tool_parsers.tool_parser_registry import get_tool_parser
+from pagedserve.tool_parsers.tool_parser_registry import TOOL_PARSERS, get_tool_parser
 
 # OpenAI's limits: at most 128 functions, names of letters, digits, '_' and '-', up to 64 characters.
 MAX_TOOLS = 128
@@ -52,6 +52,12 @@ class ToolRequest:
         if self.mode == "required":
             return StructuredOutputsParams(json=required_tool_calls_schema(self.tools or [], self.parallel_tool_calls))
         return None
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether the output must keep special tokens for the parser to see the calls' markers."""
+        return self.mode == "auto" and self.tool_call_parser is not None and \
+            TOOL_PARSERS[self.tool_call_parser].needs_special_tokens
 
     def new_parser(self, tokenizer: Any = None) -> ToolParser | None:
         """A parser for one output (None: no calls are looked for)."""

@@ -8,8 +8,7 @@
           <｜tool▁calls▁end｜>
 
 Text before the section (and after it) is content; the arguments must be one JSON object. The server's
-`deepseek` name is V3's format. The markers are special tokens: serve these models with
-`skip_special_tokens: false` requests, or the markers never reach the text.
+`deepseek` name is V3's format. The markers are special tokens, so the server keeps them in the text.
 """
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ ARGUMENTS_CLOSE = "\n```"
 
 
 class DeepSeekV3ToolParser(ToolParser):
+    needs_special_tokens = True
     # V3 writes 'function<sep>name\n```json\n{...}\n```'; V3.1 writes 'name<sep>{...}'.
     is_fenced = True
 

@@ -18,6 +18,9 @@ ARGUMENTS_KEYS = ("parameters", "arguments")
 
 
 class Llama3JsonToolParser(ToolParser):
+    # <|python_tag|> is a special token of Llama 3's tokenizer.
+    needs_special_tokens = True
+
     def scan(self, text: str, is_final: bool) -> ToolCallScan:
         position = skip_whitespace(text, 0)
         if text.startswith(PYTHON_TAG, position):

@@ -62,6 +62,10 @@ class _SentCall:
 class ToolParser(ABC):
     """Finds tool calls in one output. Subclasses implement `scan`."""
 
+    # True for formats whose markers are special tokens: the server then detokenizes them (as vLLM's parsers
+    # ask through adjust_request), else the markers would never reach the text.
+    needs_special_tokens: bool = False
+
     def __init__(self, tokenizer: Any = None) -> None:
         self.model_tokenizer = tokenizer
         self._num_content_sent = 0

@@ -40,6 +40,15 @@ def test_the_default_choice_is_auto_with_tools_and_none_without():
     assert none.template_tools == TOOLS and none.new_parser() is None and none.structured_outputs() is None
 
 
+def test_special_token_markers_are_kept_for_their_parsers():
+    def resolved(parser: str, tool_choice: str = "auto"):
+        config = ToolCallingConfig(enable_auto_tool_choice=True, tool_call_parser=parser)
+        return resolve_tool_request(request(tools=TOOLS, tool_choice=tool_choice), config)
+
+    assert resolved("deepseek_v3").needs_special_tokens and resolved("llama3_json").needs_special_tokens
+    assert not resolved("hermes").needs_special_tokens and not resolved("deepseek_v3", "none").needs_special_tokens
+
+
 def test_auto_needs_the_server_flags_as_in_vllm():
     error = refusal(request(tools=TOOLS), ToolCallingConfig())
     assert error.param == "tool_choice" and "--enable-auto-tool-choice" in error.message
