@@ -14,6 +14,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -52,7 +53,7 @@ class ChatHandler:
     def decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
 
-    def prompt_token_ids(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    def prompt_token_ids(self, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The rendered conversation's token ids; a template that rejects the messages is a 400."""
         messages = body.template_messages()
         template_kwargs = dict(body.chat_template_kwargs or {})
@@ -77,7 +78,7 @@ class ChatHandler:
             params = dataclasses.replace(params, structured_outputs=tool_constraint)
         if tool_request.needs_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        prompt_token_ids = self.prompt_token_ids(body, tool_request.template_tools)
+        prompt_token_ids = self.prompt_token_ids(body, tool_request.tools)
         self.state.admit(params.n)
         request_id = new_request_id("chatcmpl")
         stream = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,

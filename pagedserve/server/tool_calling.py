@@ -33,16 +33,12 @@ TOOL_CHOICES = ("none", "auto", "required")
 class ToolRequest:
     """A chat request's tool calling: `mode` is "none", "auto", "required" or "named"."""
 
+    # The tools the chat template renders (in every mode, "none" included).
     tools: list[dict[str, Any]] | None
     mode: str
     function_name: str | None = None
     tool_call_parser: str | None = None
     parallel_tool_calls: bool = True
-
-    @property
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template renders."""
-        return self.tools
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar of "required" and named calls; None otherwise."""

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from server_process import ServerProcess  # noqa: E402
 
 MAX_BODY_BYTES = 64 * 1024
-WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                       "required": ["city", "days"], "additionalProperties": False}
 TIME_PARAMETERS = {"type": "object", "properties": {"timezone": {"type": "string", "enum": ["UTC", "CET", "JST"]}},
@@ -30,6 +30,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER_PARAMETERS}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}}]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+# Room for the longest call the schemas allow (a city of 6 characters, each up to 4 byte tokens, the JSON around it),
+# so a forced call always ends before max_tokens, whatever random weights pick.
+MAX_CALL_TOKENS = 112
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 HERMES_CALL = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 # A template that renders the tools: the prompt grows with them.
@@ -104,7 +107,8 @@ def test_auto_without_a_well_formed_call_is_content(client, text):
 
 
 def test_named_function_arguments_follow_its_schema_streamed_and_not(client):
-    request = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=48)
+    request = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   max_tokens=MAX_CALL_TOKENS)
     whole = create(client, False, **request)
     calls = message_calls(whole.choices[0].message)
     assert [name for name, _ in calls] == ["get_weather"] and whole.choices[0].finish_reason == "tool_calls"
@@ -114,7 +118,7 @@ def test_named_function_arguments_follow_its_schema_streamed_and_not(client):
 
 def test_required_calls_follow_their_tools_schemas_streamed_and_not(client):
     # One call (parallel_tool_calls=false): random weights would otherwise add calls until max_tokens.
-    request = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64)
+    request = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_CALL_TOKENS)
     whole = create(client, False, **request)
     calls = message_calls(whole.choices[0].message)
     assert len(calls) == 1 and whole.choices[0].finish_reason == "tool_calls"
@@ -155,5 +159,5 @@ def test_tools_over_the_body_limit_are_413_and_the_server_keeps_serving(server, 
                           timeout=60)
     assert response.status_code == 413 and str(MAX_BODY_BYTES) in response.json()["error"]["message"]
     after = create(client, False, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                   max_tokens=16)
+                   max_tokens=MAX_CALL_TOKENS)
     jsonschema.validate(json.loads(message_calls(after.choices[0].message)[0][1]), TIME_PARAMETERS)

@@ -37,7 +37,7 @@ def test_the_default_choice_is_auto_with_tools_and_none_without():
     assert resolve_tool_request(request(tools=TOOLS), AUTO).mode == "auto"
     assert resolve_tool_request(request(), AUTO).mode == "none"
     none = resolve_tool_request(request(tools=TOOLS, tool_choice="none"), ToolCallingConfig())
-    assert none.template_tools == TOOLS and none.new_parser() is None and none.structured_outputs() is None
+    assert none.tools == TOOLS and none.new_parser() is None and none.structured_outputs() is None
 
 
 def test_special_token_markers_are_kept_for_their_parsers():
