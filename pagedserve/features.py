@@ -449,9 +449,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="framework", family="structured outputs", feature="tool calling in the OpenAI server: tools and "
                                                                "tool_choice auto | none | required | a named "
-                                                               "function; parsers hermes, qwen3, llama3_json, "
-                                                               "deepseek_v3/v31 (whole and streamed); required and "
-                                                               "named calls enforced by the grammar",
+                                                               "function; parsers hermes, qwen3, qwen3_coder, "
+                                                               "llama3_json, deepseek_v3/v31 (whole and streamed); "
+                                                               "required and named calls enforced by the grammar",
         modules=("pagedserve.tool_parsers.tool_parser", "pagedserve.tool_parsers.tool_parser_registry",
                  "pagedserve.tool_parsers.constrained_tool_calls", "pagedserve.server.tool_calling",
                  "pagedserve.server.chat_answer", "pagedserve.config.tool_calling"),

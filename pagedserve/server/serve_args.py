@@ -33,5 +33,5 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "--tool-call-parser finds its calls")
     # The names are checked by ToolCallingConfig (importing the registry here would slow `pagedserve --help`).
     tools.add_argument("--tool-call-parser", default=None,
-                       help="the model's tool call format: hermes, qwen3, llama3_json, llama4_json, deepseek_v3 "
-                            "(also 'deepseek'), deepseek_v31")
+                       help="the model's tool call format: hermes, qwen3, qwen3_coder (also 'qwen3_xml'), "
+                            "llama3_json, llama4_json, deepseek_v3 (also 'deepseek'), deepseek_v31")

@@ -64,7 +64,7 @@ class ToolRequest:
             return RequiredToolCallsParser(tokenizer)
         if self.mode == "auto":
             assert self.tool_call_parser is not None
-            return get_tool_parser(self.tool_call_parser, tokenizer)
+            return get_tool_parser(self.tool_call_parser, tokenizer, self.tools)
         return None
 
 

@@ -5,8 +5,8 @@
     </tool_call>
 
 vLLM serves these Qwen3 models with `--tool-call-parser hermes`; its `qwen3_coder` / `qwen3_xml` parsers are for
-Qwen3-Coder's XML calls (`<function=...><parameter=...>`), which pagedserve does not parse. With a reasoning
-parser, the thinking is split off first, so a `<tool_call>` inside `<think>` is never a call.
+Qwen3-Coder's XML calls (`<function=...><parameter=...>`, qwen3_coder.py here). With a reasoning parser, the
+thinking is split off first, so a `<tool_call>` inside `<think>` is never a call.
 """
 from __future__ import annotations
 

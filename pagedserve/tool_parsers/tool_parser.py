@@ -66,8 +66,10 @@ class ToolParser(ABC):
     # ask through adjust_request), else the markers would never reach the text.
     needs_special_tokens: bool = False
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
         self.model_tokenizer = tokenizer
+        # The request's tools: formats that write values as text type them by the tool's schema.
+        self.tools = tools
         self._num_content_sent = 0
         self._sent_calls: list[_SentCall] = []
 

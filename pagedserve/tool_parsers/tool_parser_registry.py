@@ -7,6 +7,7 @@ from pagedserve.tool_parsers.deepseek_v3 import DeepSeekV31ToolParser, DeepSeekV
 from pagedserve.tool_parsers.hermes import HermesToolParser
 from pagedserve.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedserve.tool_parsers.qwen3 import Qwen3ToolParser
+from pagedserve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from pagedserve.tool_parsers.tool_parser import ToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -15,14 +16,16 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     # Llama 4 writes the same JSON calls.
     "llama4_json": Llama3JsonToolParser,
     "qwen3": Qwen3ToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
     "deepseek": DeepSeekV3ToolParser,
 }
 
 
-def get_tool_parser(name: str, tokenizer: Any = None) -> ToolParser:
-    """A new parser (one per output: it keeps the stream's state) of the format `name`."""
+def get_tool_parser(name: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> ToolParser:
+    """A new parser (one per output: it keeps the stream's state) of the format `name`, for a request's tools."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser={name!r} must be one of {sorted(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name](tokenizer)
+    return TOOL_PARSERS[name](tokenizer, tools)

@@ -15,6 +15,16 @@ def _deepseek_v3_call(name: str, arguments: str) -> str:
 
 WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
 TIME = ("get_time", {"timezone": "Europe/Paris"})
+# The request's tools, which formats that write values as text (qwen3_coder) use to type them.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "timezone": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "set_alarm", "parameters": {"type": "object", "properties": {
+        "at": {"type": "object"}, "repeat": {"type": ["boolean", "null"]}, "volume": {"type": "number"},
+        "label": {"type": "string"}}}}},
+]
 
 WELL_FORMED = {
     "hermes-one-call": (
@@ -49,6 +59,16 @@ WELL_FORMED = {
     "deepseek-alias": (
         "deepseek", DS_CALLS_BEGIN + _deepseek_v3_call("get_time", '{"timezone": "Europe/Paris"}') + DS_CALLS_END,
         [TIME], None),
+    "qwen3-coder-typed-values": (
+        "qwen3_coder", "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                       "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                       "<function=get_time>\n<parameter=timezone>\nEurope/Paris\n</parameter>\n</function>\n"
+                       "</tool_call>", [("get_weather", {"city": "Paris", "days": 3}), TIME], "Let me check.\n"),
+    "qwen3-coder-schema-types-and-missing-end-tags": (
+        "qwen3_xml", "<tool_call>\n<function=set_alarm>\n<parameter=at>\n{\"hour\": 7, \"minute\": 30}\n"
+                     "<parameter=repeat>\ntrue\n</parameter>\n<parameter=volume>\nloud\n</parameter>\n"
+                     "<parameter=label>\n42\n</parameter>\n</function>\n</tool_call>",
+        [("set_alarm", {"at": {"hour": 7, "minute": 30}, "repeat": True, "volume": "loud", "label": "42"})], None),
     "deepseek-v31": (
         "deepseek_v31", DS_CALLS_BEGIN + DS_CALL_BEGIN + 'get_time' + DS_SEP + '{"timezone": "Europe/Paris"}'
         + DS_CALL_END + DS_CALLS_END, [TIME], None),
@@ -62,6 +82,10 @@ MALFORMED = {
     "hermes-no-name": ("hermes", '<tool_call>{"function": "get_weather", "arguments": {}}</tool_call>'),
     "qwen3-truncated-before-arguments": ("qwen3", '<tool_call>\n{"name": "get_'),
     "llama3-no-name": ("llama3_json", '{"parameters": {"city": "Paris"}}'),
+    "qwen3-coder-text-between-parameters": (
+        "qwen3_coder", "<tool_call>\n<function=get_time>\nnow\n<parameter=timezone>\nUTC\n</parameter>\n"
+                       "</function>\n</tool_call>"),
+    "qwen3-coder-no-function": ("qwen3_coder", "<tool_call>\n<parameter=timezone>\nUTC\n</parameter>\n</tool_call>"),
     "deepseek-v3-no-fence": (
         "deepseek_v3", DS_CALLS_BEGIN + DS_CALL_BEGIN + "function" + DS_SEP + 'get_time {"timezone": "UTC"}'
         + DS_CALL_END + DS_CALLS_END),

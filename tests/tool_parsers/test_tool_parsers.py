@@ -6,15 +6,20 @@ import json
 
 import pytest
 
-from recorded_outputs import MALFORMED, MALFORMED_AFTER_A_CALL_STREAMED, REQUIRED, TIME, WELL_FORMED
+from recorded_outputs import MALFORMED, MALFORMED_AFTER_A_CALL_STREAMED, REQUIRED, TIME, TOOLS, WELL_FORMED
 
 from pagedserve.reasoning.reasoning_parser import get_reasoning_parser
 from pagedserve.server.chat_answer import AnswerStream, parse_answer
 from pagedserve.tool_parsers.constrained_tool_calls import NamedFunctionParser, RequiredToolCallsParser
 from pagedserve.tool_parsers.tool_parser import ToolParser
-from pagedserve.tool_parsers.tool_parser_registry import TOOL_PARSERS, get_tool_parser
+from pagedserve.tool_parsers.tool_parser_registry import TOOL_PARSERS
+from pagedserve.tool_parsers.tool_parser_registry import get_tool_parser as get_parser
 
 PIECE_SIZES = (1, 2, 3, 5, 8, 10_000)
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    return get_parser(name, tools=TOOLS)
 
 
 def whole_answer(parser: ToolParser, text: str) -> tuple[str | None, list[tuple[str, str]]]:
