@@ -52,8 +52,10 @@ def server(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()  # no idle keep-alive connection for the server's shutdown to wait out
 
 
 def create(client: openai.OpenAI, stream: bool, **kwargs):
