@@ -447,6 +447,20 @@ FEATURES: tuple[Feature, ...] = (
                "tests/structured_output/test_structured_outputs_grammar.py"),
     ),
     Feature(
+        line="framework", family="structured outputs", feature="tool calling in the OpenAI server: tools and "
+                                                               "tool_choice auto | none | required | a named "
+                                                               "function; parsers hermes, qwen3, qwen3_coder, "
+                                                               "llama3_json, deepseek_v3/v31 (whole and streamed); "
+                                                               "required and named calls enforced by the grammar",
+        modules=("pagedserve.tool_parsers.tool_parser", "pagedserve.tool_parsers.tool_parser_registry",
+                 "pagedserve.tool_parsers.constrained_tool_calls", "pagedserve.server.tool_calling",
+                 "pagedserve.server.chat_answer", "pagedserve.config.tool_calling"),
+        knobs=(),
+        docs="docs/tool-calling.md",
+        tests=("tests/tool_parsers/test_tool_parsers.py", "tests/tool_parsers/test_tool_request.py",
+               "tests/tool_parsers/test_tool_calling_server.py"),
+    ),
+    Feature(
         line="framework", family="spec decode", feature="speculative decoding framework with ngram prompt-lookup "
                                                         "and draft-model drafts (drafter KV in the target's blocks): "
                                                         "draft slots, verification in one forward, rollback, "

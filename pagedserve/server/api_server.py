@@ -30,6 +30,7 @@ from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         ModelList, TokenizeRequest)
 from pagedserve.server.request_text import TextCheckedRoute
 from pagedserve.server.state import ServerState
+from pagedserve.server.tool_calling import check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,9 @@ def build_app(state: ServerState, api_key: str | None = None,
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if body.messages is not None:
             chat_body = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            token_ids = chat.prompt_token_ids(chat_body)
+            if body.tools:
+                check_tools(body.tools)
+            token_ids = chat.prompt_token_ids(chat_body, body.tools or None)
         else:
             assert body.prompt is not None
             token_ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))

@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from pagedserve.config.tool_calling import ToolCallingConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedserve.engine.stat_loggers import LoggingStatLogger, StatLoggers
 from pagedserve.server.api_server import build_app
@@ -60,6 +61,7 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout: float = 30.0,
                 engine_death_exit_delay: float = 2.0, engine_startup_timeout: float = 600.0,
                 log_level: str = "WARNING", uvicorn_log_level: str = "warning", access_log: bool = False,
+                tool_calling: ToolCallingConfig | None = None,
                 on_serving: Callable[[], None] | None = None) -> int:
     """Run the server until a signal or an engine death; returns the exit status.
 
@@ -78,7 +80,7 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
     engine = await AsyncLLM.start(engine_kwargs, stat_logger=stat_loggers, log_level=log_level,
                                   startup_timeout=engine_startup_timeout)
     state = ServerState(engine=engine, served_model_names=names, metrics=metrics,
-                        max_waiting_requests=max_waiting_requests)
+                        max_waiting_requests=max_waiting_requests, tool_calling=tool_calling or ToolCallingConfig())
     try:
         app = build_app(state, api_key=api_key, max_body_bytes=max_body_bytes)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
@@ -130,6 +132,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.config.cli_args import engine_kwargs_from_args
 
     api_key = resolve_api_key(args.api_key)
+    # Checked before anything starts: a bad parser name exits at once.
+    tool_calling = ToolCallingConfig(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                     tool_call_parser=args.tool_call_parser)
     # Until uvicorn takes over the signals, SIGTERM stops startup like Ctrl-C does; afterwards uvicorn
     # re-raises the signals it caught, which must then do nothing (the shutdown already happened).
     is_starting = True
@@ -156,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
                      engine_death_exit_delay=args.engine_death_exit_delay,
                      engine_startup_timeout=args.engine_startup_timeout, log_level=args.log_level,
                      uvicorn_log_level=args.uvicorn_log_level, access_log=args.access_log,
-                     on_serving=on_serving)
+                     tool_calling=tool_calling, on_serving=on_serving)
         return await task
 
     try:

@@ -1,13 +1,14 @@
 """OpenAI API request and response bodies (pydantic), plus vLLM's extra sampling fields.
 
 Requests accept what the official openai client sends; fields OpenAI defines but pagedserve does not
-implement (logit_bias, suffix, tools, best_of != n) are rejected with a 400 rather than ignored, so a
+implement (logit_bias, suffix, best_of != n) are rejected with a 400 rather than ignored, so a
 client never silently gets something other than what it asked for. Unknown extra fields are ignored,
 like OpenAI's server does. Numbers the engine cannot take (an integer beyond 64 bits, NaN or Infinity,
 which Python's JSON parser reads although JSON has neither) are a 400 naming the field, value and limit.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Literal
@@ -172,6 +173,9 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant turn's calls and a tool turn's answer to one of them (multi-turn tool use).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -183,12 +187,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (pagedserve/server/tool_calling.py checks these): OpenAI's function tools and the choice among
+    # them, "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         # These reach SamplingParams under other names (logprobs, max_tokens): name the field the client sent.
@@ -219,8 +225,27 @@ class ChatCompletionRequest(SamplingFields):
             entry: dict[str, Any] = {"role": message.role, "content": content or ""}
             if message.name is not None:
                 entry["name"] = message.name
+            if message.tool_calls is not None:
+                entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
             messages.append(entry)
         return messages
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call for the chat template: arguments as a dict (templates such as Qwen's and
+    Llama's write `arguments | tojson`), as vLLM renders them; arguments that are not a JSON object stay text."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class TokenizeRequest(OpenAIModel):
@@ -230,6 +255,8 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # The chat template renders these with `messages`, as for a chat request.
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -292,11 +319,38 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    # The arguments as JSON text, as the model wrote them.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has id, type and the function's name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     # With --reasoning-parser: the model's thinking, apart from the answer (vLLM's field).
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -321,6 +375,7 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

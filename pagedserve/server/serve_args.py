@@ -27,3 +27,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-startup-timeout", type=float, default=600.0)
     group.add_argument("--uvicorn-log-level", default="warning")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (the default of requests with tools): the model decides and '
+                            "--tool-call-parser finds its calls")
+    # The names are checked by ToolCallingConfig (importing the registry here would slow `pagedserve --help`).
+    tools.add_argument("--tool-call-parser", default=None,
+                       help="the model's tool call format: hermes, qwen3, qwen3_coder (also 'qwen3_xml'), "
+                            "llama3_json, llama4_json, deepseek_v3 (also 'deepseek'), deepseek_v31")

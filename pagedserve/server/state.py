@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from pagedserve.config.tool_calling import ToolCallingConfig
 from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.limits import check_admission
@@ -16,6 +17,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     max_waiting_requests: int
+    tool_calling: ToolCallingConfig = field(default_factory=ToolCallingConfig)
     is_shutting_down: bool = False
     # Set when the engine died: the launcher exits non-zero once the server has stopped.
     engine_dead_error: EngineDeadError | None = field(default=None)
