@@ -105,7 +105,7 @@ class KVTransferConfig:
         # A pool connector stores blocks rather than serving them: it does not count as a block server.
         if sum(part.is_producer and part.kv_connector == "PullConnector" for part in parts) > 1:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors holds more than one "
-                             "PullConnector producer; one engine serves its blocks through one connector")
+                             "producer; one engine serves its blocks through one connector")
 
     @property
     def connector_configs(self) -> list["KVTransferConfig"]:

@@ -27,9 +27,10 @@ class PoolBlockError(ValueError):
     """A value read from the pool is not the block it should be (truncated, corrupted, another block)."""
 
 
-def layout_fingerprint(engine_signature: dict[str, Any], model_name: str) -> str:
-    """16 hex digits that differ between engines whose KV blocks differ (model, shape, block size, dtypes)."""
-    text = json.dumps({"model_name": model_name, **engine_signature}, sort_keys=True, default=str)
+def layout_fingerprint(engine_signature: dict[str, Any]) -> str:
+    """16 hex digits that differ between engines whose KV blocks differ: `engine_signature` is
+    connector_factory.kv_engine_signature (model name and shape, block size, dtypes)."""
+    text = json.dumps(engine_signature, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -56,7 +56,7 @@ class PoolConnectorScheduler(KVConnectorScheduler):
         self.config = config
         self.pool_config = config.pool_config
         self.block_size = block_size
-        self.fingerprint = layout_fingerprint(engine_signature, str(engine_signature.get("model_name", "")))
+        self.fingerprint = layout_fingerprint(engine_signature)
         # Only a consumer looks blocks up (a producer-only engine just stores them).
         self.connection = connection
         if self.connection is None and config.is_consumer:

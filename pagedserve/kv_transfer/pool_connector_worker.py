@@ -41,7 +41,7 @@ class PoolConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, engine_signature: dict[str, Any]) -> None:
         self.config = config
         self.pool_config = config.pool_config
-        self.fingerprint = layout_fingerprint(engine_signature, str(engine_signature.get("model_name", "")))
+        self.fingerprint = layout_fingerprint(engine_signature)
         self.engine_signature = engine_signature
         self.regions: KVPageRegions | None = None
         self.connection: PoolStoreConnection | None = None
