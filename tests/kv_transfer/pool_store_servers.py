@@ -44,6 +44,7 @@ class StoreServer:
             binary = shutil.which("redis-server")
             if binary is None:
                 pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+            pytest.importorskip("redis", reason="the redis client is not installed (pip install 'pagedserve[pool]')")
             command = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
                        "--protected-mode", "yes"]
         else:
