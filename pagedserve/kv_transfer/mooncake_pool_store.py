@@ -10,8 +10,11 @@ from urllib.parse import urlsplit
 
 from pagedserve.kv_transfer.pool_store import KVPoolStore, KVPoolStoreError
 
-# Transfer buffer of each client (Mooncake's default); values larger than it are moved in pieces.
-LOCAL_BUFFER_BYTES = 16 * 2**20
+# Transfer buffer of each client: the client stages a batch's values there, so batches are cut into pieces of an
+# eighth of it (a worker's reads and writes run at once, and the buffer fragments: a 32 MiB read next to a write
+# failed to allocate in a 64 MiB buffer; a value that cannot be staged reads as missing and is recomputed).
+LOCAL_BUFFER_BYTES = 64 * 2**20
+BATCH_BYTES = LOCAL_BUFFER_BYTES // 8
 
 
 class MooncakePoolStore(KVPoolStore):
@@ -32,6 +35,8 @@ class MooncakePoolStore(KVPoolStore):
         if status != 0:
             raise KVPoolStoreError(f"mooncake: no master at {address.hostname}:{address.port} (setup returned "
                                    f"{status})")
+        # The largest value seen so far: gets are batched by it (a store holds one engine's blocks, one size).
+        self._value_bytes = 0
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -44,12 +49,33 @@ class MooncakePoolStore(KVPoolStore):
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        # get_batch answers b"" both for a missing key and an unreachable master: the caller sees a miss.
-        return [value or None for value in self.store.get_batch(list(keys))]
+        values: list[bytes | None] = []
+        start = 0
+        while start < len(keys):
+            # Before the first value is seen its size is unknown: one key first.
+            count = max(1, BATCH_BYTES // self._value_bytes) if self._value_bytes else 1
+            # get_batch answers b"" both for a missing key and an unreachable master: the caller sees a miss.
+            for value in self.store.get_batch(list(keys[start:start + count])):
+                self._value_bytes = max(self._value_bytes, len(value))
+                values.append(value or None)
+            start += count
+        return values
 
     def put(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:
             return
+        batch: list[tuple[str, bytes]] = []
+        batch_bytes = 0
+        for item in items:
+            self._value_bytes = max(self._value_bytes, len(item[1]))
+            if batch and batch_bytes + len(item[1]) > BATCH_BYTES:
+                self._put_batch(batch)
+                batch, batch_bytes = [], 0
+            batch.append(item)
+            batch_bytes += len(item[1])
+        self._put_batch(batch)
+
+    def _put_batch(self, items: list[tuple[str, bytes]]) -> None:
         status = self.store.put_batch([key for key, _ in items], [value for _, value in items])
         if status != 0:
             raise KVPoolStoreError(f"mooncake: put of {len(items)} blocks failed ({status})")
