@@ -448,7 +448,8 @@ class Scheduler:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)
             first_invalid = next((index for index, block_id in enumerate(block_ids)
                                   if block_id in connector_output.invalid_block_ids), None)
-            if first_invalid is not None and self.kv_load_failure_policy == "fail":
+            if (first_invalid is not None and self.kv_load_failure_policy == "fail"
+                    and not self.kv_connector.recomputes_failed_loads(request_id)):
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
                 outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="error",

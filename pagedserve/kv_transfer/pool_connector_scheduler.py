@@ -151,6 +151,10 @@ class PoolConnectorScheduler(KVConnectorScheduler):
                 self._next_put_block[request_id] = min(self._next_put_block[request_id],
                                                        order.first_block_index + first_invalid)
 
+    def recomputes_failed_loads(self, request_id: str) -> bool:
+        # A pool is a cache: a block it lost or holds corrupted is recomputed, never an error.
+        return True
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         for state in (self._matches, self._requests, self._block_ids, self._next_put_block):

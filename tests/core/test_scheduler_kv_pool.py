@@ -52,12 +52,13 @@ class DirectConnection:
         return None
 
 
-def pool_scheduler(store: MemoryStore) -> tuple[Scheduler, PoolConnectorScheduler]:
+def pool_scheduler(store: MemoryStore, policy: str = "recompute") -> tuple[Scheduler, PoolConnectorScheduler]:
     config = KVTransferConfig(kv_connector="PoolConnector", kv_role="kv_both", engine_id="e0",
                               kv_connector_extra_config={"backend": "redis"})
     connector = PoolConnectorScheduler(config, BLOCK_SIZE, SIGNATURE, connection=DirectConnection(store))
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
-                          KVCacheManager(32, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=connector)
+                          KVCacheManager(32, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=connector,
+                          kv_load_failure_policy=policy)
     return scheduler, connector
 
 
@@ -105,8 +106,9 @@ def test_pool_hit_after_the_local_hit_loads_only_the_blocks_past_it(make_request
 
 
 def test_blocks_that_did_not_arrive_are_recomputed_and_stored_again(make_request, model_output) -> None:
+    """Even with kv_load_failure_policy='fail' (meant for a PD producer that vanished): a pool miss is no error."""
     store = MemoryStore()
-    scheduler, connector = pool_scheduler(store)
+    scheduler, connector = pool_scheduler(store, policy="fail")
     prompt = list(range(300, 318))  # 18 tokens: 4 full blocks
     request = make_request("d", prompt, max_tokens=1)
     hashes = store_blocks(store, connector, request, range(0, 4))
