@@ -111,11 +111,13 @@ def main() -> None:
             hit, off, miss, load = [], [], [], []
             for prefix in prefixes:
                 suffix = tokens(args.suffix_len)
+                off.append(ttft(engine_off, prefix + suffix))
                 load_seconds = reader.load_seconds
                 hit.append(ttft(engine_b, prefix + suffix))
                 load.append(reader.load_seconds - load_seconds)
-                off.append(ttft(engine_off, prefix + suffix))
                 miss.append(ttft(engine_b, tokens(args.prefix_len + args.suffix_len)))
+                # The miss's blocks are written in the background: not into the next figure.
+                assert reader.wait_for_stores(120)
             assert reader.num_loaded_blocks == args.repeats * (args.prefix_len // 16), reader.num_loaded_blocks
             put, get = bandwidth(backend, server.url, writer.block_bytes, args.prefix_len // 16, args.repeats)
             print(f"| {backend} | {args.prefix_len} | {statistics.median(off) * 1000:.0f} | "

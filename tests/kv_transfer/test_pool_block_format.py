@@ -35,3 +35,4 @@ def test_engines_with_different_blocks_never_share_a_key(change: dict) -> None:
     mine = block_key(layout_fingerprint(SIGNATURE), 7)
     assert mine != block_key(layout_fingerprint(SIGNATURE | change), 7)
     assert mine == block_key(layout_fingerprint(dict(reversed(SIGNATURE.items()))), 7)
+
