@@ -22,7 +22,7 @@ class MooncakePoolStore(KVPoolStore):
         """`url`: mooncake://host:port of the master; `segment_bytes`: memory this client lends (0: none)."""
         try:
             from mooncake.store import MooncakeDistributedStore
-        except ImportError as error:
+        except (ImportError, OSError) as error:
             raise KVPoolStoreError(f"the mooncake backend needs the PyPI package mooncake-transfer-engine-non-cuda "
                                    f"and Debian's libibverbs1: {error}") from error
         address = urlsplit(url)

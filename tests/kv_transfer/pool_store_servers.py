@@ -34,31 +34,32 @@ class StoreServer:
     """One store server process; `url` is what PoolConnector's kv_connector_extra_config.url takes."""
 
     def __init__(self, backend: str, port: int | None = None) -> None:
+        """Skips the test at once when the backend's server or client is missing."""
         self.backend = backend
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
         self.url = f"{backend}://127.0.0.1:{self.port}" + ("/0" if backend == "redis" else "")
-
-    def start(self) -> "StoreServer":
-        if self.backend == "redis":
+        if backend == "redis":
             binary = shutil.which("redis-server")
             if binary is None:
                 pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
             pytest.importorskip("redis", reason="the redis client is not installed (pip install 'pagedserve[pool]')")
-            command = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                       "--protected-mode", "yes"]
+            self.command = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly",
+                            "no", "--protected-mode", "yes"]
         else:
             binary = shutil.which("mooncake_master")
             if binary is None:
                 pytest.skip("mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
             try:
                 import mooncake.store  # noqa: F401  (needs Debian's libibverbs1)
-            except ImportError as error:
+            except (ImportError, OSError) as error:
                 pytest.skip(f"the mooncake store client does not import: {error} (Debian: apt-get install "
                             f"libibverbs1)")
-            command = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
-                       f"--metrics_port={free_port()}"]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            self.command = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+                            "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
+
+    def start(self) -> "StoreServer":
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         env=os.environ)
         _wait_for_port(self.process, self.port, 20.0)
         return self

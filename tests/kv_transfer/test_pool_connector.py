@@ -79,10 +79,10 @@ def test_second_engine_computes_only_the_suffix(tiny_model_dir, backend: str) ->
     """Engine A computes prefix + suffix A; engine B, fresh, serves prefix + suffix B: it loads the 4 prefix blocks
     from the pool, computes only the rest, and its tokens equal those A gives for the same prompt; the external
     prefix cache counters (LLM.get_metrics and the server's /metrics) count the hit."""
+    server = StoreServer(backend).start()
     model = tiny_model_dir("llama")
     prefix, suffix_a, suffix_b = random_prompts(3, 20, 30, seed=21)
     prefix = (prefix * 4)[:64]
-    server = StoreServer(backend).start()
     engine_a = engine_b = None
     try:
         engine_a = LLM(model, kv_transfer_config=pool_config(server.url, backend), **ENGINE_KWARGS)
@@ -111,12 +111,12 @@ def test_pool_down_at_start_and_mid_run(tiny_model_dir, caplog) -> None:  # type
     """The pool is down when the engine starts (it serves, and says so once), comes up (blocks are stored again
     after retry_interval_s), then goes down mid-run (it serves on, and says so once more); the tokens never
     change."""
+    server = StoreServer("redis", port=free_port())  # not started yet
     model = tiny_model_dir("llama")
     prompts = random_prompts(4, 40, 60, seed=23)
     reference_engine = LLM(model, **ENGINE_KWARGS)
     expected = generate(reference_engine, prompts)
     reference_engine.llm_engine.shutdown()
-    server = StoreServer("redis", port=free_port())
     caplog.set_level(logging.WARNING, logger=POOL_LOGGER)
     engine = LLM(model, kv_transfer_config=pool_config(server.url, retry_interval_s=0.3, lookup_timeout_s=0.2,
                                                        transfer_timeout_s=0.5), **ENGINE_KWARGS)
