@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-POOL_BACKENDS = ("redis", "mooncake")
+POOL_BACKENDS = ("redis", "mooncake", "local")
 # Where each backend's server listens when no url is given (redis-server's and mooncake_master's own defaults).
-DEFAULT_POOL_URLS = {"redis": "redis://127.0.0.1:6379/0", "mooncake": "mooncake://127.0.0.1:50051"}
+DEFAULT_POOL_URLS = {"redis": "redis://127.0.0.1:6379/0", "mooncake": "mooncake://127.0.0.1:50051",
+                     "local": "local://"}
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class KVPoolConfig:
 
     # Measured faster on a pool hit than redis (docs/kv_pool.md).
     backend: str = "mooncake"
-    # redis://host:port/db (redis) or mooncake://host:port, the mooncake_master's RPC address; None: the default.
+    # redis://host:port/db (redis), mooncake://host:port (the mooncake_master's RPC address), or local:///folder
+    # (local: the disk level's folder; local:// has none); None: the default.
     url: str | None = None
     # Seconds the scheduler's existence lookup may take before the pool counts as down (the engine waits on it).
     lookup_timeout_s: float = 0.5
@@ -34,6 +36,9 @@ class KVPoolConfig:
     max_pending_puts: int = 256
     # Mooncake only: host memory each engine lends the store for blocks (the store keeps blocks in its clients).
     mooncake_segment_bytes: int = 512 * 2**20
+    # Local tier only: host memory for blocks, then the disk folder's capacity (local_pool_store.py).
+    local_memory_bytes: int = 1024 * 2**20
+    local_disk_bytes: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         place = "kv_transfer_config.kv_connector_extra_config"
@@ -48,7 +53,7 @@ class KVPoolConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{place}.{name}={value!r} must be a number > 0")
-        for name in ("max_pending_puts", "mooncake_segment_bytes"):
+        for name in ("max_pending_puts", "mooncake_segment_bytes", "local_memory_bytes", "local_disk_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{place}.{name}={value!r} must be an integer >= 1")

@@ -2,7 +2,8 @@
 
 A store only moves opaque values (pool_block_format.py names and checks them). Every operation either succeeds or
 raises KVPoolStoreError, within the backend's timeouts, so that callers can go on without the pool.
-Backends: redis_pool_store.py (Redis / Valkey), mooncake_pool_store.py (Mooncake Store).
+Backends: redis_pool_store.py (Redis / Valkey), mooncake_pool_store.py (Mooncake Store), local_pool_store.py (this
+host's memory, then a disk folder: a tier for the blocks the device cache evicts).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def connect_pool_store(config: KVPoolConfig, timeout_s: float, lends_memory: boo
     `lends_memory`: a Mooncake client that also holds blocks for the store (a worker; the scheduler's lookups
     need none). May block while the store is down (Mooncake retries its master for about 90 s): call it off the
     engine's thread."""
+    if config.backend == "local":
+        from pagedserve.kv_transfer.local_pool_store import LocalPoolStore
+
+        return LocalPoolStore(config.store_url, config.local_memory_bytes, config.local_disk_bytes)
     if config.backend == "redis":
         from pagedserve.kv_transfer.redis_pool_store import RedisPoolStore
 

@@ -17,7 +17,7 @@ from pagedserve.config.kv_transfer import KVTransferConfig
      "kv_transfer_config.kv_connector='NixlConnector' must be one of ['PullConnector', 'PoolConnector', "
      "'MultiConnector']"),
     ({"kv_connector": "PoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "lmcache"}},
-     "kv_connector_extra_config.backend='lmcache' must be one of ['redis', 'mooncake']"),
+     "kv_connector_extra_config.backend='lmcache' must be one of ['redis', 'mooncake', 'local']"),
     ({"kv_connector": "PoolConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"backend": "mooncake", "url": "redis://127.0.0.1:6379/0"}},
      "url='redis://127.0.0.1:6379/0' does not fit backend='mooncake'"),
