@@ -546,6 +546,22 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/kv_transfer/test_pull_connector.py", "tests/kv_transfer/test_kv_page_regions.py",
                "tests/kv_transfer/test_mooncake_transport.py"),
     ),
+    Feature(
+        line="framework", family="pooling", feature="PoolConnector: full KV blocks shared by engines through a store "
+                                                    "(Mooncake Store or Redis / Valkey) or a local tier (host "
+                                                    "memory, then disk), looked up by chained block hash after the "
+                                                    "local prefix hit, checksummed, stored asynchronously; serves on "
+                                                    "without a pool that is down",
+        modules=("pagedserve.kv_transfer.pool_connector_scheduler", "pagedserve.kv_transfer.pool_connector_worker",
+                 "pagedserve.kv_transfer.pool_store", "pagedserve.kv_transfer.pool_store_connection",
+                 "pagedserve.kv_transfer.redis_pool_store", "pagedserve.kv_transfer.mooncake_pool_store",
+                 "pagedserve.kv_transfer.local_pool_store",
+                 "pagedserve.kv_transfer.pool_block_format", "pagedserve.config.kv_pool"),
+        knobs=("kv_transfer_config",),
+        docs="docs/kv_pool.md",
+        tests=("tests/kv_transfer/test_pool_connector.py", "tests/kv_transfer/test_pool_block_format.py",
+               "tests/core/test_scheduler_kv_pool.py", "tests/kv_transfer/test_local_pool_store.py"),
+    ),
 )
 
 

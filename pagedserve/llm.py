@@ -92,7 +92,8 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now, with vLLM's names (vLLM's LLM.get_metrics): running and
-        waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions, and the speculative
+        waiting requests, KV-cache usage, prefix-cache queries and hits (local, and external: a KV connector's such as
+        the KV pool, vllm:external_prefix_cache_queries / _hits), preemptions, and the speculative
         decoding counters (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens, and the
         Vector vllm:spec_decode_num_accepted_tokens_per_pos)."""
         return scheduler_stats_to_metrics(self.llm_engine.engine_core.make_stats(),

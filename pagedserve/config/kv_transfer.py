@@ -1,4 +1,4 @@
-"""KVTransferConfig: the KV connector knobs (prefill/decode disaggregation), with vLLM's names.
+"""KVTransferConfig: the KV connector knobs (prefill/decode disaggregation, the KV pool), with vLLM's names.
 
 `kv_transfer_config` is given to EngineConfig.create / LLM(...) as a dict (or JSON text: `--kv-transfer-config`):
     {"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 5600, "engine_id": "prefill-0",
@@ -6,9 +6,12 @@
     (transport "mooncake": the bytes over Mooncake's Transfer Engine, kv_transfer/mooncake_block_transport.py)
     {"kv_connector": "MultiConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {"connectors": [{...one connector's config...}, {...}]}}
+    {"kv_connector": "PoolConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}}  (config/kv_pool.py)
 A producer (P) keeps the blocks of a request sent with kv_transfer_params {"do_remote_decode": true} after it
 finishes and serves them; a consumer (D) pulls them for a request sent with the kv_transfer_params P returned
-(pagedserve/kv_transfer/).
+(pagedserve/kv_transfer/). A pool connector looks up, loads (consumer) and stores (producer) full blocks in a store
+shared by engines.
 """
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.config.knob_dict import config_from_dict
+from pagedserve.config.kv_pool import KVPoolConfig
 
-KV_CONNECTORS = ("PullConnector", "MultiConnector")
+KV_CONNECTORS = ("PullConnector", "PoolConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("zmq", "mooncake")
@@ -66,6 +70,8 @@ class KVTransferConfig:
                              f"one of {list(KV_LOAD_FAILURE_POLICIES)}")
         if self.kv_connector == "PullConnector":
             self._check_pull_extra_config()
+        elif self.kv_connector == "PoolConnector":
+            self.pool_config  # validates the pool's knobs
         else:
             self._check_multi_extra_config()
 
@@ -97,7 +103,8 @@ class KVTransferConfig:
         if any(part.kv_connector == "MultiConnector" for part in parts):
             raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors may not hold a "
                              "MultiConnector")
-        if sum(part.is_producer for part in parts) > 1:
+        # A pool connector stores blocks rather than serving them: it does not count as a block server.
+        if sum(part.is_producer and part.kv_connector == "PullConnector" for part in parts) > 1:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors holds more than one "
                              "producer; one engine serves its blocks through one connector")
 
@@ -123,6 +130,13 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def pool_config(self) -> KVPoolConfig:
+        """A PoolConnector's knobs (validated)."""
+        if self.kv_connector != "PoolConnector":
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} has no pool knobs")
+        return KVPoolConfig.from_extra_config(self.kv_connector_extra_config)
 
     def extra(self, name: str) -> Any:
         """A pull connector extra knob, or its default."""

@@ -34,6 +34,10 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of usable blocks in use
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
+    # The KV connector's prefix lookups (a KV pool; cumulative, vLLM's external_prefix_cache counters): tokens of the
+    # requests looked up, tokens found.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     num_preemptions: int = 0  # cumulative
     # EPLB (MoE expert load balancing): rebalances so far, and per MoE layer the max/mean tokens per rank
     # over the window before and after the latest one (empty lists before the first rebalance).

@@ -107,6 +107,12 @@ class Scheduler:
         self.remote_kv_requests: dict[str, Request] = {}
         # Finished requests whose blocks the connector still needs, by id (freed when the worker says so).
         self.kv_held_requests: dict[str, Request] = {}
+        # Requests in WAITING_FOR_REMOTE_KVS, by id -> the computed tokens they have once their load arrived.
+        self._num_remote_kv_tokens: dict[str, int] = {}
+        # The KV connector's prefix lookups (vLLM's external prefix cache counters): tokens of the requests it was
+        # asked about at admission, and tokens it provided.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -150,6 +156,7 @@ class Scheduler:
                 running_to_remove.add(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.remote_kv_requests[request_id]
+                self._num_remote_kv_tokens.pop(request_id, None)
             else:
                 waiting_to_remove.append(request)
             request.status = finished_status
@@ -195,6 +202,8 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix_cache_stats.queries,
             prefix_cache_hits=prefix_cache_stats.hits,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decode_num_drafts=self.spec_decode_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_decode_stats.num_draft_tokens,
@@ -368,6 +377,7 @@ class Scheduler:
     def _admit(self, request: Request, token_budget: int) -> int:
         """Try to move a waiting request to running; returns its scheduled tokens (0: not admitted). A request
         whose KV the connector loads asynchronously is parked instead (status WAITING_FOR_REMOTE_KVS, 0)."""
+        is_queried = False
         if self.kv_connector is not None and self.kv_cache_manager.get_block_ids(request.request_id):
             # Its remote KV load ended: its blocks hold the prompt's KV up to num_computed_tokens.
             hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
@@ -377,8 +387,11 @@ class Scheduler:
                 num_external_tokens, is_async = self.kv_connector.get_num_new_matched_tokens(
                     request, request.num_computed_tokens + num_hit_tokens)
                 if is_async and num_external_tokens > 0:
-                    self._wait_for_remote_kv(request, hit_blocks, num_hit_tokens, num_external_tokens)
+                    if self._wait_for_remote_kv(request, hit_blocks, num_hit_tokens, num_external_tokens):
+                        self.external_prefix_cache_queries += request.num_tokens
+                        self.external_prefix_cache_hits += num_external_tokens
                     return 0
+                is_queried = True
         num_computed_tokens = request.num_computed_tokens + num_hit_tokens
         num_lacking_tokens = request.num_tokens - num_computed_tokens
         if not self.enable_chunked_prefill and num_lacking_tokens > token_budget:
@@ -393,25 +406,29 @@ class Scheduler:
             return 0
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
+        if is_queried:  # counted once the request is admitted (a request that did not fit is asked again)
+            self.external_prefix_cache_queries += request.num_tokens
         if request.num_cached_tokens < 0:  # first admission only; a resumed request keeps its first figure
             request.num_cached_tokens = num_hit_tokens
         return num_new_tokens
 
     def _wait_for_remote_kv(self, request: Request, hit_blocks: KVCacheBlocks, num_hit_tokens: int,
-                            num_external_tokens: int) -> None:
+                            num_external_tokens: int) -> bool:
         """Allocate the blocks the connector loads into (kept out of the prefix cache until the KV is there) and
-        park the request; it stays WAITING (not admitted) when the blocks do not fit now."""
+        park the request; it stays WAITING (not admitted, False) when the blocks do not fit now."""
         assert self.kv_connector is not None
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_external_tokens, hit_blocks, num_hit_tokens,
                                                           delay_cache_blocks=True)
         if new_blocks is None:
-            return
+            return False
         request.num_computed_tokens += num_hit_tokens
+        self._num_remote_kv_tokens[request.request_id] = request.num_computed_tokens + num_external_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.kv_connector.update_state_after_alloc(
             request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens)
+        return True
 
     def _update_from_kv_connector_output(self, connector_output: KVConnectorOutput) -> list[EngineCoreOutput]:
         """Free the blocks the connector released; resume (or, per kv_load_failure_policy, fail) the requests
@@ -425,20 +442,22 @@ class Scheduler:
                 self.kv_cache_manager.free(held)
         for request_id in connector_output.finished_recving:
             request = self.remote_kv_requests.pop(request_id, None)
-            if request is None:
+            num_remote_kv_tokens = self._num_remote_kv_tokens.pop(request_id, None)
+            if request is None or num_remote_kv_tokens is None:
                 continue
             block_ids = self.kv_cache_manager.get_block_ids(request_id)
             first_invalid = next((index for index, block_id in enumerate(block_ids)
                                   if block_id in connector_output.invalid_block_ids), None)
-            if first_invalid is not None and self.kv_load_failure_policy == "fail":
+            if (first_invalid is not None and self.kv_load_failure_policy == "fail"
+                    and not self.kv_connector.recomputes_failed_loads(request_id)):
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
                 outputs.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="error",
                                                 num_cached_tokens=max(request.num_cached_tokens, 0)))
                 continue
             # The last prompt token is computed here (its logits give the first token); recompute starts at the
-            # first block whose KV did not arrive.
-            num_loaded_tokens = request.num_prompt_tokens - 1
+            # first block whose KV did not arrive. A connector may provide only part of the prompt (a pool).
+            num_loaded_tokens = min(request.num_prompt_tokens - 1, num_remote_kv_tokens)
             if first_invalid is not None:
                 num_loaded_tokens = min(num_loaded_tokens, first_invalid * self.block_size)
             request.num_computed_tokens = max(request.num_computed_tokens, num_loaded_tokens)

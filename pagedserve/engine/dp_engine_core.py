@@ -102,6 +102,8 @@ class DataParallelEngineCore:
             kv_cache_usage=sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
+            external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in per_rank),
+            external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in per_rank),
             num_preemptions=sum(s.num_preemptions for s in per_rank),
             spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in per_rank),
             spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in per_rank),

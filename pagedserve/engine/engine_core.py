@@ -48,10 +48,10 @@ class EngineCore:
         kv_connector = None
         kv_transfer_config = config.kv_transfer_config
         if kv_transfer_config is not None:
-            from pagedserve.kv_transfer.connector_factory import create_scheduler_connector
+            from pagedserve.kv_transfer.connector_factory import create_scheduler_connector, kv_engine_signature
 
             kv_connector = create_scheduler_connector(kv_transfer_config, config.tokens_per_block,
-                                                      self.runtime_info.kv_transfer_port)
+                                                      self.runtime_info.kv_transfer_port, kv_engine_signature(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.tokens_per_block,
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.

@@ -42,6 +42,8 @@ def _scheduler_metrics(stats: SchedulerStats, labels: dict[str, str]) -> list[Me
         Gauge("vllm:kv_cache_usage_perc", dict(labels), stats.kv_cache_usage),
         Counter("vllm:prefix_cache_queries", dict(labels), stats.prefix_cache_queries),
         Counter("vllm:prefix_cache_hits", dict(labels), stats.prefix_cache_hits),
+        Counter("vllm:external_prefix_cache_queries", dict(labels), stats.external_prefix_cache_queries),
+        Counter("vllm:external_prefix_cache_hits", dict(labels), stats.external_prefix_cache_hits),
         Counter("vllm:num_preemptions", dict(labels), stats.num_preemptions),
         Counter("vllm:spec_decode_num_drafts", dict(labels), stats.spec_decode_num_drafts),
         Counter("vllm:spec_decode_num_draft_tokens", dict(labels), stats.spec_decode_num_draft_tokens),

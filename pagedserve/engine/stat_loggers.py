@@ -4,7 +4,8 @@ The log line (INFO, every `interval_s` seconds while the engine reports) carries
 line, the running and waiting requests, KV-cache usage and the prefix-cache hit rate; with speculative decoding a
 second line gives the mean acceptance length, the acceptance rate and the per-position acceptance rates over the
 same window, as vLLM's SpecDecoding metrics line does; with sparse KV offload a line gives the window's block hit
-rate and blocks moved in, and the resident blocks now.
+rate and blocks moved in, and the resident blocks now; with a KV connector that provides prefixes (a KV pool) a line
+gives the window's external prefix cache hit rate.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class LoggingStatLogger:
                     self._num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
                     stats.num_running_requests, stats.num_waiting_requests, stats.kv_cache_usage * 100,
                     100 * hits / queries if queries else 0.0)
-        for line in (spec_decode_log_line(before, stats, elapsed), sparse_kv_offload_log_line(before, stats)):
+        for line in (spec_decode_log_line(before, stats, elapsed), sparse_kv_offload_log_line(before, stats),
+                     external_prefix_cache_log_line(before, stats)):
             if line is not None:
                 logger.info("%s", line)
         self._window_start = now
@@ -97,6 +99,16 @@ def sparse_kv_offload_log_line(before: SchedulerStats, now: SchedulerStats) -> s
     return (f"Sparse KV offload: block hit rate {100 * hits / (hits + misses) if hits + misses else 0.0:.1f}%, "
             f"blocks moved in: {moved_in}, resident blocks: {offload.num_resident_blocks} in "
             f"{offload.num_resident_buffers} buffers")
+
+
+def external_prefix_cache_log_line(before: SchedulerStats, now: SchedulerStats) -> str | None:
+    """The KV connector's prefix hit rate over the window (vLLM's "External prefix cache hit rate"); None when it was
+    asked about nothing."""
+    queries = now.external_prefix_cache_queries - before.external_prefix_cache_queries
+    if queries <= 0:
+        return None
+    hits = now.external_prefix_cache_hits - before.external_prefix_cache_hits
+    return f"External prefix cache hit rate: {100 * hits / queries:.1f}% ({hits} of {queries} tokens)"
 
 
 class StatLoggers:

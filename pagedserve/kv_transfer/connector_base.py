@@ -48,6 +48,11 @@ class KVConnectorScheduler(ABC):
         """The worker side's report of a step, before the scheduler acts on it."""
         return None
 
+    def recomputes_failed_loads(self, request_id: str) -> bool:
+        """True when blocks of the request that did not arrive are always recomputed, whatever
+        kv_load_failure_policy says (a cache such as a KV pool: a miss is no error)."""
+        return False
+
     @abstractmethod
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """A request finished (any reason): True to keep its blocks until the worker reports it in

@@ -16,13 +16,21 @@ if TYPE_CHECKING:
     from pagedserve.config.engine import EngineConfig
 
 
-def create_scheduler_connector(config: KVTransferConfig, block_size: int, port: int) -> KVConnectorScheduler:
-    """The scheduler side; `port`: where this engine's worker serves its blocks (its producer part's)."""
+def create_scheduler_connector(config: KVTransferConfig, block_size: int, port: int,
+                               engine_signature: dict[str, Any] | None = None) -> KVConnectorScheduler:
+    """The scheduler side; `port`: where this engine's worker serves its blocks (its producer part's);
+    `engine_signature`: kv_engine_signature(engine config) (a pool connector names its blocks with it)."""
     if config.kv_connector == "MultiConnector":
         from pagedserve.kv_transfer.multi_connector import MultiConnectorScheduler
 
-        return MultiConnectorScheduler([create_scheduler_connector(part, block_size, port)
+        return MultiConnectorScheduler([create_scheduler_connector(part, block_size, port, engine_signature)
                                         for part in config.connector_configs])
+    if config.kv_connector == "PoolConnector":
+        from pagedserve.kv_transfer.pool_connector_scheduler import PoolConnectorScheduler
+
+        if engine_signature is None:
+            raise ValueError("a PoolConnector's scheduler side needs the engine signature (kv_engine_signature)")
+        return PoolConnectorScheduler(config, block_size, engine_signature)
     from pagedserve.kv_transfer.pull_connector_scheduler import PullConnectorScheduler
 
     return PullConnectorScheduler(config, block_size, config.extra("host"), port)
@@ -35,9 +43,32 @@ def create_worker_connector(config: KVTransferConfig, engine_signature: dict[str
 
         return MultiConnectorWorker([create_worker_connector(part, engine_signature)
                                      for part in config.connector_configs])
+    if config.kv_connector == "PoolConnector":
+        from pagedserve.kv_transfer.pool_connector_worker import PoolConnectorWorker
+
+        return PoolConnectorWorker(config, engine_signature)
     from pagedserve.kv_transfer.pull_connector_worker import PullConnectorWorker
 
-    return PullConnectorWorker(config, engine_signature)
+    # PD peers may load one model from different paths: the model's name is no part of their handshake.
+    return PullConnectorWorker(config, {key: value for key, value in engine_signature.items()
+                                        if key != "model_name"})
+
+
+def kv_engine_signature(config: EngineConfig) -> dict[str, Any]:
+    """What makes this engine's KV blocks what they are: block size, dtypes, the model's shape and its name (as
+    given: a pool keeps the blocks of different weights of one architecture apart by it)."""
+    model_config, cache_config = config.model_config, config.cache_config
+    hf_config = model_config.hf_config
+    return {
+        "block_size": cache_config.block_size,
+        "dtype": str(model_config.dtype),
+        "kv_cache_dtype": cache_config.kv_cache_dtype,
+        "model": f"{(getattr(hf_config, 'architectures', None) or ['?'])[0]} "
+                 f"layers={getattr(hf_config, 'num_hidden_layers', '?')} "
+                 f"hidden_size={getattr(hf_config, 'hidden_size', '?')} "
+                 f"vocab_size={getattr(hf_config, 'vocab_size', '?')}",
+        "model_name": model_config.model,
+    }
 
 
 def connect_worker_kv_caches(config: EngineConfig, kv_cache_modules: nn.Module, kv_caches: list[torch.Tensor],
@@ -54,16 +85,6 @@ def connect_worker_kv_caches(config: EngineConfig, kv_cache_modules: nn.Module, 
     layouts = {names[id(layer)]: layer.kv_cache_spec().page_layout(cache_config.block_size, model_config.dtype,
                                                                     cache_config.kv_cache_dtype)
                for layer in layers}
-    hf_config = model_config.hf_config
-    signature = {
-        "block_size": cache_config.block_size,
-        "dtype": str(model_config.dtype),
-        "kv_cache_dtype": cache_config.kv_cache_dtype,
-        "model": f"{(getattr(hf_config, 'architectures', None) or ['?'])[0]} "
-                 f"layers={getattr(hf_config, 'num_hidden_layers', '?')} "
-                 f"hidden_size={getattr(hf_config, 'hidden_size', '?')} "
-                 f"vocab_size={getattr(hf_config, 'vocab_size', '?')}",
-    }
-    connector = create_worker_connector(config.kv_transfer_config, signature)
+    connector = create_worker_connector(config.kv_transfer_config, kv_engine_signature(config))
     connector.register_kv_caches(caches, layouts, num_blocks)
     return connector

@@ -25,6 +25,8 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self.parts = parts
         # request id -> index of the part that provides its external tokens.
         self._provider: dict[str, int] = {}
+        # request id -> index of the part that loads its external tokens (until it finishes).
+        self._loader: dict[str, int] = {}
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         for index, part in enumerate(self.parts):
@@ -36,6 +38,8 @@ class MultiConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         provider = self._provider.pop(request.request_id, None)
+        if provider is not None and num_external_tokens > 0:
+            self._loader[request.request_id] = provider
         for index, part in enumerate(self.parts):
             part.update_state_after_alloc(request, block_ids, num_external_tokens if index == provider else 0)
 
@@ -46,8 +50,13 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         for part in self.parts:
             part.update_connector_output(connector_output)
 
+    def recomputes_failed_loads(self, request_id: str) -> bool:
+        loader = self._loader.get(request_id)
+        return loader is not None and self.parts[loader].recomputes_failed_loads(request_id)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._provider.pop(request.request_id, None)
+        self._loader.pop(request.request_id, None)
         is_delayed, merged = False, None
         for part in self.parts:
             delay, params = part.request_finished(request, block_ids)

@@ -49,6 +49,10 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries", "Tokens of the requests looked up in the KV connector (a KV pool).")
+        self.external_prefix_cache_hits = counter("vllm:external_prefix_cache_hits",
+                                                  "Tokens the KV connector (a KV pool) provided.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
@@ -100,6 +104,9 @@ class ServerMetrics:
         for counter, now, before in (
                 (self.prefix_cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.external_prefix_cache_queries, stats.external_prefix_cache_queries,
+                 last.external_prefix_cache_queries),
+                (self.external_prefix_cache_hits, stats.external_prefix_cache_hits, last.external_prefix_cache_hits),
                 (self.num_preemptions, stats.num_preemptions, last.num_preemptions),
                 (self.spec_decode_num_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
                 (self.spec_decode_num_draft_tokens, stats.spec_decode_num_draft_tokens,

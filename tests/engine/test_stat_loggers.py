@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from pagedserve.core.engine_core_output import SchedulerStats
-from pagedserve.engine.stat_loggers import LoggingStatLogger, StatLoggers
+from pagedserve.engine.stat_loggers import LoggingStatLogger, StatLoggers, external_prefix_cache_log_line
 
 
 class FakeClock:
@@ -69,3 +69,10 @@ def test_fan_out_reaches_every_logger() -> None:
 def test_bad_interval() -> None:
     with pytest.raises(ValueError, match="interval_s=0"):
         LoggingStatLogger(interval_s=0)
+
+
+def test_external_prefix_cache_log_line() -> None:
+    before = SchedulerStats(external_prefix_cache_queries=100, external_prefix_cache_hits=10)
+    assert external_prefix_cache_log_line(before, before) is None
+    now = SchedulerStats(external_prefix_cache_queries=300, external_prefix_cache_hits=160)
+    assert external_prefix_cache_log_line(before, now) == "External prefix cache hit rate: 75.0% (150 of 200 tokens)"

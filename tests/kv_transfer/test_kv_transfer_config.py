@@ -14,7 +14,19 @@ from pagedserve.config.kv_transfer import KVTransferConfig
 
 @pytest.mark.parametrize("value, message", [
     ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
-     "kv_transfer_config.kv_connector='NixlConnector' must be one of ['PullConnector', 'MultiConnector']"),
+     "kv_transfer_config.kv_connector='NixlConnector' must be one of ['PullConnector', 'PoolConnector', "
+     "'MultiConnector']"),
+    ({"kv_connector": "PoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "lmcache"}},
+     "kv_connector_extra_config.backend='lmcache' must be one of ['redis', 'mooncake', 'local']"),
+    ({"kv_connector": "PoolConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"backend": "mooncake", "url": "redis://127.0.0.1:6379/0"}},
+     "url='redis://127.0.0.1:6379/0' does not fit backend='mooncake'"),
+    ({"kv_connector": "PoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"host": "x"}},
+     "kv_connector_extra_config has unknown keys ['host'] for PoolConnector"),
+    ({"kv_connector": "PoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"lookup_timeout_s": 0}},
+     "kv_connector_extra_config.lookup_timeout_s=0 must be a number > 0"),
+    ({"kv_connector": "PoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"max_pending_puts": 0}},
+     "kv_connector_extra_config.max_pending_puts=0 must be an integer >= 1"),
     ({"kv_connector": "PullConnector"}, "kv_transfer_config.kv_role is missing"),
     ({"kv_connector": "PullConnector", "kv_role": "prefill"}, "kv_transfer_config.kv_role='prefill' must be one of"),
     ('{"kv_connector": "PullConnector", ', "kv_transfer_config='{\"kv_connector\": \"PullConnector\", ' is not a "
