@@ -16,6 +16,12 @@ Attention per step, for every new query token (prefill, chunk or decode alike):
 4. the partials are all-gathered and merged by log-sum-exp (`merge_partial_attention`): exactly the softmax over
    the union of the positions; each rank keeps its own heads.
 Plain PyTorch throughout: the reference form, and the one path (the native decode stack runs one rank only).
+
+Prefill context parallel (distributed/prefill_context_parallel.py) reuses all of it: the group that splits the
+positions is then the PCP x DCP ranks (`ContextParallelStep.group`, rank pcp_rank * dcp + dcp_rank), the heads are
+gathered over the DCP ranks only (`head_group`), and since each PCP rank runs its own run of the step's tokens, the
+attention entry points first gather the step's tokens (`gather_tokens`: queries, new K/V or latents) and return
+this rank's rows of the merged output (`local_tokens`).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.mla_paged import gather_latent, write_latent_to_cache
 from pagedserve.attention.torch_paged import gather_context, write_to_kv_cache
 from pagedserve.distributed.parallel_state import GroupCoordinator
+from pagedserve.distributed.prefill_context_parallel import TokenSplit
 
 SCORE_CHUNK_BYTES = 64 << 20
 
@@ -38,10 +45,27 @@ SCORE_CHUNK_BYTES = 64 << 20
 class ContextParallelStep:
     """One step's view of the group: which of the step's tokens this rank stores."""
 
+    # The ranks that split the KV positions (DCP, or PCP x DCP): position p on group rank p % world_size.
     group: GroupCoordinator
     # [num_local_tokens] int64: indices into the step's tokens of those whose position this rank owns; the
     # metadata's slot_mapping holds their slots, in the same order.
     local_token_indices: torch.Tensor
+    # The ranks holding the same tokens and different heads, whose queries each rank attends (the DCP group).
+    head_group: GroupCoordinator | None = None
+    # Prefill context parallel: the step's tokens split over the PCP ranks (None: every rank has all of them).
+    token_split: TokenSplit | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_group is None:
+            self.head_group = self.group
+
+    def gather_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step's rows [num_tokens, ...] of a tensor this rank holds its own rows of (itself without PCP)."""
+        return tensor if self.token_split is None else self.token_split.gather(tensor)
+
+    def local_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a step tensor (itself without PCP)."""
+        return tensor if self.token_split is None else self.token_split.local(tensor)
 
     @property
     def rank(self) -> int:
@@ -62,9 +86,14 @@ class ContextParallelStep:
 class DecodeContextParallel:
     """The model runner's side: this rank's place in the group and the step's local slots."""
 
-    def __init__(self, group: GroupCoordinator, page_block_size: int) -> None:
+    def __init__(self, group: GroupCoordinator, page_block_size: int, head_group: GroupCoordinator | None = None,
+                 token_group: GroupCoordinator | None = None) -> None:
+        """`group` splits the positions; `head_group` (default: `group`) gathers heads; `token_group` (PCP, None
+        without) splits the step's tokens."""
         self.group = group
         self.page_block_size = page_block_size
+        self.head_group = head_group if head_group is not None else group
+        self.token_group = token_group
 
     @property
     def tokens_per_block(self) -> int:
@@ -83,16 +112,20 @@ class DecodeContextParallel:
         slots = block_ids[is_local].astype(np.int64) * self.page_block_size \
             + (local_positions % self.tokens_per_block) // size
         indices = torch.from_numpy(np.flatnonzero(is_local)).to(device)
-        return slots, ContextParallelStep(self.group, indices)
+        token_split = None if self.token_group is None else TokenSplit(self.token_group, len(positions))
+        return slots, ContextParallelStep(self.group, indices, self.head_group, token_split)
 
 
 def build_decode_context_parallel(engine_config: Any) -> DecodeContextParallel | None:
-    """This rank's DCP view for the model runner, or None when decode_context_parallel_size is 1."""
-    if engine_config.parallel_config.decode_context_parallel_size == 1:
+    """This rank's context-parallel view for the model runner (DCP, PCP or both), or None when neither is set."""
+    parallel_config = engine_config.parallel_config
+    if parallel_config.context_parallel_size == 1:
         return None
-    from pagedserve.distributed.parallel_state import get_dcp_group
+    from pagedserve.distributed.parallel_state import get_context_parallel_kv_group, get_dcp_group, get_pcp_group
 
-    return DecodeContextParallel(get_dcp_group(), engine_config.cache_config.block_size)
+    token_group = get_pcp_group() if parallel_config.prefill_context_parallel_size > 1 else None
+    return DecodeContextParallel(get_context_parallel_kv_group(), engine_config.cache_config.block_size,
+                                 head_group=get_dcp_group(), token_group=token_group)
 
 
 def partial_attention(
@@ -149,7 +182,8 @@ def merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Te
     outputs = step.group.all_gather(out.unsqueeze(0), dim=0)
     lses = step.group.all_gather(lse.unsqueeze(0), dim=0)
     merged = merge_partial_attention(outputs, lses)
-    return merged[:, step.rank * num_heads:(step.rank + 1) * num_heads].to(dtype)
+    head_rank = step.head_group.rank
+    return merged[:, head_rank * num_heads:(head_rank + 1) * num_heads].to(dtype)
 
 
 def _local_partials(
@@ -194,10 +228,11 @@ class DecodeContextParallelBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         step = step_of(metadata)
+        query, key, value = step.gather_tokens(query), step.gather_tokens(key), step.gather_tokens(value)
         num_tokens = metadata.num_actual_tokens
         local = step.local_token_indices
         write_to_kv_cache(key[local], value[local], kv_cache, metadata.slot_mapping)
-        queries = step.group.all_gather(query[:num_tokens], dim=1)
+        queries = step.head_group.all_gather(query[:num_tokens], dim=1)
 
         def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
             return gather_context(kv_cache, metadata.block_table[index], num_local)
@@ -205,7 +240,7 @@ class DecodeContextParallelBackend(AttentionBackend):
         out, lse = _local_partials(queries, metadata, step, query.shape[2], read_context, scale, sliding_window)
         output = torch.zeros_like(query)
         output[:num_tokens] = merge_over_group(step, out, lse, query.shape[1], query.dtype)
-        return output
+        return step.local_tokens(output)
 
 
 def absorbed_group_queries(step: ContextParallelStep, q_nope: torch.Tensor, q_pe: torch.Tensor,
@@ -217,7 +252,7 @@ def absorbed_group_queries(step: ContextParallelStep, q_nope: torch.Tensor, q_pe
     weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
     query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[:num_tokens], w_uk), q_pe[:num_tokens]], dim=-1)
-    return step.group.all_gather(query, dim=1), w_uv
+    return step.head_group.all_gather(query, dim=1), w_uv
 
 
 def mla_context_parallel_attention(
@@ -233,6 +268,7 @@ def mla_context_parallel_attention(
 ) -> torch.Tensor:  # [n, H, v]
     """MLA with the latent positions split over the DCP group, in the absorbed form for every token."""
     step = step_of(metadata)
+    q_nope, q_pe, latent = step.gather_tokens(q_nope), step.gather_tokens(q_pe), step.gather_tokens(latent)
     num_tokens = metadata.num_actual_tokens
     write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
                           kv_lora_rank)
@@ -247,7 +283,7 @@ def mla_context_parallel_attention(
     out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)  # [n, H, R]
     output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
     output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
-    return output
+    return step.local_tokens(output)
 
 
 __all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "absorbed_group_queries",
