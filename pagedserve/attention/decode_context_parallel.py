@@ -21,7 +21,7 @@ Prefill context parallel (distributed/prefill_context_parallel.py) reuses all of
 positions is then the PCP x DCP ranks (`ContextParallelStep.group`, rank pcp_rank * dcp + dcp_rank), the heads are
 gathered over the DCP ranks only (`head_group`), and since each PCP rank runs its own run of the step's tokens, the
 attention entry points first gather the step's tokens (`gather_tokens`: queries, new K/V or latents) and return
-this rank's rows of the merged output (`local_tokens`).
+this rank's rows of the merged output (merge_over_group's all-to-all sends each rank only its rows and heads).
 """
 from __future__ import annotations
 
@@ -63,9 +63,9 @@ class ContextParallelStep:
         """The step's rows [num_tokens, ...] of a tensor this rank holds its own rows of (itself without PCP)."""
         return tensor if self.token_split is None else self.token_split.gather(tensor)
 
-    def local_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a step tensor (itself without PCP)."""
-        return tensor if self.token_split is None else self.token_split.local(tensor)
+    def num_local_rows(self, num_tokens: int) -> int:
+        """This rank's rows of a step of `num_tokens` tokens (all of them without PCP)."""
+        return num_tokens if self.token_split is None else self.token_split.num_local
 
     @property
     def rank(self) -> int:
@@ -177,13 +177,28 @@ def step_of(metadata: AttentionMetadata) -> ContextParallelStep:
 
 def merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
                      dtype: torch.dtype) -> torch.Tensor:
-    """The group's float32 partials (out [n, H_group, Dv], lse [n, H_group]) merged, this rank's `num_heads` heads
-    of them, in `dtype`."""
-    outputs = step.group.all_gather(out.unsqueeze(0), dim=0)
-    lses = step.group.all_gather(lse.unsqueeze(0), dim=0)
-    merged = merge_partial_attention(outputs, lses)
-    head_rank = step.head_group.rank
-    return merged[:, head_rank * num_heads:(head_rank + 1) * num_heads].to(dtype)
+    """The group's float32 partials (out [n, H_group, Dv], lse [n, H_group], every step token) merged for this
+    rank's rows (all n without PCP, else its `token_split.num_local`) and its `num_heads` heads, in `dtype`.
+
+    One all-to-all: group rank k = pcp_rank * dcp + dcp_rank receives from every rank just the partials of its rows
+    and heads (no rank receives the others' rows, as an all-gather would send)."""
+    num_tokens, num_group_heads, value_dim = out.shape
+    num_head_ranks = num_group_heads // num_heads
+    split = step.token_split
+    num_token_ranks, num_rows = (1, num_tokens) if split is None else (split.group.world_size, split.num_local)
+    padding = num_token_ranks * num_rows - num_tokens
+    if padding:
+        out = torch.cat([out, out.new_zeros(padding, num_group_heads, value_dim)])
+        lse = torch.cat([lse, lse.new_full((padding, num_group_heads), float("-inf"))])
+    # [token rank, rows, head rank, heads, ...] -> destination-major [token rank, head rank, rows, heads, ...]
+    out = out.view(num_token_ranks, num_rows, num_head_ranks, num_heads, value_dim).transpose(1, 2)
+    lse = lse.view(num_token_ranks, num_rows, num_head_ranks, num_heads).transpose(1, 2)
+    size = step.group.world_size
+    outputs = step.group.all_to_all_single(out.reshape(size * num_rows, num_heads, value_dim))
+    lses = step.group.all_to_all_single(lse.reshape(size * num_rows, num_heads))
+    merged = merge_partial_attention(outputs.view(size, num_rows, num_heads, value_dim),
+                                     lses.view(size, num_rows, num_heads))
+    return merged.to(dtype)
 
 
 def _local_partials(
@@ -228,6 +243,7 @@ class DecodeContextParallelBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         step = step_of(metadata)
+        output = torch.zeros_like(query)  # this rank's rows
         query, key, value = step.gather_tokens(query), step.gather_tokens(key), step.gather_tokens(value)
         num_tokens = metadata.num_actual_tokens
         local = step.local_token_indices
@@ -238,9 +254,9 @@ class DecodeContextParallelBackend(AttentionBackend):
             return gather_context(kv_cache, metadata.block_table[index], num_local)
 
         out, lse = _local_partials(queries, metadata, step, query.shape[2], read_context, scale, sliding_window)
-        output = torch.zeros_like(query)
-        output[:num_tokens] = merge_over_group(step, out, lse, query.shape[1], query.dtype)
-        return step.local_tokens(output)
+        merged = merge_over_group(step, out, lse, query.shape[1], query.dtype)
+        output[:merged.shape[0]] = merged
+        return output
 
 
 def absorbed_group_queries(step: ContextParallelStep, q_nope: torch.Tensor, q_pe: torch.Tensor,
@@ -268,6 +284,7 @@ def mla_context_parallel_attention(
 ) -> torch.Tensor:  # [n, H, v]
     """MLA with the latent positions split over the DCP group, in the absorbed form for every token."""
     step = step_of(metadata)
+    num_rows = q_nope.shape[0]  # this rank's
     q_nope, q_pe, latent = step.gather_tokens(q_nope), step.gather_tokens(q_pe), step.gather_tokens(latent)
     num_tokens = metadata.num_actual_tokens
     write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
@@ -280,10 +297,10 @@ def mla_context_parallel_attention(
         return rows.unsqueeze(0), rows[None, :, :kv_lora_rank]
 
     out, lse = _local_partials(queries, metadata, step, kv_lora_rank, read_context, scale, None)
-    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)  # [n, H, R]
-    output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
-    output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
-    return step.local_tokens(output)
+    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)  # [this rank's rows, H, R]
+    output = q_nope.new_zeros(num_rows, num_heads, v_head_dim)
+    output[:out_latent.shape[0]] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
+    return output
 
 
 __all__ = ["ContextParallelStep", "DecodeContextParallel", "DecodeContextParallelBackend", "absorbed_group_queries",

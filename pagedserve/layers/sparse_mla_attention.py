@@ -92,7 +92,7 @@ class SparseMLAAttention(MLAAttention):
         step = metadata.context_parallel if metadata is not None else None
         if step is not None:
             # Prefill context parallel: the indexer and the attention see the step's tokens, not this rank's run of
-            # them (identities otherwise); the output is cut back to this rank's rows below.
+            # them (identities otherwise); the context-parallel attention returns this rank's rows.
             q_nope, q_pe, latent = step.gather_tokens(q_nope), step.gather_tokens(q_pe), step.gather_tokens(latent)
             if index is not None:
                 index = IndexerProjections(step.gather_tokens(index.query), step.gather_tokens(index.key),
@@ -123,8 +123,6 @@ class SparseMLAAttention(MLAAttention):
                 output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
                                               self.kv_lora_rank, self.v_head_dim, self.scale,
                                               gather_decode_rows=self.decode_row_gather)
-        if step is not None:
-            output = step.local_tokens(output)
         return output.reshape(output.shape[0], self.num_heads * self.v_head_dim)
 
     def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:

@@ -8,10 +8,13 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config.engine import EngineConfig
 from pagedserve.config.parallel import ParallelConfig
+from pagedserve.distributed.parallel_state import GroupCoordinator, ParallelSizes, group_rank_lists
+from pagedserve.distributed.prefill_context_parallel import TokenSplit
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -52,6 +55,40 @@ def test_pcp_2_equals_one_process(tiny_model_dir, kind: str) -> None:
         llm.llm_engine.shutdown()
     assert first == single
     assert second == single
+
+
+@pytest.mark.slow
+def test_pcp_2_with_tp_2_and_dcp_2_equals_one_process(tiny_model_dir) -> None:
+    """Four processes (PCP=2 x TP=2, DCP=2 inside each TP pair): MLA's positions split over all four ranks, the
+    absorbed queries gathered over the DCP pair and the steps' tokens over the PCP pair (slow: 4 processes on the
+    CI's 2 cores; the PCP=2 runs above cover the same code with a group of 2)."""
+    folder = tiny_model_dir("deepseek-v3")
+    single = _generate(LLM(folder, **ENGINE))
+    llm = LLM(folder, prefill_context_parallel_size=2, tensor_parallel_size=2, decode_context_parallel_size=2,
+              **ENGINE)
+    try:
+        assert _generate(llm) == single
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_group_layout() -> None:
+    """vLLM's rank order (dp, pp, pcp, tp): PCP groups pair equal TP indices; the KV group is PCP x DCP."""
+    groups = group_rank_lists(ParallelSizes(tensor_parallel_size=2, prefill_context_parallel_size=2,
+                                            decode_context_parallel_size=2))
+    assert groups["tp"] == [[0, 1], [2, 3]] and groups["pcp"] == [[0, 2], [1, 3]]
+    assert groups["dcp"] == [[0, 1], [2, 3]] and groups["cp_kv"] == [[0, 1, 2, 3]]
+    groups = group_rank_lists(ParallelSizes(tensor_parallel_size=2, prefill_context_parallel_size=2))
+    assert groups["cp_kv"] == [[0, 2], [1, 3]] and groups["ep"] == [[0, 1], [2, 3]]
+
+
+def test_token_split_pads_the_last_run() -> None:
+    """5 tokens over 2 ranks: rows 0-2 on rank 0, rows 3-4 and one zero row of padding on rank 1."""
+    rows = torch.arange(5)
+    first = TokenSplit(GroupCoordinator(rank=0, world_size=2, ranks=[0, 1]), 5)
+    second = TokenSplit(GroupCoordinator(rank=1, world_size=2, ranks=[0, 1]), 5)
+    assert first.local(rows).tolist() == [0, 1, 2] and second.local(rows).tolist() == [3, 4, 0]
+    assert (first.num_real_local, second.num_real_local) == (3, 2)
 
 
 def test_world_arithmetic_and_capacity() -> None:
