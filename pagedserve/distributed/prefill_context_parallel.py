@@ -43,11 +43,6 @@ class TokenSplit:
         self.num_local = -(-num_tokens // group.world_size)
         self.start = group.rank * self.num_local
 
-    @property
-    def num_real_local(self) -> int:
-        """This rank's rows that are step tokens (the rest are padding)."""
-        return max(0, min(self.num_local, self.num_tokens - self.start))
-
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a step tensor [num_tokens, ...] (zero rows as padding)."""
         rows = tensor[self.start:self.start + self.num_local]
