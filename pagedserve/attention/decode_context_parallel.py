@@ -13,8 +13,8 @@ Attention per step, for every new query token (prefill, chunk or decode alike):
    positions; MLA gathers the W_UK-absorbed queries, since a rank holds W_UK / W_UV of its own heads only);
 3. each rank computes a partial attention over its positions that the query may see (causal, sliding window)
    with its log-sum-exp, `partial_attention`;
-4. the partials are all-gathered and merged by log-sum-exp (`merge_partial_attention`): exactly the softmax over
-   the union of the positions; each rank keeps its own heads.
+4. one all-to-all sends each rank the partials of its own heads from every rank, merged by log-sum-exp
+   (`merge_partial_attention`): exactly the softmax over the union of the positions.
 Plain PyTorch throughout: the reference form, and the one path (the native decode stack runs one rank only).
 
 Prefill context parallel (distributed/prefill_context_parallel.py) reuses all of it: the group that splits the

@@ -92,6 +92,19 @@ def test_token_split_pads_the_last_run() -> None:
     assert (first.num_local, second.start) == (3, 3)
 
 
+def test_cli_flag() -> None:
+    """`--prefill-context-parallel-size` / `-pcp` map to the keyword of the same name."""
+    import argparse
+
+    from pagedserve.config.cli_args import add_engine_args, parallel_engine_kwargs_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flag in ("--prefill-context-parallel-size", "-pcp"):
+        args = parser.parse_args([flag, "2"])
+        assert parallel_engine_kwargs_from_args(args)["prefill_context_parallel_size"] == 2
+
+
 def test_world_arithmetic_and_capacity() -> None:
     """PCP adds ranks (world = TP x PP x PCP), the output rank is TP rank 0 of PCP rank 0 of the last stage, and a
     block id covers block_size x PCP x DCP positions; the capacity line states the arithmetic."""
