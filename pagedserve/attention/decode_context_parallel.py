@@ -222,16 +222,72 @@ def _local_partials(
             continue
         key, value = read_context(index, num_local)
         key_positions = step.local_key_positions(num_local, queries.device)
-        first_position = seq_len - (end - start)
-        # Query rows in groups whose float32 scores [H, rows, L] stay under SCORE_CHUNK_BYTES (a long prompt's
-        # chunk against a long context would otherwise need gigabytes at once).
-        rows = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * num_local))
-        for first in range(start, end, rows):
-            last = min(first + rows, end)
-            query_positions = torch.arange(first_position + first - start, first_position + last - start,
-                                           device=queries.device)
-            out[first:last], lse[first:last] = partial_attention(
-                queries[first:last], key, value, query_positions, key_positions, scale, sliding_window)
+        _attend_request_rows(out, lse, queries, start, end, seq_len, key, value, key_positions, scale,
+                             sliding_window)
+    return out, lse
+
+
+def _attend_request_rows(out: torch.Tensor, lse: torch.Tensor, queries: torch.Tensor, start: int, end: int,
+                         seq_len: int, key: torch.Tensor, value: torch.Tensor, key_positions: torch.Tensor,
+                         scale: float, sliding_window: int | None) -> None:
+    """One request's query rows [start, end) (the last of its seq_len positions) over its local keys, into out / lse."""
+    num_heads, num_local = queries.shape[1], key.shape[1]
+    first_position = seq_len - (end - start)
+    # Query rows in groups whose float32 scores [H, rows, L] stay under SCORE_CHUNK_BYTES (a long prompt's chunk
+    # against a long context would otherwise need gigabytes at once).
+    rows = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * num_local))
+    for first in range(start, end, rows):
+        last = min(first + rows, end)
+        query_positions = torch.arange(first_position + first - start, first_position + last - start,
+                                       device=queries.device)
+        out[first:last], lse[first:last] = partial_attention(
+            queries[first:last], key, value, query_positions, key_positions, scale, sliding_window)
+
+
+def _mla_partials_by_form(
+    q_nope: torch.Tensor,  # [n, H, nope]: the step's tokens
+    q_pe: torch.Tensor,  # [n, H, rope]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    step: ContextParallelStep,
+    kv_b_weight: torch.Tensor,  # [H * (nope + v), R]: every head this rank attends
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # float32 [n, H, v], [n, H]
+    """MLA partials when this rank holds W_UK / W_UV of every head it attends (no DCP head gather: PCP alone), each
+    request in its cheaper form, as one process does: a prefill chunk expands its local latents into per-head keys
+    (nope + rope values) and values (v), where the absorbed form would score 144-value rows and carry the latent;
+    a decode stays absorbed (expanding the whole context for one query would cost more than it saves) and its
+    latent output goes through W_UV. The merge is linear in the outputs, so partials of either form merge alike."""
+    num_tokens, num_heads, nope = q_nope.shape
+    weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
+    w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
+    out = q_nope.new_zeros(num_tokens, num_heads, v_head_dim, dtype=torch.float32)
+    lse = q_nope.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32)
+    starts = metadata.query_start_loc_cpu
+    for index, seq_len in enumerate(metadata.seq_lens_cpu):
+        start, end = starts[index], starts[index + 1]
+        num_local = step.num_local_positions(seq_len)
+        if end == start or num_local == 0:
+            continue
+        rows = gather_latent(kv_cache, metadata.block_table[index], num_local, kv_lora_rank).to(q_nope.dtype)
+        key_positions = step.local_key_positions(num_local, q_nope.device)
+        if end - start == 1:
+            query = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope[start:end], w_uk), q_pe[start:end]], dim=-1)
+            query_position = torch.tensor([seq_len - 1], device=q_nope.device)
+            latent_out, lse[start:end] = partial_attention(query, rows[None], rows[None, :, :kv_lora_rank],
+                                                           query_position, key_positions, scale)
+            out[start:end] = torch.einsum("nhr,hvr->nhv", latent_out, w_uv.float())
+            continue
+        expanded = (rows[:, :kv_lora_rank] @ kv_b_weight.t()).view(num_local, num_heads, nope + v_head_dim)
+        rope = rows[:, None, kv_lora_rank:].expand(num_local, num_heads, rows.shape[1] - kv_lora_rank)
+        key = torch.cat([expanded[..., :nope], rope], dim=-1).transpose(0, 1)  # [H, L, nope + rope]
+        value = expanded[..., nope:].transpose(0, 1)  # [H, L, v]
+        queries = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)
+        # Views of the request's rows: written in place.
+        _attend_request_rows(out[start:end], lse[start:end], queries, 0, end - start, seq_len, key, value,
+                             key_positions, scale, None)
     return out, lse
 
 
@@ -282,7 +338,8 @@ def mla_context_parallel_attention(
     v_head_dim: int,
     scale: float,
 ) -> torch.Tensor:  # [n, H, v]
-    """MLA with the latent positions split over the DCP group, in the absorbed form for every token."""
+    """MLA with the latent positions split over the DCP (or PCP x DCP) group: in the absorbed form for every token
+    when the heads are gathered over DCP ranks, else each request in its cheaper form (_mla_partials_by_form)."""
     step = step_of(metadata)
     num_rows = q_nope.shape[0]  # this rank's
     q_nope, q_pe, latent = step.gather_tokens(q_nope), step.gather_tokens(q_pe), step.gather_tokens(latent)
@@ -290,6 +347,13 @@ def mla_context_parallel_attention(
     write_latent_to_cache(latent[:num_tokens][step.local_token_indices], kv_cache, metadata.slot_mapping,
                           kv_lora_rank)
     num_heads = q_nope.shape[1]
+    if step.head_group.world_size == 1:
+        out, lse = _mla_partials_by_form(q_nope[:num_tokens], q_pe[:num_tokens], kv_cache, metadata, step,
+                                         kv_b_weight, kv_lora_rank, v_head_dim, scale)
+        merged = merge_over_group(step, out, lse, num_heads, q_nope.dtype)  # [this rank's rows, H, v]
+        output = q_nope.new_zeros(num_rows, num_heads, v_head_dim)
+        output[:merged.shape[0]] = merged
+        return output
     queries, w_uv = absorbed_group_queries(step, q_nope, q_pe, kv_b_weight, kv_lora_rank, v_head_dim, num_tokens)
 
     def read_context(index: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
