@@ -1,7 +1,9 @@
-"""Decode context parallel: one long-context request on two TP ranks with the KV positions split (DCP=2) or not
-(DCP=1), on a small DeepSeek-V3-style MLA model (16 heads, kv_lora_rank 128, 4 layers; random weights).
+"""Context parallel: one long-context request on a small DeepSeek-V3-style MLA model (16 heads, kv_lora_rank 128,
+4 layers; random weights), decode context parallel (`--parallel dcp`, the default: two TP ranks with the KV
+positions split, DCP=2, or not, DCP=1) or prefill context parallel (`--parallel pcp`: PCP=2, two processes splitting
+the tokens and the KV positions, one thread each, against PCP=1, one process with two threads: the same two cores).
 
-    PYTHONPATH=. python benchmarks/context_parallel.py [--context 32768] [--output-len 32]
+    PYTHONPATH=. python benchmarks/context_parallel.py [--parallel dcp|pcp] [--context 32768] [--output-len 32]
 
 Reports per variant: the time to the first token of a `--context`-token prompt (chunked prefill, 2048-token
 chunks), the decode time per token after it (the request's own token times), and the KV cache bytes the
@@ -32,11 +34,14 @@ def model_folder(max_positions: int) -> str:
                             max_position_embeddings=max_positions)
 
 
-def measure(folder: str, prompt: list[int], output_len: int, dcp: int) -> tuple[float, float, int]:
+def measure(folder: str, prompt: list[int], output_len: int, parallel: str, degree: int) -> tuple[float, float, int]:
     """(seconds to the first token, seconds per later token, KV bytes the request holds per rank)."""
-    llm = LLM(folder, dtype="float32", max_model_len=len(prompt) + output_len + 16, tensor_parallel_size=2,
-              decode_context_parallel_size=dcp, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              num_cpu_threads=1, max_num_seqs=1)
+    if parallel == "dcp":
+        layout = dict(tensor_parallel_size=2, decode_context_parallel_size=degree, num_cpu_threads=1)
+    else:
+        layout = dict(prefill_context_parallel_size=degree, num_cpu_threads=2 // degree)
+    llm = LLM(folder, dtype="float32", max_model_len=len(prompt) + output_len + 16, max_num_batched_tokens=2048,
+              enable_prefix_caching=False, max_num_seqs=1, **layout)
     try:
         runtime = llm.llm_engine.engine_core.runtime_info
         bytes_per_block = runtime.kv_cache_bytes // runtime.num_kv_blocks
@@ -55,17 +60,22 @@ def measure(folder: str, prompt: list[int], output_len: int, dcp: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parallel", choices=("dcp", "pcp"), default="dcp")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--output-len", type=int, default=32)
     args = parser.parse_args()
     folder = model_folder(args.context + args.output_len + 64)
     rng = random.Random(0)
     prompt = [rng.randrange(8, 600) for _ in range(args.context)]
-    print(f"context {args.context}, TP=2, 1 thread per rank, float32")
-    print(f"{'DCP':>4} {'TTFT s':>8} {'decode ms/token':>16} {'KV MiB per rank':>16}")
-    for dcp in (1, 2):
-        first, per_token, kv_bytes = measure(folder, prompt, args.output_len, dcp)
-        print(f"{dcp:>4} {first:>8.2f} {per_token * 1e3:>16.1f} {kv_bytes / 2**20:>16.2f}")
+    if args.parallel == "dcp":
+        print(f"context {args.context}, TP=2, 1 thread per rank, float32")
+    else:
+        print(f"context {args.context}, PCP=1: 1 process x 2 threads, PCP=2: 2 processes x 1 thread, float32")
+    name = args.parallel.upper()
+    print(f"{name:>4} {'TTFT s':>8} {'decode ms/token':>16} {'KV MiB per rank':>16}")
+    for degree in (1, 2):
+        first, per_token, kv_bytes = measure(folder, prompt, args.output_len, args.parallel, degree)
+        print(f"{degree:>4} {first:>8.2f} {per_token * 1e3:>16.1f} {kv_bytes / 2**20:>16.2f}", flush=True)
 
 
 if __name__ == "__main__":

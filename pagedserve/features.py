@@ -138,6 +138,16 @@ FEATURES: tuple[Feature, ...] = (
                "tests/distributed/test_decode_context_parallel_engine.py"),
     ),
     Feature(
+        line="model", family="parallel", feature="prefill context parallel: added ranks (world = TP x PP x PCP) "
+                                                 "split each step's tokens; KV positions split over PCP x DCP "
+                                                 "ranks, queries gathered, partials merged by log-sum-exp "
+                                                 "(dense/GQA, MLA, DeepSeek sparse attention)",
+        modules=("pagedserve.distributed.prefill_context_parallel", "pagedserve.attention.decode_context_parallel"),
+        knobs=("prefill_context_parallel_size",),
+        docs="docs/params-05-parallel.md",
+        tests=("tests/distributed/test_prefill_context_parallel_engine.py",),
+    ),
+    Feature(
         line="model", family="parallel", feature="sequence parallel for TP (Llama form): residual stream split by "
                                                  "tokens, reduce-scatter / all-gather instead of all-reduce",
         modules=("pagedserve.distributed.sequence_parallel",),

@@ -93,7 +93,8 @@ def sparse_mla_context_parallel_attention(
     v_head_dim: int,
     scale: float,
 ) -> torch.Tensor:  # [n, H, v]
-    """Write this rank's new latents, then attend every token over the selected positions this rank holds."""
+    """Write this rank's new latents, then attend every token over the selected positions this rank holds; the
+    inputs are the step's tokens (gathered under PCP), the output this rank's rows of them."""
     step = step_of(metadata)
     num_tokens = metadata.num_actual_tokens
     local_latent = latent[:num_tokens][step.local_token_indices]
@@ -122,9 +123,9 @@ def sparse_mla_context_parallel_attention(
                                     local_index[first:last])
         out[first:last], lse[first:last] = _partial_over_rows(queries[first:last], rows, ~is_local[first:last],
                                                               kv_lora_rank, scale)
-    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)
-    output = q_nope.new_zeros(q_nope.shape[0], num_heads, v_head_dim)
-    output[:num_tokens] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
+    out_latent = merge_over_group(step, out, lse, num_heads, queries.dtype)  # [this rank's rows, H, R]
+    output = q_nope.new_zeros(step.num_local_rows(q_nope.shape[0]), num_heads, v_head_dim)
+    output[:out_latent.shape[0]] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
     return output
 
 

@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
                           help="split each request's KV history over this many consecutive TP ranks (divides "
                                "--tensor-parallel-size; attention merged by log-sum-exp)")
+    parallel.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1,
+                          help="add this many copies of the TP x PP ranks that split each step's tokens; the KV "
+                               "positions are split over them too (with -dcp over pcp x dcp ranks)")
     parallel.add_argument("--enable-balance-scheduling", action=argparse.BooleanOptionalAction, default=False)
     parallel.add_argument("--dyntra-lb-config", default=None,
                           help='JSON object, e.g. \'{"enabled": true, "bubble_threshold": 4}\'')
@@ -139,7 +142,7 @@ def parallel_engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]
     names = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "enable_expert_parallel",
              "distributed_executor_backend", "lmhead_tensor_parallel_size", "embedding_tensor_parallel_size",
              "oproj_tensor_parallel_size", "enable_reduce_sample", "enable_balance_scheduling", "dyntra_lb_config",
-             "decode_context_parallel_size", "enable_sequence_parallel")
+             "decode_context_parallel_size", "prefill_context_parallel_size", "enable_sequence_parallel")
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

@@ -61,9 +61,9 @@ class EngineConfig:
 
     @property
     def tokens_per_block(self) -> int:
-        """Positions one KV block id covers: block_size on each rank's page, times the decode-context-parallel
-        group that splits the positions (attention/decode_context_parallel.py). The scheduler counts these."""
-        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
+        """Positions one KV block id covers: block_size on each rank's page, times the PCP x DCP ranks that split
+        the positions (attention/decode_context_parallel.py). The scheduler counts these."""
+        return self.cache_config.block_size * self.parallel_config.context_parallel_size
 
     @staticmethod
     def create(
@@ -96,6 +96,7 @@ class EngineConfig:
         oproj_tensor_parallel_size: int = 0,
         enable_reduce_sample: bool = False,
         decode_context_parallel_size: int = 1,
+        prefill_context_parallel_size: int = 1,
         enable_sequence_parallel: bool = False,
         enable_balance_scheduling: bool = False,
         dyntra_lb_config: DyntraLBConfig | dict[str, Any] | str | None = None,
@@ -133,6 +134,7 @@ class EngineConfig:
             oproj_tensor_parallel_size=oproj_tensor_parallel_size,
             enable_reduce_sample=enable_reduce_sample,
             decode_context_parallel_size=decode_context_parallel_size,
+            prefill_context_parallel_size=prefill_context_parallel_size,
             enable_sequence_parallel=enable_sequence_parallel,
             enable_balance_scheduling=enable_balance_scheduling,
             dyntra_lb_config=DyntraLBConfig.parse(dyntra_lb_config),
@@ -218,6 +220,10 @@ class EngineConfig:
                                  pipeline_parallel_size=parallel_config.pipeline_parallel_size,
                                  enable_reduce_sample=enable_reduce_sample)
         sparse_kv_offload_config = SparseKVOffloadConfig.parse(sparse_kv_offload)
+        if sparse_kv_offload_config is not None and parallel_config.prefill_context_parallel_size > 1:
+            raise ValueError(f"sparse_kv_offload is not supported with prefill_context_parallel_size="
+                             f"{parallel_config.prefill_context_parallel_size} yet (its tier holds one rank's "
+                             f"latents); turn one of them off")
         if sparse_kv_offload_config is not None:
             sparse_kv_offload_config.check_engine(
                 architectures=list(getattr(hf_config, "architectures", None) or []), kv_cache_dtype=kv_cache_dtype,

@@ -146,11 +146,12 @@ class KVTransferConfig:
                      sparse_kv_offload: bool = False) -> None:
         """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
         world = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
-                 parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size)
-        if world != (1, 1, 1, 1):
+                 parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
+                 parallel_config.prefill_context_parallel_size)
+        if world != (1, 1, 1, 1, 1):
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs on one worker for now: "
-                             f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size and "
-                             f"decode_context_parallel_size must be 1 (got {world})")
+                             f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size, "
+                             f"decode_context_parallel_size and prefill_context_parallel_size must be 1 (got {world})")
         if parallel_config.executor_backend != "uni":
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs in the engine's own "
                              f"process for now: distributed_executor_backend="

@@ -83,13 +83,16 @@ class ParallelConfig:
     # Decode context parallel (vLLM's knob): each group of this many consecutive TP ranks splits every
     # request's KV history (position p lives on the group's rank p % size); attention merges by log-sum-exp.
     decode_context_parallel_size: int = 1
+    # Prefill context parallel (vLLM's knob): this many copies of the TP x PP model (added ranks) split every step's
+    # tokens; their KV positions are split over them too (with DCP, over PCP x DCP ranks), merged by log-sum-exp.
+    prefill_context_parallel_size: int = 1
     # Sequence parallel for TP: the residual stream split by tokens over the TP ranks, reduce-scatter / all-gather
     # instead of all-reduce around the norms (distributed/sequence_parallel.py).
     enable_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "decode_context_parallel_size"):
+                     "decode_context_parallel_size", "prefill_context_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -112,6 +115,7 @@ class ParallelConfig:
             allowed = [d for d in range(1, tp + 1) if tp % d == 0]
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp} (the "
                              f"context-parallel groups are carved from the TP group); allowed: {allowed}")
+        self._check_prefill_context_parallel()
         if self.enable_sequence_parallel and tp == 1:
             raise ValueError("enable_sequence_parallel=True splits tokens over the TP ranks, but "
                              "tensor_parallel_size=1; set tensor_parallel_size >= 2 or turn it off")
@@ -126,7 +130,8 @@ class ParallelConfig:
             raise ValueError(f"distributed_executor_backend={backend!r} must be one of {EXECUTOR_BACKENDS}")
         if backend == "uni" and self.world_size_per_engine > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process but tensor_parallel_size x "
-                             f"pipeline_parallel_size = {self.world_size_per_engine}; use 'mp' or 'ray'")
+                             f"pipeline_parallel_size x prefill_context_parallel_size = {self.world_size_per_engine}; "
+                             f"use 'mp' or 'ray'")
         if self.enable_reduce_sample and self.lmhead_degree == 1:
             raise ValueError("enable_reduce_sample=True needs a vocabulary-sharded LM head, but "
                              f"tensor_parallel_size={tp} / lmhead_tensor_parallel_size="
@@ -148,16 +153,40 @@ class ParallelConfig:
                              f"not supported yet (DP ranks do not step in lock-step); use data_parallel_size=1 "
                              f"with tensor_parallel_size for the EP group")
 
+    def _check_prefill_context_parallel(self) -> None:
+        """The engine modes prefill context parallel does not cover yet, named with their knobs."""
+        pcp = self.prefill_context_parallel_size
+        if pcp == 1:
+            return
+        refused = {
+            # The stages would pass token shards of different lengths between PCP ranks.
+            "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+            # Both split the token rows; one split at a time.
+            "enable_sequence_parallel": self.enable_sequence_parallel,
+            # The EP group would span the PCP ranks' different tokens (untested: refused, not guessed).
+            "enable_expert_parallel": self.enable_expert_parallel,
+        }
+        for name, is_set in refused.items():
+            if is_set:
+                raise ValueError(f"prefill_context_parallel_size={pcp} is not supported with {name}="
+                                 f"{getattr(self, name)!r} yet; set one of them back to its default")
+
     # ---- derived -------------------------------------------------------------------------------
     @property
     def world_size_per_engine(self) -> int:
-        """Processes one engine core drives (its executor's world): TP x PP."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Processes one engine core drives (its executor's world): TP x PP x PCP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
 
     @property
     def world_size(self) -> int:
-        """Every process of the deployment: DP x PP x TP."""
+        """Every process of the deployment: DP x PP x PCP x TP."""
         return self.data_parallel_size * self.world_size_per_engine
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks each request's KV positions are split over: prefill_context_parallel_size x
+        decode_context_parallel_size (1: no split)."""
+        return self.prefill_context_parallel_size * self.decode_context_parallel_size
 
     @property
     def executor_backend(self) -> str:
@@ -177,9 +206,21 @@ class ParallelConfig:
     def oproj_degree(self) -> int:
         return self.oproj_tensor_parallel_size or self.tensor_parallel_size
 
+    def kv_split_note(self) -> str:
+        """For the KV capacity log line: '' without context parallel, else how many ranks split the positions and
+        the world's arithmetic."""
+        if self.context_parallel_size == 1:
+            return ""
+        pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
+        return (f" on each of {self.context_parallel_size} context-parallel ranks (prefill_context_parallel_size="
+                f"{pcp} x decode_context_parallel_size={dcp}), which split the positions; world: "
+                f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} x prefill_context_parallel_size={pcp} = {self.world_size_per_engine} "
+                f"processes")
+
     def check_context_parallel_modes(self, is_compiled: bool, speculative_method: str | None,
                                      reads_target_hidden_states: bool, profiling_chunks: bool) -> None:
-        """SP and DCP against the engine modes they do not cover (called by EngineConfig.create)."""
+        """SP, DCP and PCP against the engine modes they do not cover (called by EngineConfig.create)."""
         if self.enable_sequence_parallel:
             if is_compiled:
                 raise ValueError("enable_sequence_parallel=True runs eagerly (its token shards move in module "
@@ -188,6 +229,14 @@ class ParallelConfig:
                 # EAGLE drafters call the target's embedding and read its hidden states, which SP splits by token.
                 raise ValueError(f"enable_sequence_parallel=True splits the hidden states by tokens, but "
                                  f"speculative_config.method={speculative_method!r} reads the target's; turn one off")
+        pcp = self.prefill_context_parallel_size
+        if pcp > 1 and speculative_method is not None:
+            # Verification steps would need the drafts' rows split like the prompt's and the drafter its own split.
+            raise ValueError(f"prefill_context_parallel_size={pcp} does not support speculative decoding yet "
+                             f"(speculative_config.method={speculative_method!r}); turn one of them off")
+        if pcp > 1 and profiling_chunks:
+            raise ValueError(f"profiling_chunk_config.enable=True times forwards without the context-parallel "
+                             f"split, but prefill_context_parallel_size={pcp}; disable one of them")
         dcp = self.decode_context_parallel_size
         if dcp > 1 and speculative_method not in (None, "ngram"):
             # Drafters with attention layers (or block drafters writing their own caches) would need their own
@@ -200,21 +249,26 @@ class ParallelConfig:
 
     def attention_backend_for(self, requested: str | None, batch_invariant: bool) -> str | None:
         """The attention backend the engine runs: `requested` (None: the platform's), or decode_context_parallel
-        when decode_context_parallel_size > 1, which no other backend implements."""
-        dcp = self.decode_context_parallel_size
-        if dcp == 1:
+        when decode_context_parallel_size or prefill_context_parallel_size > 1 (the KV positions split over ranks),
+        which no other backend implements."""
+        if self.context_parallel_size == 1:
             if requested == "decode_context_parallel":
                 raise ValueError("attention_backend='decode_context_parallel' is chosen by "
                                  "decode_context_parallel_size > 1; with decode_context_parallel_size=1 use another")
             return requested
+        knobs = self._context_parallel_knobs()
         if requested not in (None, "decode_context_parallel"):
             raise ValueError(f"attention_backend={requested!r} does not split KV positions over ranks; with "
-                             f"decode_context_parallel_size={dcp} leave attention_backend unset")
+                             f"{knobs} leave attention_backend unset")
         if batch_invariant:
-            raise ValueError("batch_invariant=True has no decode-context-parallel form (the ranks' partial "
-                             "attention is plain PyTorch, not the invariant kernels); set "
-                             "decode_context_parallel_size=1 or batch_invariant=False")
+            raise ValueError(f"batch_invariant=True has no context-parallel form (the ranks' partial attention is "
+                             f"plain PyTorch, not the invariant kernels); with {knobs} set batch_invariant=False")
         return "decode_context_parallel"
+
+    def _context_parallel_knobs(self) -> str:
+        """The context-parallel knobs set above 1, for messages: 'decode_context_parallel_size=2' and the like."""
+        return " and ".join(f"{name}={getattr(self, name)}" for name in
+                            ("decode_context_parallel_size", "prefill_context_parallel_size") if getattr(self, name) > 1)
 
     def _validate_decode_context_parallel(self, hf_config: Any, num_kv_heads: int) -> None:
         """The attention types DCP splits: dense attention whose KV heads the group's ranks share (each rank
@@ -251,6 +305,14 @@ class ParallelConfig:
             if degree > vocab_size:
                 raise ValueError(f"{name}={degree} exceeds the model's vocab_size={vocab_size}")
         self._validate_decode_context_parallel(hf_config, num_kv_heads)
+        if self.prefill_context_parallel_size > 1:
+            from pagedserve.distributed.prefill_context_parallel import PREFILL_CONTEXT_PARALLEL_ARCHITECTURES
+
+            architectures = list(getattr(hf_config, "architectures", None) or [])
+            if not set(architectures) & set(PREFILL_CONTEXT_PARALLEL_ARCHITECTURES):
+                raise ValueError(f"prefill_context_parallel_size={self.prefill_context_parallel_size} splits "
+                                 f"dense (GQA, sliding window), MLA and DeepSeek sparse attention, in the models "
+                                 f"{list(PREFILL_CONTEXT_PARALLEL_ARCHITECTURES)}; the model is {architectures}")
         if self.enable_sequence_parallel:
             from pagedserve.distributed.sequence_parallel import SEQUENCE_PARALLEL_ARCHITECTURES
 
@@ -269,8 +331,9 @@ class ParallelConfig:
         # Ray actors may span several machines: the Ray executor checks the cluster's resources instead.
         on_this_machine = self.executor_backend != "ray"
         if on_this_machine and num_devices is not None and self.world_size_per_engine > num_devices:
-            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size_per_engine} "
-                             f"exceeds the {num_devices} device(s) of this machine")
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x prefill_context_parallel_size = "
+                             f"{self.world_size_per_engine} exceeds the {num_devices} device(s) of this machine")
         if on_this_machine and num_cpus is not None and self.world_size > num_cpus:
-            raise ValueError(f"data_parallel_size x pipeline_parallel_size x tensor_parallel_size = "
-                             f"{self.world_size} processes exceed the {num_cpus} CPU core(s) of this machine")
+            raise ValueError(f"data_parallel_size x pipeline_parallel_size x prefill_context_parallel_size x "
+                             f"tensor_parallel_size = {self.world_size} processes exceed the {num_cpus} CPU core(s) "
+                             f"of this machine")

@@ -1,11 +1,16 @@
 """Process groups carved from one torch.distributed world, and the collectives layers use.
 
-World layout (rank = ((dp_rank * pp_size) + pp_rank) * tp_size + tp_rank), the same order as vLLM:
+World layout (rank = ((dp_rank * pp_size + pp_rank) * pcp_size + pcp_rank) * tp_size + tp_rank), the same order
+as vLLM (pcp: prefill context parallel, 1 unless set):
 
-- TP groups: consecutive blocks of `tp_size` ranks (same dp, same pp index).
-- PP groups: ranks with the same (dp, tp) index, one per stage.
-- DP groups: ranks with the same (pp, tp) index.
-- EP group: DP x TP, i.e. every rank of one pipeline stage (the MoE experts are split over it).
+- TP groups: consecutive blocks of `tp_size` ranks (same dp, pp and pcp index).
+- PP groups: ranks with the same (dp, pcp, tp) index, one per stage.
+- DP groups: ranks with the same (pp, pcp, tp) index.
+- EP group: DP x TP of one pipeline stage and one PCP rank (the MoE experts are split over it).
+- PCP groups: ranks with the same (dp, pp, tp) index; they split each step's tokens
+  (distributed/prefill_context_parallel.py).
+- Context-parallel KV groups ("cp_kv"): the PCP x DCP ranks that split every request's KV positions
+  (attention/decode_context_parallel.py); group rank = pcp_rank * dcp_size + dcp_rank.
 - Fine-grained TP groups (lm_head, word embedding, attention o_proj) carved from each TP group:
   for a module degree k (k divides tp_size) a module group is a block of k consecutive TP ranks, and
   the module's weight is split k ways and replicated tp_size / k times. The o_proj additionally needs
@@ -107,16 +112,19 @@ class ParallelSizes:
     embedding_tensor_parallel_size: int = 0
     oproj_tensor_parallel_size: int = 0
     decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return (self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+                * self.prefill_context_parallel_size)
 
     def module_degree(self, value: int) -> int:
         return self.tensor_parallel_size if value == 0 else value
 
 
-_GROUP_NAMES = ("tp", "pp", "dp", "ep", "lmhead_tp", "embedding_tp", "oproj_tp", "oproj_gather", "dcp")
+_GROUP_NAMES = ("tp", "pp", "dp", "ep", "lmhead_tp", "embedding_tp", "oproj_tp", "oproj_gather", "dcp", "pcp",
+               "cp_kv")
 
 
 def _single(name: str) -> GroupCoordinator:
@@ -129,22 +137,29 @@ _groups: dict[str, GroupCoordinator] = {name: _single(name) for name in _GROUP_N
 def group_rank_lists(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     """Every group of every kind as lists of global ranks (pure: unit-testable without a world)."""
     tp, pp, dp = sizes.tensor_parallel_size, sizes.pipeline_parallel_size, sizes.data_parallel_size
+    pcp = sizes.prefill_context_parallel_size
 
-    def rank_of(dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        return (dp_rank * pp + pp_rank) * tp + tp_rank
+    def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, pcp_rank: int = 0) -> int:
+        return ((dp_rank * pp + pp_rank) * pcp + pcp_rank) * tp + tp_rank
 
     groups: dict[str, list[list[int]]] = {name: [] for name in _GROUP_NAMES}
     for d in range(dp):
         for p in range(pp):
-            groups["tp"].append([rank_of(d, p, t) for t in range(tp)])
+            for c in range(pcp):
+                groups["tp"].append([rank_of(d, p, t, c) for t in range(tp)])
+    for c in range(pcp):
+        for d in range(dp):
+            for t in range(tp):
+                groups["pp"].append([rank_of(d, p, t, c) for p in range(pp)])
+        for p in range(pp):
+            for t in range(tp):
+                groups["dp"].append([rank_of(d, p, t, c) for d in range(dp)])
+        for p in range(pp):
+            groups["ep"].append([rank_of(d, p, t, c) for d in range(dp) for t in range(tp)])
     for d in range(dp):
-        for t in range(tp):
-            groups["pp"].append([rank_of(d, p, t) for p in range(pp)])
-    for p in range(pp):
-        for t in range(tp):
-            groups["dp"].append([rank_of(d, p, t) for d in range(dp)])
-    for p in range(pp):
-        groups["ep"].append([rank_of(d, p, t) for d in range(dp) for t in range(tp)])
+        for p in range(pp):
+            for t in range(tp):
+                groups["pcp"].append([rank_of(d, p, t, c) for c in range(pcp)])
     for name, value in (("lmhead_tp", sizes.lmhead_tensor_parallel_size),
                         ("embedding_tp", sizes.embedding_tensor_parallel_size)):
         degree = sizes.module_degree(value)
@@ -162,6 +177,11 @@ def group_rank_lists(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     dcp = sizes.decode_context_parallel_size
     for tp_group in groups["tp"]:
         groups["dcp"].extend(tp_group[start:start + dcp] for start in range(0, tp, dcp))
+    # The KV positions of a request are split over the DCP blocks at the same place of every PCP rank's TP group.
+    for d in range(dp):
+        for p in range(pp):
+            for start in range(0, tp, dcp):
+                groups["cp_kv"].append([rank_of(d, p, t, c) for c in range(pcp) for t in range(start, start + dcp)])
     return groups
 
 
@@ -174,7 +194,7 @@ def initialize_model_parallel(sizes: ParallelSizes) -> None:
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world_size != sizes.world_size:
         raise ValueError(f"world size {world_size} != tensor_parallel_size x pipeline_parallel_size x "
-                         f"data_parallel_size = {sizes.world_size}")
+                         f"data_parallel_size x prefill_context_parallel_size = {sizes.world_size}")
     rank = torch.distributed.get_rank() if world_size > 1 else 0
     groups: dict[str, GroupCoordinator] = {}
     for name, rank_lists in group_rank_lists(sizes).items():
@@ -228,6 +248,17 @@ def get_dcp_group() -> GroupCoordinator:
     """The decode-context-parallel group: the ranks that split each request's KV positions
     (position p on group rank p % world_size)."""
     return _groups["dcp"]
+
+
+def get_pcp_group() -> GroupCoordinator:
+    """The prefill-context-parallel group: the ranks (same TP index) that split each step's tokens."""
+    return _groups["pcp"]
+
+
+def get_context_parallel_kv_group() -> GroupCoordinator:
+    """The PCP x DCP ranks that split each request's KV positions (position p on group rank p % world_size);
+    the DCP group itself when prefill_context_parallel_size is 1."""
+    return _groups["cp_kv"]
 
 
 def get_oproj_gather_group() -> GroupCoordinator:

@@ -26,7 +26,7 @@ def free_loopback_port() -> int:
 def initialize_worker_distributed(parallel_config: ParallelConfig, rank: int, init_method: str | None,
                                   platform: Platform) -> None:
     """init_process_group over `init_method` (tcp://127.0.0.1:PORT) with the platform's backend, then
-    carve the TP / PP / fine-grained groups of one engine (DP ranks are separate engine cores)."""
+    carve the TP / PP / PCP / fine-grained groups of one engine (DP ranks are separate engine cores)."""
     world_size = parallel_config.world_size_per_engine
     if init_method is None:
         raise ValueError(f"rank {rank} of a world of {world_size} needs a distributed_init_method")
@@ -43,6 +43,7 @@ def initialize_worker_distributed(parallel_config: ParallelConfig, rank: int, in
         embedding_tensor_parallel_size=parallel_config.embedding_tensor_parallel_size,
         oproj_tensor_parallel_size=parallel_config.oproj_tensor_parallel_size,
         decode_context_parallel_size=parallel_config.decode_context_parallel_size,
+        prefill_context_parallel_size=parallel_config.prefill_context_parallel_size,
     ))
 
 

@@ -68,9 +68,11 @@ def worker_threads(world_size: int) -> int:
 
 
 def output_rank(parallel_config: ParallelConfig) -> int:
-    """The rank whose ModelRunnerOutput the engine gets: TP rank 0 of the last pipeline stage (ranks are
-    ordered pp_rank * tp_size + tp_rank, distributed/parallel_state.py)."""
-    return parallel_config.world_size_per_engine - parallel_config.tensor_parallel_size
+    """The rank whose ModelRunnerOutput the engine gets: TP rank 0 of PCP rank 0 of the last pipeline stage (ranks
+    are ordered (pp_rank * pcp_size + pcp_rank) * tp_size + tp_rank, distributed/parallel_state.py; the PCP ranks
+    sample alike)."""
+    return parallel_config.world_size_per_engine - parallel_config.tensor_parallel_size \
+        * parallel_config.prefill_context_parallel_size
 
 
 class _StepFuture(Future):

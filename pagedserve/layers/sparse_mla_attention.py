@@ -86,10 +86,18 @@ class SparseMLAAttention(MLAAttention):
         if self.has_indexer != (index is not None):
             raise ValueError(f"{self.layer_name}: index projections must be given exactly when the layer has an "
                              f"indexer")
-        num_tokens = q_nope.shape[0]
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)
         kv_b_weight = self._kv_b_proj[0].weight
         metadata = get_forward_context().attn_metadata
+        step = metadata.context_parallel if metadata is not None else None
+        if step is not None:
+            # Prefill context parallel: the indexer and the attention see the step's tokens, not this rank's run of
+            # them (identities otherwise); the context-parallel attention returns this rank's rows.
+            q_nope, q_pe, latent = step.gather_tokens(q_nope), step.gather_tokens(q_pe), step.gather_tokens(latent)
+            if index is not None:
+                index = IndexerProjections(step.gather_tokens(index.query), step.gather_tokens(index.key),
+                                           step.gather_tokens(index.weights))
+        num_tokens = q_nope.shape[0]
         if metadata is None:
             if index is not None:
                 selection = select_tokens_in_sequence(index.query, index.weights, index.key, self.index_topk,
@@ -115,7 +123,7 @@ class SparseMLAAttention(MLAAttention):
                 output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
                                               self.kv_lora_rank, self.v_head_dim, self.scale,
                                               gather_decode_rows=self.decode_row_gather)
-        return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
+        return output.reshape(output.shape[0], self.num_heads * self.v_head_dim)
 
     def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:
         """Write this step's index keys, then select every token's top-k positions (over the DCP group's keys

@@ -25,6 +25,7 @@ from pagedserve.attention.decode_context_parallel import build_decode_context_pa
 from pagedserve.attention.forward_context import set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.prefill_context_parallel import build_prefill_context_parallel_forward
 from pagedserve.models.native_decode_stack import NativeDecodeForward, build_native_decode_forward
 from pagedserve.sample.fused_greedy_head import FusedGreedySampler, is_plain_greedy
 from pagedserve.sample.logprobs import compute_prompt_logprobs
@@ -78,6 +79,9 @@ class ModelRunner:
             self.forward = build_model_forward(model, config, device)
             # Decode-only steps of qualifying models in one native call (models/native_decode_stack.py).
             self.forward = build_native_decode_forward(model, config, self.forward, device)
+        # Prefill context parallel: this rank's run of the step's tokens through the model, the hidden states gathered
+        # (distributed/prefill_context_parallel.py); the forward itself without it.
+        self.forward = build_prefill_context_parallel_forward(config, self.forward)
         # Decode steps that only sample greedily: the native stack reads the batch, runs the model and the LM head's
         # argmax and appends the tokens, in one call (models/native_decode_stack.py).
         self.greedy_decode: Callable[[list[int]], list[int] | None] | None = None

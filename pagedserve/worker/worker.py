@@ -125,11 +125,9 @@ class Worker:
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks),
                                         kv_transfer_port=self.kv_connector.port if self.kv_connector else 0)
-        dcp = config.parallel_config.decode_context_parallel_size
         logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB)%s, max %d concurrent tokens",
                     cache_config.kv_cache_dtype, num_blocks, cache_config.block_size,
-                    num_blocks * bytes_per_block / 2**20,
-                    f" on each of {dcp} decode-context-parallel ranks, which split the positions" if dcp > 1 else "",
+                    num_blocks * bytes_per_block / 2**20, config.parallel_config.kv_split_note(),
                     (num_blocks - 1) * config.tokens_per_block)
         self.platform.prepare_for_serving()
 

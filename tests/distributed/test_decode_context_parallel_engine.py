@@ -93,7 +93,7 @@ def test_dcp_doubles_the_positions_a_block_budget_holds(tiny_model_dir) -> None:
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, attention_backend="torch_paged"),
      "attention_backend='torch_paged' does not split KV positions"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, batch_invariant=True),
-     "batch_invariant=True has no decode-context-parallel form"),
+     "batch_invariant=True has no context-parallel form"),
     (dict(attention_backend="decode_context_parallel"), "is chosen by decode_context_parallel_size > 1"),
     (dict(tensor_parallel_size=2, decode_context_parallel_size=2, profiling_chunk_config={"enable": True}),
      "profiling_chunk_config.enable=True times forwards without the context-parallel split"),
