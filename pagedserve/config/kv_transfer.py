@@ -131,16 +131,16 @@ class KVTransferConfig:
     def check_engine(self, parallel_config: Any, async_scheduling: bool, speculation: bool,
                      sparse_kv_offload: bool = False) -> None:
         """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
-        world = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
-                 parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size)
-        if world != (1, 1, 1, 1):
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs on one worker for now: "
-                             f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size and "
-                             f"decode_context_parallel_size must be 1 (got {world})")
-        if parallel_config.executor_backend != "uni":
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs in the engine's own "
-                             f"process for now: distributed_executor_backend="
-                             f"{parallel_config.distributed_executor_backend!r} must be None or 'uni'")
+        # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py).
+        degrees = (parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size)
+        if degrees != (1, 1):
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with data or "
+                             f"decode context parallelism yet: data_parallel_size and decode_context_parallel_size "
+                             f"must be 1 (got {degrees})")
+        if parallel_config.executor_backend == "ray":
+            # Every rank advertises one host (kv_connector_extra_config.host): ranks on other nodes are unreachable.
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
+                             f"distributed_executor_backend='ray' yet: use 'mp' (or 'uni' with one worker)")
         if async_scheduling:
             # A request waiting for remote KV needs steps with nothing scheduled, which the batch queue skips.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
