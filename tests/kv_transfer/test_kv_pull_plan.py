@@ -138,3 +138,25 @@ def test_aggregator_waits_for_every_rank() -> None:
     assert (second.finished_sending, second.finished_recving, second.invalid_block_ids) == ({"a"}, {"r"}, {7})
     third = aggregator.aggregate([None, KVConnectorOutput(finished_sending={"b"})])
     assert (third.finished_sending, third.invalid_block_ids) == ({"b"}, set())
+
+
+def test_step_metadata_survives_the_worker_pipe() -> None:
+    """An 'mp' worker gets the connector's orders as the step's msgpack brings them (plain maps): the worker side
+    turns them back into PullConnectorMetadata."""
+    from pagedserve.core.scheduler_output import CachedRequestData, SchedulerOutput
+    from pagedserve.executor.worker_messages import ExecuteModel, WorkerCodec
+    from pagedserve.kv_transfer.pull_connector_scheduler import LoadOrder, PullConnectorMetadata
+    from pagedserve.config.kv_transfer import KVTransferConfig
+    from pagedserve.kv_transfer.pull_connector_worker import PullConnectorWorker
+
+    metadata = PullConnectorMetadata(loads=[LoadOrder("r", [4, 5], [7, 8], "p", "127.0.0.1", 5600, "q",
+                                                      [5600, 5601])], sends=["s"], finished_request_ids=["f"])
+    codec = WorkerCodec()
+    decoded = codec.decode_to_worker(codec.encode(ExecuteModel(scheduler_output=SchedulerOutput(
+        [], CachedRequestData(), {}, 0, kv_connector_metadata=metadata))))
+    worker = PullConnectorWorker(KVTransferConfig(kv_connector="PullConnector", kv_role="kv_both"), {})
+    orders = []
+    worker._orders.put = orders.append  # type: ignore[method-assign]  # no loader thread: keep the orders
+    worker.start_load_kv(decoded.scheduler_output.kv_connector_metadata)
+    assert orders == metadata.loads and set(worker._send_deadlines) == {"s"}
+    worker.shutdown()
