@@ -142,7 +142,8 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"distributed_executor_backend='ray' yet: use 'mp' (or 'uni' with one worker)")
         if async_scheduling:
-            # A request waiting for remote KV needs steps with nothing scheduled, which the batch queue skips.
+            # Not tested yet: steps scheduled ahead of the connector's reports (the batch queue itself sends the
+            # empty steps a request waiting for remote KV needs, as pipeline parallelism uses it).
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"async_scheduling=True yet: set async_scheduling=False")
         if speculation:
