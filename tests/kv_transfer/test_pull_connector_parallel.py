@@ -7,6 +7,7 @@ The 'mp' executors spawn their worker ranks; they must import this tree, so the 
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -26,16 +27,18 @@ def this_tree_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict[str, Any]], seed: int) -> None:
+def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict[str, Any]], seed: int,
+             **extra: Any) -> None:
     """P with `producer_parallel` over 'mp'; one D per entry of `consumers` (its parallel knobs) pulls the same
-    prompts' KV: greedy tokens equal one engine's; an in-process D computes only each prompt's last token."""
+    prompts' KV: greedy tokens equal one engine's; an in-process D computes only each prompt's last token.
+    `extra`: both sides' kv_connector_extra_config."""
     prompts = random_prompts(2, 20, 40, seed=seed)
     reference_engine = LLM(model, **ENGINE_KWARGS)
     expected = token_ids(reference_engine, prompts, GREEDY)
     reference_engine.llm_engine.shutdown()
     # P in the test's process: its worker ranks (spawned processes) serve the blocks from their own threads, and
     # the test steps P (assert_all_blocks_free) for the done notices to free them.
-    producer = LLM(model, kv_transfer_config=producer_config(), distributed_executor_backend="mp",
+    producer = LLM(model, kv_transfer_config=producer_config(**extra), distributed_executor_backend="mp",
                    **producer_parallel, **ENGINE_KWARGS)
     prefill = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     try:
@@ -45,7 +48,7 @@ def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict
             # Each P rank reported its own block server port: the worker ranks run this tree's WorkerReady.
             ports = params[0]["remote_ports"]
             assert len(ports) == 2 and len(set(ports)) == 2 and 0 not in ports
-            consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail"), **consumer_parallel,
+            consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail", **extra), **consumer_parallel,
                            **ENGINE_KWARGS)
             try:
                 is_in_process = not consumer_parallel
@@ -88,3 +91,29 @@ def test_tensor_parallel_producer_mla(tiny_model_dir, this_tree_on_pythonpath) -
     """MLA latents are whole on every P rank: D TP=1 reads P rank 0's and tells both ranks it is done."""
     check_pd(tiny_model_dir("deepseek-v3"), {"tensor_parallel_size": 2}, [{}], seed=23)
 
+
+@pytest.mark.slow  # the mooncake transport's single-rank tests and the zmq kv pp test cover its parts
+def test_mooncake_transport_with_several_producer_ranks(tiny_model_dir, this_tree_on_pythonpath,  # type: ignore[no-untyped-def]
+                                                        caplog) -> None:
+    """kv pp over mooncake: D reads each layer's regions from the P stage holding it, cache to cache. Unequal TP
+    over mooncake (head slices are not whole pages) fails the load, saying that it needs zmq."""
+    pytest.importorskip("mooncake.engine")
+    model = tiny_model_dir("llama")
+    check_pd(model, {"pipeline_parallel_size": 2}, [{}], seed=26, transport="mooncake")
+    producer = LLM(model, kv_transfer_config=producer_config(transport="mooncake"),
+                   distributed_executor_backend="mp", tensor_parallel_size=2, **ENGINE_KWARGS)
+    consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail", transport="mooncake"), **ENGINE_KWARGS)
+    prefill = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    try:
+        prompt = random_prompts(1, 20, 30, seed=27)[0]
+        (output,) = producer.generate([{"prompt_token_ids": prompt}], prefill, use_tqdm=False)
+        with caplog.at_level(logging.ERROR):
+            (result,) = consumer.generate([{"prompt_token_ids": prompt}], remote_params(output.kv_transfer_params),
+                                          use_tqdm=False)
+        assert result.outputs[0].finish_reason == "error"
+        assert "transport 'mooncake' reads whole pages" in caplog.text
+        assert_all_blocks_free(consumer, timeout_s=30)
+        assert_all_blocks_free(producer, timeout_s=30)
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()
