@@ -2,9 +2,11 @@
 
 Each rank's connector worker side reports its own KV shard: a request is finished sending (P may free its blocks)
 or finished receiving (D's load ended) only once every rank has reported it, possibly in different steps. A rank
-reports a request's invalid blocks in the same report as the request, so the invalid ids of a report are passed on
-with the requests of that report once each of them is finished everywhere (a block of a loading request belongs to
-it until then). Pure Python.
+reports a failed load's blocks (invalid_block_ids) in the same report as the request, and the scheduler reads them
+only for the requests finished in the same output: a report's invalid ids are therefore passed on whenever one of its
+requests is finished everywhere, until all of them are. (A rank's report seldom ends two loads at once; if it did,
+and a block of the first, freed, were reused by a load finishing with the second, that load would be recomputed,
+or failed under kv_load_failure_policy "fail", without need: never run on KV that did not arrive.) Pure Python.
 """
 from __future__ import annotations
 

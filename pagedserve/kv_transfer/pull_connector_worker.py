@@ -3,18 +3,18 @@
 Producer: a BlockServer thread answers reads of any block; a request whose blocks the scheduler holds (a "send")
 ends when its consumer says done, or free_timeout_s after the worker learnt of it, and is then reported in
 finished_sending so that the scheduler frees its blocks.
-With several worker ranks (TP, PP; 'mp' or 'ray' executor) every rank runs its own connector worker side over its
-own KV shard (a producer rank serves on its own port); the executor reports a request finished once every rank has
+With several worker ranks (TP, PP; the 'mp' executor) every rank runs its own connector worker side over its own
+KV shard (a producer rank serves on its own port); the executor reports a request finished once every rank has
 (kv_output_aggregator.py).
 Consumer: one loader thread takes the step's load orders in turn: handshake with every producer rank once (block
 size, dtypes, model and transport must equal this engine's; their placements and layers give this rank's
 KVPullPlan: which producer rank each layer and KV head comes from), read the blocks into the request's blocks
 (transport "zmq": the producer rank sends them on its control socket and they are scattered here, whole pages or
 head slices; "mooncake": read cache to cache by the Transfer Engine, mooncake_block_transport.py, whole pages only),
-tell the producer ranks of this rank's TP group it is done. Every order ends in finished_recving; a failed one also puts its blocks in
-invalid_block_ids (the scheduler recomputes or fails the request, per kv_load_failure_policy). A request that
-finished in the scheduler meanwhile is cancelled: its blocks are not written (the scheduler holds them until the
-order is reported ended, so nothing else can be using them).
+tell the producer ranks of this rank's TP group it is done. Every order ends in finished_recving; a failed one also
+puts its blocks in invalid_block_ids (the scheduler recomputes or fails the request, per kv_load_failure_policy). A
+request that finished in the scheduler meanwhile is cancelled: its blocks are not written (the scheduler holds them
+until the order is reported ended, so nothing else can be using them).
 """
 from __future__ import annotations
 
