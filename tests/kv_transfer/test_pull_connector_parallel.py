@@ -29,7 +29,7 @@ def this_tree_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict[str, Any]], seed: int,
              **extra: Any) -> None:
-    """P with `producer_parallel` over 'mp'; one D per entry of `consumers` (its parallel knobs) pulls the same
+    """P with `producer_parallel` (over 'mp', the default for several ranks); one D per entry of `consumers` (its parallel knobs) pulls the same
     prompts' KV: greedy tokens equal one engine's; an in-process D computes only each prompt's last token.
     `extra`: both sides' kv_connector_extra_config."""
     prompts = random_prompts(2, 20, 40, seed=seed)
@@ -38,16 +38,16 @@ def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict
     reference_engine.llm_engine.shutdown()
     # P in the test's process: its worker ranks (spawned processes) serve the blocks from their own threads, and
     # the test steps P (assert_all_blocks_free) for the done notices to free them.
-    producer = LLM(model, kv_transfer_config=producer_config(**extra), distributed_executor_backend="mp",
-                   **producer_parallel, **ENGINE_KWARGS)
+    producer = LLM(model, kv_transfer_config=producer_config(**extra), **producer_parallel, **ENGINE_KWARGS)
     prefill = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     try:
         for consumer_parallel in consumers:
             params = [output.kv_transfer_params for output in producer.generate(
                 [{"prompt_token_ids": prompt} for prompt in prompts], prefill, use_tqdm=False)]
-            # Each P rank reported its own block server port: the worker ranks run this tree's WorkerReady.
-            ports = params[0]["remote_ports"]
-            assert len(ports) == 2 and len(set(ports)) == 2 and 0 not in ports
+            if producer_parallel:
+                # Each P rank reported its own block server port: the worker ranks run this tree's WorkerReady.
+                ports = params[0]["remote_ports"]
+                assert len(ports) == 2 and len(set(ports)) == 2 and 0 not in ports
             consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail", **extra), **consumer_parallel,
                            **ENGINE_KWARGS)
             try:
@@ -90,6 +90,13 @@ def test_pipeline_parallel_producer(tiny_model_dir, this_tree_on_pythonpath) -> 
 def test_tensor_parallel_producer_mla(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
     """MLA latents are whole on every P rank: D TP=1 reads P rank 0's and tells both ranks it is done."""
     check_pd(tiny_model_dir("deepseek-v3"), {"tensor_parallel_size": 2}, [{}], seed=23)
+
+
+@pytest.mark.slow  # test_kv_pull_plan.py covers the stages' plan, the P PP=2 test the batch queue's empty steps
+def test_pipeline_parallel_consumer(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
+    """P PP=1 -> D PP=2: each D stage pulls its layer from P's one rank, which frees the blocks once both stages
+    told it they are done (num_readers 2); D waits for its loads in the batch queue's empty steps."""
+    check_pd(tiny_model_dir("llama"), {}, [{"pipeline_parallel_size": 2}], seed=28)
 
 
 @pytest.mark.slow  # the mooncake transport's single-rank tests and the zmq kv pp test cover its parts
