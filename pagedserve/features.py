@@ -572,6 +572,16 @@ FEATURES: tuple[Feature, ...] = (
         tests=("tests/kv_transfer/test_pool_connector.py", "tests/kv_transfer/test_pool_block_format.py",
                "tests/core/test_scheduler_kv_pool.py", "tests/kv_transfer/test_local_pool_store.py"),
     ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="PD over several worker ranks ('mp'): kv pp (P with "
+                                                              "pipeline parallel, each layer from the stage holding "
+                                                              "it) and unequal TP (P TP a multiple of D TP, "
+                                                              "head-interval mapping; MLA read from one rank)",
+        modules=("pagedserve.kv_transfer.kv_pull_plan", "pagedserve.kv_transfer.kv_output_aggregator"),
+        knobs=("kv_transfer_config", "tensor_parallel_size", "pipeline_parallel_size"),
+        docs="docs/kv_transfer.md",
+        tests=("tests/kv_transfer/test_pull_connector_parallel.py", "tests/kv_transfer/test_kv_pull_plan.py"),
+    ),
 )
 
 

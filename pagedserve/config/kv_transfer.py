@@ -145,19 +145,29 @@ class KVTransferConfig:
     def check_engine(self, parallel_config: Any, async_scheduling: bool, speculation: bool,
                      sparse_kv_offload: bool = False) -> None:
         """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
-        world = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size,
-                 parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
-                 parallel_config.prefill_context_parallel_size)
-        if world != (1, 1, 1, 1, 1):
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs on one worker for now: "
-                             f"tensor_parallel_size, pipeline_parallel_size, data_parallel_size, "
-                             f"decode_context_parallel_size and prefill_context_parallel_size must be 1 (got {world})")
-        if parallel_config.executor_backend != "uni":
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} runs in the engine's own "
-                             f"process for now: distributed_executor_backend="
-                             f"{parallel_config.distributed_executor_backend!r} must be None or 'uni'")
+        # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py).
+        degrees = (parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
+                   parallel_config.prefill_context_parallel_size)
+        if degrees != (1, 1, 1):
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with data or "
+                             f"context parallelism yet: data_parallel_size, decode_context_parallel_size and "
+                             f"prefill_context_parallel_size must be 1 (got {degrees})")
+        parts = self.connector_configs if self.kv_connector == "MultiConnector" else [self]
+        ranks = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
+        if any(part.kv_connector == "PoolConnector" for part in parts) and (
+                ranks != (1, 1) or parallel_config.executor_backend != "uni"):
+            # A pool block holds every layer's whole page under one key: ranks would store their shards over it.
+            raise ValueError(f"kv_transfer_config.kv_connector='PoolConnector' runs in the engine's own process "
+                             f"for now: tensor_parallel_size and pipeline_parallel_size must be 1 (got {ranks}) and "
+                             f"distributed_executor_backend None or 'uni' (got "
+                             f"{parallel_config.distributed_executor_backend!r})")
+        if parallel_config.executor_backend == "ray":
+            # Every rank advertises one host (kv_connector_extra_config.host): ranks on other nodes are unreachable.
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
+                             f"distributed_executor_backend='ray' yet: use 'mp' (or 'uni' with one worker)")
         if async_scheduling:
-            # A request waiting for remote KV needs steps with nothing scheduled, which the batch queue skips.
+            # Not tested yet: steps scheduled ahead of the connector's reports (the batch queue itself sends the
+            # empty steps a request waiting for remote KV needs, as pipeline parallelism uses it).
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"async_scheduling=True yet: set async_scheduling=False")
         if speculation:

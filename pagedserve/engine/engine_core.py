@@ -51,7 +51,9 @@ class EngineCore:
             from pagedserve.kv_transfer.connector_factory import create_scheduler_connector, kv_engine_signature
 
             kv_connector = create_scheduler_connector(kv_transfer_config, config.tokens_per_block,
-                                                      self.runtime_info.kv_transfer_port, kv_engine_signature(config))
+                                                      list(self.runtime_info.kv_transfer_ports)
+                                                      or [self.runtime_info.kv_transfer_port],
+                                                      kv_engine_signature(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.tokens_per_block,
                                    prefill_chunk_policy=self._prefill_chunk_policy(),
                                    # Pipeline stages before the last learn the sampled tokens from the deltas.
@@ -171,10 +173,14 @@ class EngineCore:
             # Without async scheduling a request whose step died in flight has nothing left to schedule:
             # without this the engine would idle forever instead of failing.
             raise FatalExecutorError(f"the executor failed in an earlier step: {fatal_error}")
-        while not queue.is_full and self.scheduler.has_unfinished_requests():
+        while not queue.is_full and (self.scheduler.has_unfinished_requests()
+                                     or self.scheduler.has_kv_held_requests()):
             scheduler_output = self.scheduler.schedule()
             has_notices = bool(scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids)
-            if not scheduler_output.is_empty or has_notices:
+            # A KV connector's news (a load ended, a consumer is done) comes back with a step: with nothing else in
+            # flight an empty one is sent for it (pipeline parallel runs the batch queue).
+            polls_kv_connector = self.scheduler.kv_connector is not None and not queue
+            if not scheduler_output.is_empty or has_notices or polls_kv_connector:
                 queue.submit(scheduler_output, self.executor.execute_model_async(scheduler_output),
                              self.scheduler.requests)
             if scheduler_output.is_empty:
@@ -193,6 +199,8 @@ class EngineCore:
             return self._fail_batch(step.scheduler_output, step)
         outputs = self._update_from_output(step.scheduler_output, model_output)
         self._notify_finished_if_idle()
+        if step.scheduler_output.is_empty and not outputs:
+            time.sleep(IDLE_STEP_SLEEP_S)
         return outputs
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,

@@ -46,6 +46,7 @@ from pagedserve.executor.worker_messages import (PIPELINE_STEP_FAILURE_IS_FATAL,
                                                  ResumeSteps, ShutdownWorker, StepDone, StepFailed,
                                                  StepResult, WorkerCodec, WorkerFailure, WorkerReady,
                                                  answer_step, describe_step_failures)
+from pagedserve.kv_transfer.kv_output_aggregator import KVOutputAggregator
 from pagedserve.worker.worker import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ def run_worker_process(config: EngineConfig, rank: int, init_method: str, conn: 
             rank=rank, pid=os.getpid(), num_kv_blocks=info.num_kv_blocks, kv_cache_bytes=info.kv_cache_bytes,
             attention_backend=info.attention_backend, weight_bytes_read=bytes_read(),
             num_parameters=sum(p.numel() for p in parameters),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters))))
+            parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
+            kv_transfer_port=info.kv_transfer_port)))
         step_done = codec.encode(STEP_DONE)  # the same bytes answer every step a non-output rank finishes
         is_held = False  # after a StepFailed, until ResumeSteps: run nothing (a peer may be in a collective)
         held_steps: deque[ExecuteModel] = deque()  # steps that arrived while held, in order
@@ -204,7 +206,12 @@ class MultiprocExecutor(Executor):
         self.kv_cache_bytes = [message.kv_cache_bytes for message in ready]
         self.num_parameters = [message.num_parameters for message in ready]
         self.runtime_info = RuntimeInfo(num_kv_blocks=ready[0].num_kv_blocks, kv_cache_bytes=ready[0].kv_cache_bytes,
-                                        attention_backend=ready[0].attention_backend)
+                                        attention_backend=ready[0].attention_backend,
+                                        kv_transfer_port=ready[0].kv_transfer_port,
+                                        kv_transfer_ports=tuple(message.kv_transfer_port for message in ready))
+        # Every rank's KV connector reports its own shard: one report a step for the scheduler (None: no connector).
+        self.kv_output_aggregator = (KVOutputAggregator(self.world_size)
+                                     if config.kv_transfer_config is not None else None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (after any still in flight); a step that raised in a worker raises WorkerStepError."""
@@ -285,6 +292,10 @@ class MultiprocExecutor(Executor):
         result = answers[self.output_rank]
         if not isinstance(result, StepResult):
             self._fail(f"worker rank {self.output_rank} sent {type(result).__name__} instead of a step result")
+        if self.kv_output_aggregator is not None:
+            result.output.kv_connector_output = self.kv_output_aggregator.aggregate(
+                [answer.output.kv_connector_output if isinstance(answer, StepResult) else answer.kv_connector_output
+                 for answer in answers])
         return result.output
 
     def _step_failed(self, failures: list[StepFailed]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 import torch.distributed
 
-from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.scheduler_output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class ExecuteModel(msgspec.Struct, tag="execute", kw_only=True):
@@ -42,6 +42,8 @@ class WorkerReady(msgspec.Struct, tag="ready", kw_only=True):
     # Parameters this rank holds (its TP shard of its pipeline stage's layers), as elements and bytes.
     num_parameters: int = 0
     parameter_bytes: int = 0
+    # The port this rank's KV connector serves its blocks on (0: none).
+    kv_transfer_port: int = 0
 
 
 class ResumeSteps(msgspec.Struct, tag="resume", kw_only=True):
@@ -55,7 +57,10 @@ class StepResult(msgspec.Struct, tag="result", kw_only=True):
 
 
 class StepDone(msgspec.Struct, tag="done", kw_only=True):
-    """Another rank's answer to a step: it finished the step (its output is the output rank's)."""
+    """Another rank's answer to a step: it finished the step (its output is the output rank's), with its KV
+    connector's report when that has news (the executor aggregates every rank's: kv_output_aggregator.py)."""
+
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class StepFailed(msgspec.Struct, tag="step_failed", kw_only=True):
@@ -93,7 +98,11 @@ def answer_step(worker: Any, scheduler_output: SchedulerOutput, rank: int,
         raise
     except Exception:
         return StepFailed(rank=rank, message=traceback.format_exc())
-    return StepResult(output=output) if is_output_rank else STEP_DONE
+    if is_output_rank:
+        return StepResult(output=output)
+    connector_output = output.kv_connector_output
+    return STEP_DONE if connector_output is None or connector_output.is_empty \
+        else StepDone(kv_connector_output=connector_output)
 
 
 def describe_step_failures(failures: list[StepFailed], world_size: int) -> str:

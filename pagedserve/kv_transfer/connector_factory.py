@@ -16,14 +16,15 @@ if TYPE_CHECKING:
     from pagedserve.config.engine import EngineConfig
 
 
-def create_scheduler_connector(config: KVTransferConfig, block_size: int, port: int,
+def create_scheduler_connector(config: KVTransferConfig, block_size: int, ports: list[int],
                                engine_signature: dict[str, Any] | None = None) -> KVConnectorScheduler:
-    """The scheduler side; `port`: where this engine's worker serves its blocks (its producer part's);
-    `engine_signature`: kv_engine_signature(engine config) (a pool connector names its blocks with it)."""
+    """The scheduler side; `ports`: where this engine's workers serve their blocks (their producer part's), one
+    per rank in rank order; `engine_signature`: kv_engine_signature(engine config) (a pool connector names its
+    blocks with it)."""
     if config.kv_connector == "MultiConnector":
         from pagedserve.kv_transfer.multi_connector import MultiConnectorScheduler
 
-        return MultiConnectorScheduler([create_scheduler_connector(part, block_size, port, engine_signature)
+        return MultiConnectorScheduler([create_scheduler_connector(part, block_size, ports, engine_signature)
                                         for part in config.connector_configs])
     if config.kv_connector == "PoolConnector":
         from pagedserve.kv_transfer.pool_connector_scheduler import PoolConnectorScheduler
@@ -33,25 +34,28 @@ def create_scheduler_connector(config: KVTransferConfig, block_size: int, port: 
         return PoolConnectorScheduler(config, block_size, engine_signature)
     from pagedserve.kv_transfer.pull_connector_scheduler import PullConnectorScheduler
 
-    return PullConnectorScheduler(config, block_size, config.extra("host"), port)
+    return PullConnectorScheduler(config, block_size, config.extra("host"), ports)
 
 
-def create_worker_connector(config: KVTransferConfig, engine_signature: dict[str, Any]) -> KVConnectorWorker:
-    """The worker side; `engine_signature`: what peers must share (block size, dtypes, model)."""
+def create_worker_connector(config: KVTransferConfig, engine_signature: dict[str, Any],
+                            placement: dict[str, Any] | None = None) -> KVConnectorWorker:
+    """The worker side; `engine_signature`: kv_engine_signature (block size, dtypes, model); `placement`:
+    kv_placement, this rank's place in its engine (PD peers map their ranks with it)."""
     if config.kv_connector == "MultiConnector":
         from pagedserve.kv_transfer.multi_connector import MultiConnectorWorker
 
-        return MultiConnectorWorker([create_worker_connector(part, engine_signature)
+        return MultiConnectorWorker([create_worker_connector(part, engine_signature, placement)
                                      for part in config.connector_configs])
     if config.kv_connector == "PoolConnector":
         from pagedserve.kv_transfer.pool_connector_worker import PoolConnectorWorker
 
+        # The scheduler side names blocks by the same signature (EngineCore): no per-rank keys in it.
         return PoolConnectorWorker(config, engine_signature)
     from pagedserve.kv_transfer.pull_connector_worker import PullConnectorWorker
 
     # PD peers may load one model from different paths: the model's name is no part of their handshake.
-    return PullConnectorWorker(config, {key: value for key, value in engine_signature.items()
-                                        if key != "model_name"})
+    return PullConnectorWorker(config, (placement or {}) | {key: value for key, value in engine_signature.items()
+                                                            if key != "model_name"})
 
 
 def kv_engine_signature(config: EngineConfig) -> dict[str, Any]:
@@ -85,6 +89,33 @@ def connect_worker_kv_caches(config: EngineConfig, kv_cache_modules: nn.Module, 
     layouts = {names[id(layer)]: layer.kv_cache_spec().page_layout(cache_config.block_size, model_config.dtype,
                                                                     cache_config.kv_cache_dtype)
                for layer in layers}
-    connector = create_worker_connector(config.kv_transfer_config, kv_engine_signature(config))
+    connector = create_worker_connector(config.kv_transfer_config, kv_engine_signature(config),
+                                        kv_placement(config, layers, [names[id(layer)] for layer in layers]))
     connector.register_kv_caches(caches, layouts, num_blocks)
     return connector
+
+
+def kv_placement(config: EngineConfig, layers: list[nn.Module], layer_names: list[str]) -> dict[str, Any]:
+    """This rank's place in its engine (tp / pp rank and size) and, per dense K/V layer, the KV heads it holds
+    ([first head, heads, total heads]; kv_pull_plan.py maps them onto a peer's). QKVParallelLinear's split: heads
+    in equal intervals over the TP ranks, or, with fewer KV heads than ranks, head r // (tp / heads) on rank r."""
+    from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp_group, pp_group = get_tp_group(), get_pp_group()
+    tp_rank, tp_size = tp_group.rank, tp_group.world_size
+    hf_config = config.model_config.hf_config
+    total = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", 0)
+    kv_heads: dict[str, list[int] | None] = {}
+    for layer, name in zip(layers, layer_names):
+        spec = layer.kv_cache_spec()
+        if spec.latent_rank or spec.leading_shape != (2,) or len(spec.per_token_shape) != 2:
+            kv_heads[name] = None  # MLA latents (and other single-row caches) are whole on every TP rank
+            continue
+        num_heads = spec.per_token_shape[0]
+        if num_heads != (1 if tp_size >= total else total // tp_size):
+            raise ValueError(f"{name}: {num_heads} KV heads on each of {tp_size} TP ranks is not the split of the "
+                             f"model's num_key_value_heads={total}; the KV connector cannot map its heads")
+        first = tp_rank // (tp_size // total) if tp_size >= total else tp_rank * num_heads
+        kv_heads[name] = [first, num_heads, total]
+    return {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_group.rank, "pp_size": pp_group.world_size,
+            "kv_heads": kv_heads}

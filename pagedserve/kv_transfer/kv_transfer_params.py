@@ -4,7 +4,8 @@ Given per request in `SamplingParams.extra_args["kv_transfer_params"]`:
 - to a producer (P): {"do_remote_decode": true} (with max_tokens=1): keep the prompt's blocks after the request
   finishes and return, in `RequestOutput.kv_transfer_params`, how to fetch them;
 - to a consumer (D): what P returned: {"do_remote_prefill": true, "remote_engine_id", "remote_host",
-  "remote_port", "remote_block_ids", "remote_request_id"}: pull those blocks instead of computing the prompt.
+  "remote_port", "remote_block_ids", "remote_request_id"} (and "remote_ports", every producer rank's port, when P
+  has several worker ranks): pull those blocks instead of computing the prompt.
 Pure Python (the scheduler reads it).
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _REMOTE_PREFILL_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids", "remote_request_id")
-_KNOWN_KEYS = ("do_remote_decode", "do_remote_prefill", *_REMOTE_PREFILL_KEYS)
+# Optional: every producer rank's port (a producer with several worker ranks); absent: [remote_port].
+_KNOWN_KEYS = ("do_remote_decode", "do_remote_prefill", *_REMOTE_PREFILL_KEYS, "remote_ports")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class KVTransferParams:
     remote_port: int = 0
     remote_block_ids: tuple[int, ...] = ()
     remote_request_id: str = ""
+    remote_ports: tuple[int, ...] = ()
 
     @staticmethod
     def parse(value: Any, max_tokens: int | None) -> "KVTransferParams":
@@ -61,12 +64,19 @@ class KVTransferParams:
                 isinstance(block_id, int) and not isinstance(block_id, bool) and block_id >= 0
                 for block_id in block_ids):
             raise ValueError(f"kv_transfer_params.remote_block_ids={block_ids!r} must be a list of integers >= 0")
+        ports = value.get("remote_ports", [port])
+        if not isinstance(ports, (list, tuple)) or not ports or not all(
+                isinstance(item, int) and not isinstance(item, bool) and 1 <= item <= 65535 for item in ports) \
+                or ports[0] != port:
+            raise ValueError(f"kv_transfer_params.remote_ports={ports!r} must be a non-empty list of ports in "
+                             f"[1, 65535] starting with remote_port={port!r}")
         for key in ("remote_engine_id", "remote_host", "remote_request_id"):
             if not isinstance(value[key], str) or not value[key]:
                 raise ValueError(f"kv_transfer_params.{key}={value[key]!r} must be a non-empty string")
         return KVTransferParams(do_remote_prefill=True, remote_engine_id=value["remote_engine_id"],
                                 remote_host=value["remote_host"], remote_port=port,
-                                remote_block_ids=tuple(block_ids), remote_request_id=value["remote_request_id"])
+                                remote_block_ids=tuple(block_ids), remote_request_id=value["remote_request_id"],
+                                remote_ports=tuple(ports))
 
 
 def request_kv_transfer_params(extra_args: dict[str, Any] | None) -> Any:

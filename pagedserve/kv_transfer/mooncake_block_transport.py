@@ -56,18 +56,29 @@ class MooncakeEndpoint:
         """What a consumer needs to read this engine's blocks (sent in the handshake answer)."""
         return {"session": self.session, "regions": [list(region) for region in self.regions]}
 
-    def read(self, remote: dict[str, Any], remote_block_ids: list[int], local_block_ids: list[int]) -> int:
-        """Copy the producer's `remote_block_ids` into this engine's `local_block_ids`, every region; returns the
-        bytes moved. KVTransferError when the descriptor does not match or the engine reports a failure."""
+    def read(self, remote: dict[str, Any], remote_block_ids: list[int], local_block_ids: list[int],
+             region_pairs: list[tuple[int, int]] | None = None) -> int:
+        """Copy the producer's `remote_block_ids` into this engine's `local_block_ids`, every region (or the
+        (local region, remote region) index pairs `region_pairs`: a producer rank holding some of the layers);
+        returns the bytes moved. KVTransferError when the descriptor does not match or the engine reports a
+        failure."""
         remote_regions = remote.get("regions")
-        if not isinstance(remote_regions, list) or len(remote_regions) != len(self.regions):
+        if region_pairs is None:
+            if not isinstance(remote_regions, list) or len(remote_regions) != len(self.regions):
+                raise KVTransferError(f"the producer describes {len(remote_regions or [])} page regions for the "
+                                      f"mooncake transport, this engine has {len(self.regions)}")
+            region_pairs = [(index, index) for index in range(len(self.regions))]
+        elif not isinstance(remote_regions, list) or any(not 0 <= remote_index < len(remote_regions)
+                                                         for _, remote_index in region_pairs):
             raise KVTransferError(f"the producer describes {len(remote_regions or [])} page regions for the "
-                                  f"mooncake transport, this engine has {len(self.regions)}")
+                                  f"mooncake transport, fewer than the layers it holds")
         local_addresses: list[int] = []
         remote_addresses: list[int] = []
         lengths: list[int] = []
         runs = _joint_runs(remote_block_ids, local_block_ids)
-        for (local_base, block_bytes), (remote_base, remote_block_bytes) in zip(self.regions, remote_regions):
+        for local_index, remote_index in region_pairs:
+            local_base, block_bytes = self.regions[local_index]
+            remote_base, remote_block_bytes = remote_regions[remote_index]
             if remote_block_bytes != block_bytes:
                 raise KVTransferError(f"a page region takes {remote_block_bytes} bytes a block on the producer and "
                                       f"{block_bytes} here")

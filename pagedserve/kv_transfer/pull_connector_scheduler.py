@@ -35,6 +35,8 @@ class LoadOrder:
     remote_host: str
     remote_port: int
     remote_request_id: str
+    # Every producer rank's block server port, in rank order (pp_rank * tp_size + tp_rank); [remote_port] for one.
+    remote_ports: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,12 +51,13 @@ class PullConnectorMetadata:
 
 
 class PullConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, block_size: int, host: str, port: int) -> None:
-        """`host` / `port`: where this engine's worker serves its blocks (producer; unused by a consumer)."""
+    def __init__(self, config: KVTransferConfig, block_size: int, host: str, ports: list[int]) -> None:
+        """`host` / `ports`: where this engine's workers serve their blocks, one port per rank in rank order
+        (producer; unused by a consumer)."""
         self.config = config
         self.block_size = block_size
         self.host = host
-        self.port = port
+        self.ports = list(ports)
         self._loads: list[LoadOrder] = []
         self._sends: list[str] = []
         # Requests whose load was ordered and has not been reported ended yet.
@@ -90,7 +93,8 @@ class PullConnectorScheduler(KVConnectorScheduler):
             request_id=request.request_id, local_block_ids=list(block_ids[first:end]),
             remote_block_ids=list(params.remote_block_ids[first:end]), remote_engine_id=params.remote_engine_id,
             remote_host=params.remote_host, remote_port=params.remote_port,
-            remote_request_id=params.remote_request_id))
+            remote_request_id=params.remote_request_id,
+            remote_ports=list(params.remote_ports or (params.remote_port,))))
         self._loading_ids.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PullConnectorMetadata:
@@ -111,17 +115,20 @@ class PullConnectorScheduler(KVConnectorScheduler):
             return False, None
         from pagedserve.core.request import RequestStatus  # core's enum; the module stays import-light
 
-        params = self._params(request)
-        if params is None or not params.do_remote_decode or request.status not in (
+        request_params = self._params(request)
+        if request_params is None or not request_params.do_remote_decode or request.status not in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             return False, None
         self._sends.append(request.request_id)
-        return True, {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
             "remote_host": self.host,
-            "remote_port": self.port,
+            "remote_port": self.ports[0],
             "remote_block_ids": list(block_ids),
             "remote_request_id": request.request_id,
         }
+        if len(self.ports) > 1:  # several worker ranks, each serving its own KV shard
+            params["remote_ports"] = list(self.ports)
+        return True, params

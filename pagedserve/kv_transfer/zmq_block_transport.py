@@ -3,9 +3,11 @@
 One ROUTER socket on the producer answers three requests, each a msgpack header frame (never pickle):
 - {"kind": "handshake"} -> {"ok": true, "signature": {...}} (kv_page_regions.py: what both sides compare), with
   the mooncake transport's descriptor under "mooncake" when the producer uses it;
-- {"kind": "read", "block_ids": [...]} -> {"ok": true} followed by one raw frame per page region, the blocks'
-  bytes in order, sent zero-copy from the gathered tensors;
-- {"kind": "done", "request_id": ...} -> {"ok": true}: the consumer no longer needs the request's blocks.
+- {"kind": "read", "block_ids": [...], "layers": [...]} -> {"ok": true} followed by one raw frame per page region
+  of the layers (indices into the handshake's layers; absent: every layer), the blocks' bytes in order, sent
+  zero-copy from the gathered tensors;
+- {"kind": "done", "request_id": ..., "num_readers": n} -> {"ok": true}: one of the n consumer ranks that read
+  this producer rank (default 1) no longer needs the request's blocks.
 Every request carries a sequence number echoed in its answer, so a late answer to a timed-out request is dropped.
 A failure is {"ok": false, "error": "..."}. The consumer drops a socket whose answer timed out (lazy pirate).
 """
@@ -40,7 +42,7 @@ class BlockServer:
     """The producer's server thread: handshakes, block reads, done notices (see the module docstring)."""
 
     def __init__(self, context: zmq.Context, host: str, port: int, regions: KVPageRegions,
-                 on_done: Callable[[str], None], handshake_extra: dict[str, Any] | None = None) -> None:
+                 on_done: Callable[[str, int], None], handshake_extra: dict[str, Any] | None = None) -> None:
         """`handshake_extra`: more keys for the handshake answer (the mooncake transport's descriptor)."""
         self.regions = regions
         self.on_done = on_done
@@ -89,7 +91,10 @@ class BlockServer:
             return [self._encoder.encode({"ok": True, "seq": sequence, "signature": self.regions.signature}
                                          | self.handshake_extra)]
         if kind == "done":
-            self.on_done(str(header.get("request_id")))
+            num_readers = header.get("num_readers", 1)
+            if not isinstance(num_readers, int) or num_readers < 1:
+                raise KVTransferError(f"done: num_readers={num_readers!r} must be an integer >= 1")
+            self.on_done(str(header.get("request_id")), num_readers)
             return [self._encoder.encode({"ok": True, "seq": sequence})]
         if kind == "read":
             block_ids = header.get("block_ids")
@@ -97,8 +102,13 @@ class BlockServer:
             if not isinstance(block_ids, list) or not all(
                     isinstance(block_id, int) and 0 < block_id < num_blocks for block_id in block_ids):
                 raise KVTransferError(f"read: block_ids={block_ids!r} must be block ids in [1, {num_blocks - 1}]")
+            layers = header.get("layers")
+            num_layers = len(self.regions.regions)
+            if layers is not None and (not isinstance(layers, list) or not all(
+                    isinstance(index, int) and 0 <= index < num_layers for index in layers)):
+                raise KVTransferError(f"read: layers={layers!r} must be layer indices in [0, {num_layers - 1}]")
             # numpy views of the gathered copies: zmq sends them without another copy.
-            tensors = self.regions.gather(block_ids)
+            tensors = self.regions.gather(block_ids, layers)
             return [self._encoder.encode({"ok": True, "seq": sequence}), *(tensor.numpy() for tensor in tensors)]
         raise KVTransferError(f"unknown request kind={kind!r}; known: handshake, read, done")
 

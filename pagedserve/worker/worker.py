@@ -39,8 +39,10 @@ class RuntimeInfo:
     attention_backend: str
     # (num_tokens, num_history_tokens, seconds) of the start-up chunk profiling; empty when it is off.
     chunk_latency_samples: tuple[tuple[int, int, float], ...] = ()
-    # The port the KV connector serves this engine's blocks on (0: none).
+    # The port the KV connector serves this engine's blocks on (0: none): rank 0's.
     kv_transfer_port: int = 0
+    # Every rank's KV connector port, in rank order (the executor collects them; () without a connector).
+    kv_transfer_ports: tuple[int, ...] = ()
 
 
 class Worker:
@@ -124,7 +126,8 @@ class Worker:
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks),
-                                        kv_transfer_port=self.kv_connector.port if self.kv_connector else 0)
+                                        kv_transfer_port=self.kv_connector.port if self.kv_connector else 0,
+                                        kv_transfer_ports=(self.kv_connector.port,) if self.kv_connector else ())
         logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB)%s, max %d concurrent tokens",
                     cache_config.kv_cache_dtype, num_blocks, cache_config.block_size,
                     num_blocks * bytes_per_block / 2**20, config.parallel_config.kv_split_note(),

@@ -18,7 +18,7 @@ REMOTE = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "1
 def connector_scheduler(role: str, policy: str = "recompute", num_blocks: int = 32) -> Scheduler:
     config = KVTransferConfig(kv_connector="PullConnector", kv_role=role, engine_id="e0",
                               kv_load_failure_policy=policy)
-    connector = PullConnectorScheduler(config, BLOCK_SIZE, "127.0.0.1", 5600)
+    connector = PullConnectorScheduler(config, BLOCK_SIZE, "127.0.0.1", [5600])
     return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
                      KVCacheManager(num_blocks, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=connector,
                      kv_load_failure_policy=policy)
@@ -136,7 +136,7 @@ def test_multi_connector_routes_each_request_to_one_part(make_request, model_out
                                          {"kv_connector": "PullConnector", "kv_role": "kv_producer"},
                                          {"kv_connector": "PullConnector", "kv_role": "kv_consumer"}]}})
     assert config is not None
-    parts = [PullConnectorScheduler(part, BLOCK_SIZE, "127.0.0.1", 5600) for part in config.connector_configs]
+    parts = [PullConnectorScheduler(part, BLOCK_SIZE, "127.0.0.1", [5600]) for part in config.connector_configs]
     scheduler = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
                           KVCacheManager(32, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=MultiConnectorScheduler(parts))
     scheduler.add_request(make_request("d", list(range(14)), extra_args={"kv_transfer_params": REMOTE}))

@@ -67,7 +67,9 @@ def test_multi_connector_parts_inherit_role() -> None:
 
 @pytest.mark.parametrize("engine_kwargs, message", [
     (dict(async_scheduling=True), "is not supported with async_scheduling=True"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size, pipeline_parallel_size, data_parallel_size"),
+    (dict(data_parallel_size=2), "data_parallel_size, decode_context_parallel_size and "
+                                 "prefill_context_parallel_size must be 1 (got (2, 1, 1))"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend='ray'"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "with speculative_config"),
 ])
 def test_engine_options_refused_with_a_connector(tiny_model_dir, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
@@ -75,6 +77,20 @@ def test_engine_options_refused_with_a_connector(tiny_model_dir, engine_kwargs, 
         EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config={"kv_connector": "PullConnector",
                                                                          "kv_role": "kv_both"}, **engine_kwargs)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("engine_kwargs, message", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size and pipeline_parallel_size must be 1 (got (2, 1))"),
+    (dict(distributed_executor_backend="mp"), "distributed_executor_backend None or 'uni' (got 'mp')"),
+])
+def test_pool_connector_refused_over_several_workers(tiny_model_dir, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    pool = {"kv_connector": "PoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "local"}}
+    for config in (pool, {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"connectors": [{"kv_connector": "PullConnector"}, pool]}}):
+        with pytest.raises(ValueError) as error:
+            EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config=config, **engine_kwargs)
+        assert message in str(error.value)
 
 
 def test_cli_flag_parses_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
