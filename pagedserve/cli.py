@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate | chat | serve | bench serve | features | quantize."""
+"""The `pagedserve` command: generate | chat | serve | proxy | bench serve | bench pd | features | quantize."""
 from __future__ import annotations
 
 import argparse
@@ -104,6 +104,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from pagedserve.proxy.pd_proxy import run_proxy
+
+    return run_proxy(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pagedserve.bench.serve import run_bench_serve
 
@@ -134,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_serve_args(serve)
     serve.set_defaults(handler=_cmd_serve)
+
+    proxy = commands.add_parser("proxy", help="an OpenAI-compatible front over prefill and decode servers "
+                                              "(prefill/decode disaggregation)")
+    from pagedserve.proxy.proxy_args import add_proxy_args
+
+    add_proxy_args(proxy)
+    proxy.set_defaults(handler=_cmd_proxy)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
