@@ -24,7 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from pagedserve.proxy.instance_pool import DECODE, PREFILL, Instance, InstancePool, NoInstanceError
 from pagedserve.proxy.proxy_metrics import ProxyMetrics

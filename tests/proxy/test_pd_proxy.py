@@ -1,9 +1,10 @@
 """`pagedserve proxy` end to end: real P and D servers (PullConnector over zmq), the proxy, the real openai client.
 
-One set of processes serves the module: a prefill server P (kv_producer), two decode servers D1 and D2
-(kv_consumer), and a proxy over them that also lists a prefill URL nobody listens at. The last test kills the D
-that holds a stream, so it runs last. P's answers to requests without kv_transfer_params are the one-engine
-reference (P is an ordinary engine for them).
+One set of processes serves the module (two engines, to stay cheap on 2 cores): P (kv_both: the proxy's prefill
+instance and one of its two decode instances) and D (kv_consumer, the other decode instance), and a proxy over them
+that also lists a prefill URL nobody listens at. The last test kills D while it holds a stream, so it runs last.
+P's answers to requests without kv_transfer_params are the one-engine reference (P is an ordinary engine for
+them).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from server_process import ServerProcess, free_port  # noqa: E402
 
 # As tests/server/conftest.py's servers: a 2048-token context, long enough to catch a stream mid-way.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "192", "--block-size", "16"]
-PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_producer"}
+PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
 CONSUMER = {"kv_connector": "PullConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail"}
 PROMPTS = ["hello world", "the quick brown fox jumps over", "one two three four five six seven eight nine ten"]
 
@@ -66,7 +67,7 @@ class ProxyProcess:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     model = tiny_model_dir("llama")
-    roles = [PRODUCER, CONSUMER, CONSUMER]
+    roles = [PRODUCER, CONSUMER]
     servers: list[ServerProcess] = []
     proxy = None
     try:
@@ -82,14 +83,14 @@ def cluster(tiny_model_dir):
                             servers.append(other.result())
                     raise
         unreachable = f"http://127.0.0.1:{free_port()}"
-        proxy = ProxyProcess([servers[0].base_url, unreachable], [servers[1].base_url, servers[2].base_url])
-        yield {"prefill": servers[0], "decode": servers[1:], "proxy": proxy, "unreachable": unreachable,
+        proxy = ProxyProcess([servers[0].base_url, unreachable], [servers[1].base_url, servers[0].base_url])
+        yield {"prefill": servers[0], "decode": [servers[1], servers[0]], "proxy": proxy, "unreachable": unreachable,
                "model": model.rstrip("/")}
     finally:
         if proxy is not None:
             proxy.stop()
         for server in servers:
-            server.stop(timeout=10)
+            server.stop(timeout=3)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,8 @@ def one_engine_token_ids(cluster, prompt: str, max_tokens: int) -> list[int]:
     return response.json()["choices"][0]["token_ids"]
 
 
-def proxy_metrics(cluster) -> dict[tuple[str, str], float]:
-    """{(metric name, instance url): value} from the proxy's /metrics."""
+def proxy_metrics(cluster) -> dict[tuple[str, str, str], float]:
+    """{(metric name, role, instance url): value} from the proxy's /metrics."""
     text = httpx.get(f"{cluster['proxy'].base_url}/metrics", timeout=10).text
     values = {}
     for line in text.splitlines():
@@ -115,7 +116,8 @@ def proxy_metrics(cluster) -> dict[tuple[str, str], float]:
             name_labels, value = line.rsplit(" ", 1)
             name, labels = name_labels.split("{", 1)
             instance = labels.split('instance="', 1)[1].split('"', 1)[0]
-            values[(name, instance)] = float(value)
+            role = labels.split('role="', 1)[1].split('"', 1)[0]
+            values[(name, role, instance)] = float(value)
     return values
 
 
@@ -186,32 +188,47 @@ def test_errors_are_openai_errors_naming_the_instance(cluster, client):
 def test_metrics_count_per_instance_and_least_loaded_spreads(cluster):
     metrics = proxy_metrics(cluster)
     prefill, (first, second) = cluster["prefill"].base_url, (d.base_url for d in cluster["decode"])
-    assert metrics[("pagedserve:proxy_instance_up", cluster["unreachable"])] == 0  # found dead by the first probe
-    assert metrics[("pagedserve:proxy_requests_total", cluster["unreachable"])] == 0
-    assert metrics[("pagedserve:proxy_requests_total", prefill)] >= 8
+    # The unreachable prefill instance was found dead by the first probe and never got a request.
+    assert metrics[("pagedserve:proxy_instance_up", "prefill", cluster["unreachable"])] == 0
+    assert metrics[("pagedserve:proxy_requests_total", "prefill", cluster["unreachable"])] == 0
+    assert metrics[("pagedserve:proxy_requests_total", "prefill", prefill)] >= 8
     # Sequential requests: both decode instances idle each time, so the one that has served fewer is picked.
-    assert abs(metrics[("pagedserve:proxy_requests_total", first)]
-               - metrics[("pagedserve:proxy_requests_total", second)]) <= 1
-    assert all(metrics[("pagedserve:proxy_requests_in_flight", url)] == 0 for url in (prefill, first, second))
-    assert metrics[("pagedserve:proxy_failures_total", prefill)] == 0
+    assert abs(metrics[("pagedserve:proxy_requests_total", "decode", first)]
+               - metrics[("pagedserve:proxy_requests_total", "decode", second)]) <= 1
+    assert all(value == 0 for (name, _, _), value in metrics.items() if name in (
+        "pagedserve:proxy_requests_in_flight", "pagedserve:proxy_failures_total"))
 
 
 def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, client):
-    stream = client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=1800, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    next(iter(stream))
+    doomed, survivor = cluster["decode"]
+    totals = {d.base_url: proxy_metrics(cluster)[("pagedserve:proxy_requests_total", "decode", d.base_url)]
+              for d in cluster["decode"]}
+    if totals[survivor.base_url] < totals[doomed.base_url]:  # least-loaded would pick the survivor next: even up
+        client.completions.create(model=cluster["model"], prompt="x", max_tokens=1)
+
+    def open_stream(max_tokens: int):
+        stream = client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        return stream, next(chunks).choices[0].text, chunks
+
+    long_stream = open_stream(1500)  # to `doomed` (both idle, it has served no more than the survivor)
+    short_stream = open_stream(100)  # to the survivor (least-loaded: `doomed` has one in flight)
     metrics = proxy_metrics(cluster)
-    busy = [d for d in cluster["decode"] if metrics[("pagedserve:proxy_requests_in_flight", d.base_url)] == 1]
-    assert len(busy) == 1
-    os.killpg(busy[0].process.pid, signal.SIGKILL)
-    with pytest.raises(openai.APIError, match=f"decode instance {busy[0].base_url} failed while answering"):
-        for _ in stream:
+    assert all(metrics[("pagedserve:proxy_requests_in_flight", "decode", d.base_url)] == 1 for d in cluster["decode"])
+    os.killpg(doomed.process.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match=f"decode instance {doomed.base_url} failed while answering"):
+        for _ in long_stream[2]:
             pass
-    for prompt in PROMPTS:  # the other decode instance serves every new request
+    stream, first_text, chunks = short_stream
+    text = first_text + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=100,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    for prompt in PROMPTS:  # the live decode instance serves every new request
         completion = client.completions.create(model=cluster["model"], prompt=prompt, max_tokens=6, temperature=0,
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
         assert completion.choices[0].token_ids == one_engine_token_ids(cluster, prompt, 6)
     metrics = proxy_metrics(cluster)
-    assert metrics[("pagedserve:proxy_failures_total", busy[0].base_url)] == 1
-    assert metrics[("pagedserve:proxy_instance_up", busy[0].base_url)] == 0
+    assert metrics[("pagedserve:proxy_failures_total", "decode", doomed.base_url)] == 1
+    assert metrics[("pagedserve:proxy_instance_up", "decode", doomed.base_url)] == 0
     assert httpx.get(f"{cluster['proxy'].base_url}/health", timeout=10).status_code == 200
