@@ -116,6 +116,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _cmd_bench_pd(args: argparse.Namespace) -> int:
+    from pagedserve.bench.pd import run_bench_pd
+
+    return run_bench_pd(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
     parser.add_argument("--log-level", default="WARNING")
@@ -155,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(handler=_cmd_bench_serve)
+    bench_pd = bench_commands.add_parser("pd", help="measure prefill and decode capacity for a workload and "
+                                                     "recommend the xPyD split (--sweep: run real splits)")
+    from pagedserve.bench.pd_args import add_bench_pd_args
+
+    add_bench_pd_args(bench_pd)
+    bench_pd.set_defaults(handler=_cmd_bench_pd)
 
     quantize = commands.add_parser("quantize", help="write a W8A8 int8 compressed-tensors checkpoint of an HF folder")
     quantize.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")
