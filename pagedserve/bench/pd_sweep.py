@@ -26,7 +26,7 @@ PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_producer"}
 CONSUMER = {"kv_connector": "PullConnector", "kv_role": "kv_consumer"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -112,13 +112,13 @@ def run_layout(layout: Layout, model: str, serve_args: list[str], requests: list
         servers = []
         for role in roles:
             extra = ["--kv-transfer-config", json.dumps(role)] if role is not None else []
-            servers.append(LaunchedProcess(common + extra, _free_port(), startup_timeout))
+            servers.append(LaunchedProcess(common + extra, free_port(), startup_timeout))
         processes.extend(servers)
         for server in servers:
             server.wait_healthy()
         prefill_urls = [server.url for server in servers[:layout.num_prefill]]
         decode_urls = [server.url for server in servers[layout.num_prefill:]]
-        proxy = LaunchedProcess(["proxy", "--prefill", *prefill_urls, "--decode", *decode_urls], _free_port(), 120)
+        proxy = LaunchedProcess(["proxy", "--prefill", *prefill_urls, "--decode", *decode_urls], free_port(), 120)
         processes.append(proxy)
         proxy.wait_healthy()
         results, duration = asyncio.run(run_benchmark(proxy.url, SERVED_MODEL_NAME, requests,
