@@ -37,6 +37,10 @@ def main() -> None:
     parser.add_argument("--engine-arg", action="append", default=[], help="extra `pagedserve serve` flag")
     args = parser.parse_args()
     import json
+    import signal
+
+    # SIGTERM unwinds like Ctrl-C, so the finally below stops every server.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
 
     import numpy as np
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 from typing import Any
 
 
@@ -84,6 +85,10 @@ def run_bench_pd(args: argparse.Namespace) -> int:
 
         if args.model is None:
             raise ValueError("--sweep needs --model (the servers load it)")
+        import signal
+
+        # SIGTERM unwinds like Ctrl-C, so run_layout's finally stops the servers it started.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
         slos = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
         requests = make_requests(args.num_prompts, "random", None, tuple(args.input_len_range),
                                  tuple(args.output_len_range), tuple(args.vocab_range), args.seed)
