@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate | chat | serve | bench serve | features | quantize."""
+"""The `pagedserve` command: generate | chat | serve | proxy | bench serve | bench pd | features | quantize."""
 from __future__ import annotations
 
 import argparse
@@ -104,10 +104,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from pagedserve.proxy.pd_proxy import run_proxy
+
+    return run_proxy(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pagedserve.bench.serve import run_bench_serve
 
     return run_bench_serve(args)
+
+
+def _cmd_bench_pd(args: argparse.Namespace) -> int:
+    from pagedserve.bench.pd import run_bench_pd
+
+    return run_bench_pd(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(handler=_cmd_serve)
 
+    proxy = commands.add_parser("proxy", help="an OpenAI-compatible front over prefill and decode servers "
+                                              "(prefill/decode disaggregation)")
+    from pagedserve.proxy.proxy_args import add_proxy_args
+
+    add_proxy_args(proxy)
+    proxy.set_defaults(handler=_cmd_proxy)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_commands.add_parser("serve", help="load-test an OpenAI-compatible /v1/completions server")
@@ -142,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(handler=_cmd_bench_serve)
+    bench_pd = bench_commands.add_parser("pd", help="measure prefill and decode capacity for a workload and "
+                                                     "recommend the xPyD split (--sweep: run real splits)")
+    from pagedserve.bench.pd_args import add_bench_pd_args
+
+    add_bench_pd_args(bench_pd)
+    bench_pd.set_defaults(handler=_cmd_bench_pd)
 
     quantize = commands.add_parser("quantize", help="write a W8A8 int8 compressed-tensors checkpoint of an HF folder")
     quantize.add_argument("--model", required=True, help="HF model folder (config.json + *.safetensors)")

@@ -582,6 +582,27 @@ FEATURES: tuple[Feature, ...] = (
         docs="docs/kv_transfer.md",
         tests=("tests/kv_transfer/test_pull_connector_parallel.py", "tests/kv_transfer/test_kv_pull_plan.py"),
     ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="`pagedserve proxy`: OpenAI front over P and D servers "
+                                                              "(kv_transfer_params through the server, least-loaded "
+                                                              "choice, streaming, per-instance /metrics, a dead "
+                                                              "instance fails only its requests)",
+        modules=("pagedserve.proxy.pd_proxy", "pagedserve.proxy.instance_pool", "pagedserve.proxy.proxy_metrics",
+                 "pagedserve.server.protocol"),
+        knobs=("kv_transfer_config",),
+        docs="docs/kv_transfer.md",
+        tests=("tests/proxy/test_pd_proxy.py",),
+    ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="P/D ratio tuning: `pagedserve bench pd` measures "
+                                                              "prefill and decode capacity, recommends the xPyD "
+                                                              "split under TTFT / TPOT SLOs, sweeps real splits",
+        modules=("pagedserve.bench.pd", "pagedserve.bench.pd_split", "pagedserve.bench.pd_capacity",
+                 "pagedserve.bench.pd_sweep"),
+        knobs=(),
+        docs="docs/kv_transfer.md",
+        tests=("tests/bench/test_pd_split.py", "tests/bench/test_bench_pd.py::test_bench_pd_measures_and_recommends"),
+    ),
 )
 
 

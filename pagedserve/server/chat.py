@@ -99,8 +99,11 @@ class ChatHandler:
     async def _full(self, body: ChatCompletionRequest, tool_request: ToolRequest, request_id: str, model_name: str,
                     created: int, stream: RequestStream) -> Response:
         choices = [_ChatChoice() for _ in range(body.n)]
+        kv_transfer_params = None
         try:
             async for output in stream.stream():
+                if output.kv_transfer_params is not None:
+                    kv_transfer_params = output.kv_transfer_params
                 for completion in output.outputs:
                     choice = choices[completion.index]
                     choice.text.append(completion.text)
@@ -125,7 +128,8 @@ class ChatHandler:
                 stop_reason=choice.stop_reason, token_ids=choice.token_ids if body.return_token_ids else None)
                 for index, (choice, message) in enumerate(zip(choices, messages))],
             usage=UsageInfo(prompt_tokens=stream.num_prompt_tokens, completion_tokens=num_completion_tokens,
-                            total_tokens=stream.num_prompt_tokens + num_completion_tokens))
+                            total_tokens=stream.num_prompt_tokens + num_completion_tokens),
+            kv_transfer_params=kv_transfer_params)
         return JSONResponse(response.model_dump())
 
     async def _stream(self, body: ChatCompletionRequest, tool_request: ToolRequest, request_id: str,

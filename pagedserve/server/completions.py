@@ -80,6 +80,9 @@ class CompletionHandler:
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.state.resolve_model(body.model)
         prompts = completion_prompts(body.prompt)
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise ValueError(f"kv_transfer_params is given with {len(prompts)} prompts: a request that hands its KV "
+                             "to (or takes it from) another instance has one prompt")
         logprobs = body.logprobs
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=logprobs,
                                       prompt_logprobs=logprobs if body.echo and logprobs is not None else None)
@@ -131,10 +134,13 @@ class CompletionHandler:
                     streams: list[RequestStream]) -> Response:
         n = body.n
         choices = [_Choice() for _ in range(len(streams) * n)]
+        kv_transfer_params = None
         try:
             async for prompt_index, output in merge_streams(streams):
                 for completion in output.outputs:
                     self._fold(body, choices[prompt_index * n + completion.index], output, completion)
+                if output.kv_transfer_params is not None:
+                    kv_transfer_params = output.kv_transfer_params
         except EngineDeadError as error:
             raise OpenAIError(503, f"the engine failed while generating: {error}") from None
         num_prompt_tokens = sum(stream.num_prompt_tokens for stream in streams)
@@ -146,7 +152,8 @@ class CompletionHandler:
                                       token_ids=choice.token_ids if body.return_token_ids else None)
                      for index, choice in enumerate(choices)],
             usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                            total_tokens=num_prompt_tokens + num_completion_tokens))
+                            total_tokens=num_prompt_tokens + num_completion_tokens),
+            kv_transfer_params=kv_transfer_params)
         return JSONResponse(response.model_dump(exclude_none=False))
 
     async def _stream(self, body: CompletionRequest, request_id: str, model_name: str, created: int,

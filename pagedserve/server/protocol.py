@@ -93,6 +93,9 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     # vLLM extension: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
     structured_outputs: dict[str, Any] | None = None
+    # vLLM extension for prefill/decode disaggregation: handed to the engine's KV connector (to P:
+    # {"do_remote_decode": true}; to D: what P's response returned). pagedserve/kv_transfer/kv_transfer_params.py.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_numbers(self) -> None:
         """ValueError naming the field, value and limit for an integer beyond 64 bits or a float that is not
@@ -149,6 +152,8 @@ class SamplingFields(OpenAIModel):
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params())
+        if self.kv_transfer_params is not None:
+            values["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -303,6 +308,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A KV producer's answer to {"do_remote_decode": true}: what the decode instance pulls the KV with (vLLM's field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -369,6 +376,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    # A KV producer's answer to {"do_remote_decode": true} (as in CompletionResponse).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
-from pagedserve.engine.async_llm import RequestStream
-from pagedserve.outputs import RequestOutput
+if TYPE_CHECKING:  # Type names only: the proxy (pagedserve/proxy/) uses the SSE helpers without loading an engine.
+    from pagedserve.engine.async_llm import RequestStream
+    from pagedserve.outputs import RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,234 @@
+"""`pagedserve proxy` end to end: real P and D servers (PullConnector over zmq), the proxy, the real openai client.
+
+One set of processes serves the module (two engines, to stay cheap on 2 cores): P (kv_both: the proxy's prefill
+instance and one of its two decode instances) and D (kv_consumer, the other decode instance), and a proxy over them
+that also lists a prefill URL nobody listens at. The last test kills D while it holds a stream, so it runs last.
+P's answers to requests without kv_transfer_params are the one-engine reference (P is an ordinary engine for
+them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
+
+from server_process import ServerProcess, free_port  # noqa: E402
+
+# As tests/server/conftest.py's servers: a 2048-token context, long enough to catch a stream mid-way.
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "192", "--block-size", "16"]
+PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
+CONSUMER = {"kv_connector": "PullConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail"}
+PROMPTS = ["hello world", "the quick brown fox jumps over", "one two three four five six seven eight nine ten"]
+
+
+class ProxyProcess:
+    """`pagedserve proxy` as a child process in its own session (killed as a group on stop)."""
+
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="pagedserve-proxy-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "pagedserve.cli", "proxy", "--prefill", *prefill, "--decode", *decode,
+                   "--port", str(self.port), "--health-interval", "0.5"]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"proxy did not start:\n{open(self.log.name).read()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    roles = [PRODUCER, CONSUMER]
+    servers: list[ServerProcess] = []
+    proxy = None
+    try:
+        with ThreadPoolExecutor(len(roles)) as pool:
+            futures = [pool.submit(ServerProcess, model, ENGINE_ARGS + ["--kv-transfer-config", json.dumps(role)])
+                       for role in roles]
+            for future in futures:
+                try:
+                    servers.append(future.result())
+                except Exception:
+                    for other in futures:
+                        if other.done() and other.exception() is None and other.result() not in servers:
+                            servers.append(other.result())
+                    raise
+        unreachable = f"http://127.0.0.1:{free_port()}"
+        proxy = ProxyProcess([servers[0].base_url, unreachable], [servers[1].base_url, servers[0].base_url])
+        yield {"prefill": servers[0], "decode": [servers[1], servers[0]], "proxy": proxy, "unreachable": unreachable,
+               "model": model.rstrip("/")}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for server in servers:
+            server.stop(timeout=3)
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster['proxy'].base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def one_engine_token_ids(cluster, prompt: str, max_tokens: int) -> list[int]:
+    """Greedy token ids from P alone, as an ordinary engine (no kv_transfer_params)."""
+    body = {"model": cluster["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    response = httpx.post(f"{cluster['prefill'].base_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def proxy_metrics(cluster) -> dict[tuple[str, str, str], float]:
+    """{(metric name, role, instance url): value} from the proxy's /metrics."""
+    text = httpx.get(f"{cluster['proxy'].base_url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("pagedserve:proxy_"):
+            name_labels, value = line.rsplit(" ", 1)
+            name, labels = name_labels.split("{", 1)
+            instance = labels.split('instance="', 1)[1].split('"', 1)[0]
+            role = labels.split('role="', 1)[1].split('"', 1)[0]
+            values[(name, role, instance)] = float(value)
+    return values
+
+
+def test_servers_pass_kv_transfer_params(cluster):
+    """The OpenAI server takes kv_transfer_params in (P: do_remote_decode) and gives P's back, completions and chat;
+    D given them decodes the same greedy tokens as one engine."""
+    prefill, decode = cluster["prefill"].base_url, cluster["decode"][0].base_url
+    body = {"model": cluster["model"], "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    answer = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60).json()
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"] and params["remote_port"] > 0
+    decoded = httpx.post(f"{decode}/v1/completions", timeout=60, json={
+        "model": cluster["model"], "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "kv_transfer_params": params}).json()
+    assert decoded["choices"][0]["token_ids"] == one_engine_token_ids(cluster, PROMPTS[1], 8)
+    assert decoded["kv_transfer_params"] is None
+    chat = httpx.post(f"{prefill}/v1/chat/completions", timeout=60, json={
+        "model": cluster["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    assert chat["kv_transfer_params"]["do_remote_prefill"] is True
+    two_prompts = httpx.post(f"{prefill}/v1/completions", timeout=60, json=dict(body, prompt=["a", "b"]))
+    assert two_prompts.status_code == 400 and "one prompt" in two_prompts.json()["error"]["message"]
+    not_a_dict = httpx.post(f"{prefill}/v1/completions", timeout=60, json=dict(body, kv_transfer_params=[1]))
+    assert not_a_dict.status_code == 422
+
+
+def test_greedy_through_the_proxy_equals_one_engine(cluster, client):
+    for prompt in PROMPTS:
+        completion = client.completions.create(model=cluster["model"], prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert completion.choices[0].token_ids == one_engine_token_ids(cluster, prompt, 12)
+        assert completion.usage.completion_tokens == 12
+
+
+def test_streaming_through_the_proxy(cluster, client):
+    whole = client.completions.create(model=cluster["model"], prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=cluster["model"], prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # streamed, not one piece
+    assert chunks[-1].usage.completion_tokens == 10
+    messages = [{"role": "user", "content": "tell me a story"}]
+    chat = client.chat.completions.create(model=cluster["model"], messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    streamed = client.chat.completions.create(model=cluster["model"], messages=messages, max_tokens=8, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [cluster["model"]]
+
+
+def test_errors_are_openai_errors_naming_the_instance(cluster, client):
+    with pytest.raises(openai.BadRequestError, match=f"prefill instance {cluster['prefill'].base_url}.*temperature"):
+        client.completions.create(model=cluster["model"], prompt="x", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="prefill instance .*does not exist"):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    decode_error = httpx.post(f"{cluster['proxy'].base_url}/v1/completions", timeout=60, json={
+        "model": cluster["model"], "prompt": "x", "max_tokens": 4, "n": 2})  # D refuses n > 1 with its KV pulled
+    assert decode_error.status_code == 400
+    assert decode_error.json()["error"]["message"].startswith("decode instance http://127.0.0.1:")
+    not_json = httpx.post(f"{cluster['proxy'].base_url}/v1/completions", content=b"{", timeout=10)
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "BadRequestError"
+
+
+def test_metrics_count_per_instance_and_least_loaded_spreads(cluster):
+    metrics = proxy_metrics(cluster)
+    prefill, (first, second) = cluster["prefill"].base_url, (d.base_url for d in cluster["decode"])
+    # The unreachable prefill instance was found dead by the first probe and never got a request.
+    assert metrics[("pagedserve:proxy_instance_up", "prefill", cluster["unreachable"])] == 0
+    assert metrics[("pagedserve:proxy_requests_total", "prefill", cluster["unreachable"])] == 0
+    assert metrics[("pagedserve:proxy_requests_total", "prefill", prefill)] >= 8
+    # Sequential requests: both decode instances idle each time, so the one that has served fewer is picked.
+    assert abs(metrics[("pagedserve:proxy_requests_total", "decode", first)]
+               - metrics[("pagedserve:proxy_requests_total", "decode", second)]) <= 1
+    assert all(value == 0 for (name, _, _), value in metrics.items() if name in (
+        "pagedserve:proxy_requests_in_flight", "pagedserve:proxy_failures_total"))
+
+
+def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, client):
+    doomed, survivor = cluster["decode"]
+    totals = {d.base_url: proxy_metrics(cluster)[("pagedserve:proxy_requests_total", "decode", d.base_url)]
+              for d in cluster["decode"]}
+    if totals[survivor.base_url] < totals[doomed.base_url]:  # least-loaded would pick the survivor next: even up
+        client.completions.create(model=cluster["model"], prompt="x", max_tokens=1)
+
+    def open_stream(max_tokens: int):
+        stream = client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        return stream, next(chunks).choices[0].text, chunks
+
+    long_stream = open_stream(1500)  # to `doomed` (both idle, it has served no more than the survivor)
+    short_stream = open_stream(100)  # to the survivor (least-loaded: `doomed` has one in flight)
+    metrics = proxy_metrics(cluster)
+    assert all(metrics[("pagedserve:proxy_requests_in_flight", "decode", d.base_url)] == 1 for d in cluster["decode"])
+    os.killpg(doomed.process.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match=f"decode instance {doomed.base_url} failed while answering"):
+        for _ in long_stream[2]:
+            pass
+    stream, first_text, chunks = short_stream
+    text = first_text + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=100,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    for prompt in PROMPTS:  # the live decode instance serves every new request
+        completion = client.completions.create(model=cluster["model"], prompt=prompt, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert completion.choices[0].token_ids == one_engine_token_ids(cluster, prompt, 6)
+    metrics = proxy_metrics(cluster)
+    assert metrics[("pagedserve:proxy_failures_total", "decode", doomed.base_url)] == 1
+    assert metrics[("pagedserve:proxy_instance_up", "decode", doomed.base_url)] == 0
+    assert httpx.get(f"{cluster['proxy'].base_url}/health", timeout=10).status_code == 200
