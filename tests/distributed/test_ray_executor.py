@@ -106,6 +106,9 @@ def test_killed_actor_raises_promptly_and_leaves_nothing(ray_tp2: LLM, reference
     assert _tokens(ray_tp2, short) == _tokens(reference, short)
 
 
+# Slow: a failing step under Ray is test_failed_step_fails_only_its_batch; async scheduling over the mp executor's
+# ranks is tests/engine/test_async_scheduling.py::test_multiprocess_tp2_async_equal.
+@pytest.mark.slow
 def test_async_scheduling_equals_single_process_then_a_failing_step_fails_alone(ray_tp2: LLM, reference: LLM,
                                                                                  folder: str) -> None:
     llm = LLM(folder, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True,

@@ -117,7 +117,8 @@ def assert_all_blocks_free(llm: LLM, timeout_s: float = 10.0) -> None:
     assert core.kv_cache_manager.num_free_blocks == core.runtime_info.num_kv_blocks - 1
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek-v3"])
+# MLA pages through P -> D also run in test_pd_int8_kv_pages[deepseek-v3] and the mooncake transport's test.
+@pytest.fixture(scope="module", params=["llama", pytest.param("deepseek-v3", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest, tiny_model_dir) -> str:  # type: ignore[no-untyped-def]
     return tiny_model_dir(request.param)
 

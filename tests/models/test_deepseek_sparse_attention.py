@@ -248,7 +248,10 @@ def test_c8_refuses_an_index_head_dim_that_is_no_power_of_two(tiny_model_dir) ->
         _engine(folder, kv_cache_dtype="int8")
 
 
-@pytest.mark.parametrize("kind", DSA_KINDS)
+# GLM-5 over TP=2 is slow-marked: its multi-rank path runs in
+# test_c8_and_expert_parallel_over_two_ranks_equal_one_process.
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow) if kind == "glm-moe-dsa" else kind
+                                  for kind in DSA_KINDS])
 def test_tensor_parallel_2_equals_one_process(tiny_model_dir, kind: str) -> None:
     """Heads split over two gloo ranks; the indexer is replicated, so both ranks select the same tokens."""
     folder = tiny_model_dir(kind)
