@@ -25,7 +25,7 @@ this rank's rows of the merged output (merge_over_group's all-to-all sends each 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,6 +175,18 @@ def step_of(metadata: AttentionMetadata) -> ContextParallelStep:
     return step
 
 
+def local_request_spans(metadata: AttentionMetadata,
+                        step: ContextParallelStep) -> Iterator[tuple[int, int, int, int, int]]:
+    """(request index, first query row, end row, seq_len, positions this rank holds) of each request of the step
+    that has query rows here and at least one local position."""
+    starts = metadata.query_start_loc_cpu
+    for index, seq_len in enumerate(metadata.seq_lens_cpu):
+        start, end = starts[index], starts[index + 1]
+        num_local = step.num_local_positions(seq_len)
+        if end > start and num_local > 0:
+            yield index, start, end, seq_len, num_local
+
+
 def merge_over_group(step: ContextParallelStep, out: torch.Tensor, lse: torch.Tensor, num_heads: int,
                      dtype: torch.dtype) -> torch.Tensor:
     """The group's float32 partials (out [n, H_group, Dv], lse [n, H_group], every step token) merged for this
@@ -214,12 +226,7 @@ def _local_partials(
     num_tokens, num_heads, _ = queries.shape
     out = queries.new_zeros(num_tokens, num_heads, value_dim, dtype=torch.float32)
     lse = queries.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32)
-    starts = metadata.query_start_loc_cpu
-    for index, seq_len in enumerate(metadata.seq_lens_cpu):
-        start, end = starts[index], starts[index + 1]
-        num_local = step.num_local_positions(seq_len)
-        if end == start or num_local == 0:
-            continue
+    for index, start, end, seq_len, num_local in local_request_spans(metadata, step):
         key, value = read_context(index, num_local)
         key_positions = step.local_key_positions(num_local, queries.device)
         _attend_request_rows(out, lse, queries, start, end, seq_len, key, value, key_positions, scale,
@@ -265,12 +272,7 @@ def _mla_partials_by_form(
     w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
     out = q_nope.new_zeros(num_tokens, num_heads, v_head_dim, dtype=torch.float32)
     lse = q_nope.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32)
-    starts = metadata.query_start_loc_cpu
-    for index, seq_len in enumerate(metadata.seq_lens_cpu):
-        start, end = starts[index], starts[index + 1]
-        num_local = step.num_local_positions(seq_len)
-        if end == start or num_local == 0:
-            continue
+    for index, start, end, seq_len, num_local in local_request_spans(metadata, step):
         rows = gather_latent(kv_cache, metadata.block_table[index], num_local, kv_lora_rank).to(q_nope.dtype)
         key_positions = step.local_key_positions(num_local, q_nope.device)
         if end - start == 1:

@@ -13,8 +13,8 @@ import torch
 
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
-from pagedserve.attention.decode_context_parallel import (SCORE_CHUNK_BYTES, absorbed_group_queries, merge_over_group,
-                                                          step_of)
+from pagedserve.attention.decode_context_parallel import (SCORE_CHUNK_BYTES, absorbed_group_queries,
+                                                          local_request_spans, merge_over_group, step_of)
 from pagedserve.attention.lightning_indexer import gather_index_keys, index_scores
 from pagedserve.attention.mla_paged import write_latent_to_cache
 from pagedserve.attention.sparse_mla import gather_selected_rows
@@ -37,12 +37,7 @@ def dcp_select_tokens(
     width = min(top_k, max(seq_lens)) if seq_lens else 0
     values = torch.full((num_tokens, width), float("-inf"), dtype=torch.float32, device=query.device)
     positions = torch.full((num_tokens, width), -1, dtype=torch.long, device=query.device)
-    starts = metadata.query_start_loc_cpu
-    for index, seq_len in enumerate(seq_lens):
-        start, end = starts[index], starts[index + 1]
-        num_local = step.num_local_positions(seq_len)
-        if end == start or num_local == 0:
-            continue
+    for index, start, end, seq_len, num_local in local_request_spans(metadata, step):
         block_ids = metadata.block_table[index]
         keys = gather_index_keys(key_cache, block_ids, num_local)
         scales = None if key_scale_cache is None else gather_index_keys(key_scale_cache.unsqueeze(-1), block_ids,

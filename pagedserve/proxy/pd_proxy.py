@@ -171,18 +171,24 @@ class PDProxy:
         instance.num_requests += 1
         return instance
 
+    async def _post(self, instance: Instance, endpoint: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> httpx.Response:
+        """One unstreamed call; UpstreamError (naming the instance) when it fails to connect or answers non-200."""
+        try:
+            response = await self.http.post(f"{instance.url}{endpoint}", json=body, headers=headers)
+        except httpx.HTTPError as error:
+            raise self._connection_error(instance, error) from None
+        if response.status_code != 200:
+            raise self._status_error(instance, response.status_code, response.content)
+        return response
+
     async def _prefill(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """Send the prompt to a P; returns the kv_transfer_params its response carries."""
         prefill_body = {key: value for key, value in body.items() if key not in _FIELDS_NOT_FOR_PREFILL}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         instance = self._pick(self.prefill)
         try:
-            try:
-                response = await self.http.post(f"{instance.url}{endpoint}", json=prefill_body, headers=headers)
-            except httpx.HTTPError as error:
-                raise self._connection_error(instance, error) from None
-            if response.status_code != 200:
-                raise self._status_error(instance, response.status_code, response.content)
+            response = await self._post(instance, endpoint, prefill_body, headers)
             try:
                 kv_transfer_params = response.json().get("kv_transfer_params")
             except ValueError:
@@ -203,12 +209,7 @@ class PDProxy:
         instance = self._pick(self.decode)
         if not body.get("stream"):
             try:
-                try:
-                    response = await self.http.post(f"{instance.url}{endpoint}", json=body, headers=headers)
-                except httpx.HTTPError as error:
-                    raise self._connection_error(instance, error) from None
-                if response.status_code != 200:
-                    raise self._status_error(instance, response.status_code, response.content)
+                response = await self._post(instance, endpoint, body, headers)
                 return Response(response.content, status_code=200, media_type="application/json")
             finally:
                 instance.num_in_flight -= 1

@@ -12,28 +12,15 @@ from __future__ import annotations
 import json
 
 from pagedserve.tool_parsers.partial_json import MalformedJSON, scan_call_object, skip_whitespace
-from pagedserve.tool_parsers.tagged_blocks import split_tagged
-from pagedserve.tool_parsers.tool_parser import ToolCallScan, ToolCallText, ToolParser
+from pagedserve.tool_parsers.tagged_blocks import TaggedCallsToolParser
+from pagedserve.tool_parsers.tool_parser import ToolCallText
 
 
-class HermesToolParser(ToolParser):
-    start_tag = "<tool_call>"
-    end_tag = "</tool_call>"
+class HermesToolParser(TaggedCallsToolParser):
+    malformed_errors = (MalformedJSON,)
 
-    def scan(self, text: str, is_final: bool) -> ToolCallScan:
-        tagged = split_tagged(text, self.start_tag, self.end_tag, is_final)
-        scan = ToolCallScan(content=tagged.content)
-        for index, block in enumerate(tagged.blocks):
-            is_open = tagged.is_last_open and index == len(tagged.blocks) - 1
-            try:
-                call = parse_call_block(block, is_complete=is_final or not is_open)
-            except MalformedJSON:
-                scan.is_malformed = True
-                return scan
-            if call is None:
-                break  # still arriving
-            scan.calls.append(call)
-        return scan
+    def parse_block(self, block: str, is_complete: bool) -> ToolCallText | None:
+        return parse_call_block(block, is_complete)
 
 
 def parse_call_block(block: str, is_complete: bool, arguments_keys: tuple[str, ...] = ("arguments",)) -> \

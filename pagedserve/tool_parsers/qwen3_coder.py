@@ -24,8 +24,8 @@ import json
 from typing import Any
 
 from pagedserve.tool_parsers.partial_json import skip_whitespace
-from pagedserve.tool_parsers.tagged_blocks import split_tagged
-from pagedserve.tool_parsers.tool_parser import ToolCallScan, ToolCallText, ToolParser
+from pagedserve.tool_parsers.tagged_blocks import TaggedCallsToolParser
+from pagedserve.tool_parsers.tool_parser import ToolCallText
 
 FUNCTION_PREFIX = "<function="
 FUNCTION_END = "</function>"
@@ -37,26 +37,10 @@ class MalformedCall(ValueError):
     """A block that can never be a call."""
 
 
-class Qwen3CoderToolParser(ToolParser):
-    start_tag = "<tool_call>"
-    end_tag = "</tool_call>"
+class Qwen3CoderToolParser(TaggedCallsToolParser):
+    malformed_errors = (MalformedCall,)
 
-    def scan(self, text: str, is_final: bool) -> ToolCallScan:
-        tagged = split_tagged(text, self.start_tag, self.end_tag, is_final)
-        scan = ToolCallScan(content=tagged.content)
-        for index, block in enumerate(tagged.blocks):
-            is_open = tagged.is_last_open and index == len(tagged.blocks) - 1
-            try:
-                call = self._parse_block(block, is_complete=is_final or not is_open)
-            except MalformedCall:
-                scan.is_malformed = True
-                return scan
-            if call is None:
-                break
-            scan.calls.append(call)
-        return scan
-
-    def _parse_block(self, block: str, is_complete: bool) -> ToolCallText | None:
+    def parse_block(self, block: str, is_complete: bool) -> ToolCallText | None:
         """The call in one block, with the parameters finished so far; None while its name is unknown."""
         position = skip_whitespace(block, 0)
         if not block.startswith(FUNCTION_PREFIX, position):

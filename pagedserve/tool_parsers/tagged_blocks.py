@@ -6,7 +6,10 @@ and a tail that may be the start of a tag are held back; both are decided by the
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
+
+from pagedserve.tool_parsers.tool_parser import ToolCallScan, ToolCallText, ToolParser
 
 
 @dataclass
@@ -53,3 +56,31 @@ def split_tagged(text: str, start_tag: str, end_tag: str, is_final: bool) -> Tag
             return TaggedText("".join(content), blocks, is_last_open=True)
         blocks.append(text[body_start:end])
         position = end + len(end_tag)
+
+
+class TaggedCallsToolParser(ToolParser):
+    """A format whose calls sit one per `start_tag` ... `end_tag` block; subclasses parse one block."""
+
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+    # What parse_block raises for a block that can never be a call (the whole output is then malformed).
+    malformed_errors: tuple[type[Exception], ...] = (ValueError,)
+
+    @abstractmethod
+    def parse_block(self, block: str, is_complete: bool) -> ToolCallText | None:
+        """The call in one block; None while it is still arriving."""
+
+    def scan(self, text: str, is_final: bool) -> ToolCallScan:
+        tagged = split_tagged(text, self.start_tag, self.end_tag, is_final)
+        scan = ToolCallScan(content=tagged.content)
+        for index, block in enumerate(tagged.blocks):
+            is_open = tagged.is_last_open and index == len(tagged.blocks) - 1
+            try:
+                call = self.parse_block(block, is_complete=is_final or not is_open)
+            except self.malformed_errors:
+                scan.is_malformed = True
+                return scan
+            if call is None:
+                break  # still arriving
+            scan.calls.append(call)
+        return scan
