@@ -44,6 +44,26 @@ def benchmark_model_folder(root: str | None = None) -> str:
     return folder
 
 
+def default_model_hf_folder(root: str | None = None) -> str:
+    """Build (once) and return an HF folder of the embedded default model (SmolLM2-135M-Instruct, a Q4_1 GGUF file):
+    its weights dequantized to float32, its config and tokenizer. What engines that do not read GGUF (vLLM CPU) load
+    beside pagedserve on the same weights."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_vs_llama_cpp import export_hf_folder
+
+    from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path
+    from pagedserve.model_loader.gguf_loader import load_gguf
+
+    root = root or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "benchmark-models")
+    folder = os.path.join(root, "smollm2-135m-instruct-hf")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        os.makedirs(folder, exist_ok=True)
+        export_hf_folder(load_gguf(resolve_model_path(DEFAULT_MODEL_NAME), torch.float32), folder)
+    return folder
+
+
 def sharded_benchmark_model_folder(max_shard_bytes: int = 128 << 20, root: str | None = None) -> str:
     """Build (once) and return a copy of the benchmark model cut into several safetensors shards of at
     most `max_shard_bytes` (HF's model-XXXXX-of-XXXXX.safetensors + model.safetensors.index.json), for

@@ -52,7 +52,7 @@ VLLM_SCRIPT = textwrap.dedent("""
         llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
         print("READY " + json.dumps({"load_s": load_s}), flush=True)
         for line in sys.stdin:
-            if line.strip() != "run":
+            if line.strip() != "run":  # "quit" or end of input
                 break
             llm.reset_prefix_cache()  # a repeat must not hit the previous run's prompt blocks
             start = time.perf_counter()
@@ -67,9 +67,13 @@ VLLM_SCRIPT = textwrap.dedent("""
 
 
 class VllmOfflineProcess:
-    """vLLM CPU loaded in its own process (VLLM_SCRIPT); `run()` times one run of the workload there."""
+    """vLLM CPU loaded in its own process; `run()` times one run of the workload there. The process runs `script`
+    (VLLM_SCRIPT by default: argv folder, dtype, workload path, then `extra_args`), which prints `READY {json}` once
+    loaded and answers each stdin line `run [NAME]` with one `RUN {json}` line holding at least "seconds" and
+    "output_tokens" (NAME chooses a variant where the script has several)."""
 
-    def __init__(self, vllm_python: str, folder: str, workload, dtype: str, kv_cache_gib: int) -> None:
+    def __init__(self, vllm_python: str, folder: str, workload, dtype: str, kv_cache_gib: int,
+                 script: str = VLLM_SCRIPT, extra_args: tuple[str, ...] = ()) -> None:
         self.dtype = dtype
         self.scratch = tempfile.TemporaryDirectory()
         workload_path = os.path.join(self.scratch.name, "workload.json")
@@ -78,12 +82,13 @@ class VllmOfflineProcess:
         with open(workload_path, "w") as f:
             json.dump(workload, f)
         with open(script_path, "w") as f:
-            f.write(VLLM_SCRIPT)
+            f.write(script)
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
                    HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
         self.stderr = open(self.stderr_path, "w")
         # Its own session: the process group holds vLLM's engine-core and worker processes too (see pause()).
-        self.process = subprocess.Popen([vllm_python, script_path, folder, dtype, workload_path], env=env,
+        self.process = subprocess.Popen([vllm_python, script_path, folder, dtype, workload_path, *extra_args],
+                                        env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                         start_new_session=True)
         self.load_s = self._read("READY")["load_s"]
@@ -106,14 +111,16 @@ class VllmOfflineProcess:
         with open(self.stderr_path) as f:
             raise RuntimeError(f"vLLM process ended (exit {self.process.returncode}):\n{f.read()[-12000:]}")
 
-    def run(self) -> float:
+    def run(self, variant: str = "") -> float:
+        """Seconds of one timed run (of `variant`, for scripts that have several); its whole RUN line is kept in
+        `last_run`."""
         self.resume()
-        self.process.stdin.write("run\n")
+        self.process.stdin.write(f"run {variant}".rstrip() + "\n")
         self.process.stdin.flush()
-        result = self._read("RUN")
+        self.last_run = self._read("RUN")
         self.pause()
-        self.output_tokens = result["output_tokens"]
-        return result["seconds"]
+        self.output_tokens = self.last_run["output_tokens"]
+        return self.last_run["seconds"]
 
     def result(self, runs_s: list[float]) -> dict:
         elapsed = min(runs_s)

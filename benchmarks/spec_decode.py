@@ -118,16 +118,10 @@ def run_vllm(vllm_python: str, prompts: list[list[int]], max_tokens: int, ngram:
              dtype: str) -> dict:
     """vLLM CPU's batch-1 tok/s without and with ngram speculation on the default model's weights."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_vs_llama_cpp import export_hf_folder
+    from benchmark_model import default_model_hf_folder
 
-    import torch
-
-    from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path
-    from pagedserve.model_loader.gguf_loader import load_gguf
-
+    folder = default_model_hf_folder()
     with tempfile.TemporaryDirectory(prefix="spec-decode-vllm-") as scratch:
-        folder = os.path.join(scratch, "hf")
-        export_hf_folder(load_gguf(resolve_model_path(DEFAULT_MODEL_NAME), torch.float32), folder)
         config_path = os.path.join(scratch, "config.json")
         with open(config_path, "w") as handle:
             json.dump({"prompts": prompts, "max_tokens": max_tokens, "ngram": ngram, "rounds": rounds}, handle)

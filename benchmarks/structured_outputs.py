@@ -11,6 +11,17 @@ token, checks it). The two variants are timed in
 alternating order, `--rounds` times each; the best run of each and their ratio are reported.
 
     python benchmarks/structured_outputs.py --num-requests 8 --rounds 2
+
+Side by side with vLLM CPU (`--vllm-python`, its venv from ../shared/tools/install-vllm-cpu): both engines load one
+HF folder, the default model's weights dequantized to float32 (benchmark_model.default_model_hf_folder; vLLM does
+not read this GGUF file), in `--dtype`, and run the same workload and SCHEMA (vLLM through its own structured
+outputs, xgrammar backend); the four runs of a round (two engines x two variants) are interleaved, vLLM's processes
+stopped between its runs (offline_vs_vllm.VllmOfflineProcess). Reported per engine: the best run of each variant
+and their ratio, the share of outputs that open the JSON object (both engines really constrain), and pagedserve /
+vLLM for each variant.
+
+    python benchmarks/structured_outputs.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16 \
+        --num-requests 16 --rounds 2
 """
 from __future__ import annotations
 
@@ -18,18 +29,65 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "structured_output"))
+from benchmark_model import default_model_hf_folder  # noqa: E402
 from offline_throughput import make_workload  # noqa: E402
+from offline_vs_vllm import VllmOfflineProcess  # noqa: E402
 from schema_suite import SCHEMA_SUITE  # noqa: E402
 
 # At least 100 strings of 8+ characters: no output of recipe A's lengths (<= 256 tokens) can close it, so every
 # token of every request is generated under the grammar.
 SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "minItems": 100, "items": {
     "type": "string", "minLength": 8, "maxLength": 24}}}, "required": ["notes"]}
+
+
+VARIANTS = ("unconstrained", "json_schema")
+
+# vLLM's side (VllmOfflineProcess protocol): argv folder, dtype, workload path, schema path, seed, temperature;
+# "run unconstrained" / "run json_schema" time one run of that variant.
+VLLM_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
+        folder, dtype, workload_path, schema_path = sys.argv[1:5]
+        seed, temperature = int(sys.argv[5]), float(sys.argv[6])
+        workload = json.load(open(workload_path))
+        schema = json.load(open(schema_path))
+        start = time.perf_counter()
+        llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=seed, enable_prefix_caching=True)
+        load_s = time.perf_counter() - start
+        prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in workload]
+        def params(constraint):
+            return [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=n, ignore_eos=True,
+                                   structured_outputs=constraint) for i, (_, n) in enumerate(workload)]
+        variants = {"unconstrained": params(None), "json_schema": params(StructuredOutputsParams(json=schema))}
+        llm.generate(prompts[:2], variants["json_schema"][:2], use_tqdm=False)  # warm-up: compile, kernels
+        print("READY " + json.dumps({"load_s": load_s}), flush=True)
+        for line in sys.stdin:
+            words = line.split()
+            if not words or words[0] != "run":
+                break
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, variants[words[1]], use_tqdm=False)
+            seconds = time.perf_counter() - start
+            texts = [o.outputs[0].text for o in outputs]
+            print("RUN " + json.dumps({"seconds": seconds,
+                                       "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                                       "texts": texts}), flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
 
 
 def compile_times() -> dict[str, object]:
@@ -93,6 +151,60 @@ def throughput(num_requests: int, rounds: int, seed: int, temperature: float) ->
             "constrained_fraction": constrained_fraction}
 
 
+def side_by_side(vllm_python: str, num_requests: int, rounds: int, seed: int, temperature: float,
+                 dtype: str) -> dict[str, object]:
+    """Both variants on pagedserve and on vLLM CPU, one HF folder, interleaved rounds (see the module docstring)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
+
+    folder = default_model_hf_folder()
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    workload = make_workload(num_requests, seed, vocab_size, (64, 512), (64, 256))
+    num_tokens = sum(n for _, n in workload)
+    with tempfile.TemporaryDirectory(prefix="structured-outputs-") as scratch:
+        schema_path = os.path.join(scratch, "schema.json")
+        with open(schema_path, "w") as f:
+            json.dump(SCHEMA, f)
+        vllm = VllmOfflineProcess(vllm_python, folder, workload, dtype, kv_cache_gib=2, script=VLLM_SCRIPT,
+                                  extra_args=(schema_path, str(seed), str(temperature)))
+        try:
+            llm = LLM(folder, dtype=dtype, max_model_len=1024, seed=seed)
+            prompts = [{"prompt_token_ids": p} for p, _ in workload]
+            constraint = StructuredOutputsParams(json=SCHEMA)
+            params = {name: [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=n, ignore_eos=True,
+                                            structured_outputs=constraint if name == "json_schema" else None)
+                             for i, (_, n) in enumerate(workload)] for name in VARIANTS}
+            llm.generate(prompts[:2], params["json_schema"][:2], use_tqdm=False)  # warm-up
+            runs = {engine: {name: [] for name in VARIANTS} for engine in ("pagedserve", "vllm-cpu")}
+            opens_object: dict[str, float] = {}
+            for index in range(rounds):
+                order = [(engine, name) for engine in ("pagedserve", "vllm-cpu") for name in VARIANTS]
+                for engine, name in (order if index % 2 == 0 else list(reversed(order))):
+                    if engine == "vllm-cpu":
+                        seconds = vllm.run(name)
+                        texts = vllm.last_run["texts"]
+                        assert vllm.last_run["output_tokens"] == num_tokens, vllm.last_run["output_tokens"]
+                    else:
+                        llm.reset_prefix_cache()
+                        start = time.perf_counter()
+                        outputs = llm.generate(prompts, params[name], use_tqdm=False)
+                        seconds = time.perf_counter() - start
+                        texts = [o.outputs[0].text for o in outputs]
+                    runs[engine][name].append(num_tokens / seconds)
+                    if name == "json_schema":
+                        opens_object[engine] = sum(t.lstrip().startswith("{") for t in texts) / len(texts)
+                    print(f"round {index}: {engine} {name} {runs[engine][name][-1]:.1f} tokens/s", flush=True)
+        finally:
+            vllm.close()
+    best = {engine: {name: max(values) for name, values in by_name.items()} for engine, by_name in runs.items()}
+    return {"dtype": dtype, "num_requests": num_requests, "temperature": temperature, "num_output_tokens": num_tokens,
+            "tokens_per_s_runs": runs, "tokens_per_s_best": best,
+            "ratio_json_schema_to_unconstrained": {e: b["json_schema"] / b["unconstrained"] for e, b in best.items()},
+            "ratio_pagedserve_to_vllm": {name: best["pagedserve"][name] / best["vllm-cpu"][name] for name in VARIANTS},
+            "json_schema_outputs_opening_the_object": opens_object}
+
+
 def _constrained_fraction(llm, outputs) -> float:
     """The share of output tokens generated while the grammar was still open (before its stop token)."""
     tokenizer = llm.get_tokenizer()
@@ -113,11 +225,20 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy, recipe A's (the default); > 0: seeded sampling, both variants")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of the venv holding vllm-cpu: run the throughput side by side with it")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="both engines' dtype with --vllm-python (alone, pagedserve runs the GGUF file)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     result: dict[str, object] = {"compile": compile_times()}
     print(json.dumps(result["compile"], indent=1), flush=True)
-    if not args.skip_throughput:
+    if args.vllm_python:
+        result["side_by_side"] = side_by_side(args.vllm_python, args.num_requests, args.rounds, args.seed,
+                                              args.temperature, args.dtype)
+        print(json.dumps({k: v for k, v in result["side_by_side"].items() if k != "tokens_per_s_runs"}, indent=1),
+              flush=True)
+    elif not args.skip_throughput:
         result["throughput"] = throughput(args.num_requests, args.rounds, args.seed, args.temperature)
         print(json.dumps(result["throughput"], indent=1), flush=True)
     if args.json_out:

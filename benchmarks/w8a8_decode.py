@@ -32,16 +32,11 @@ ROOT = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "benchmark-
 def smollm2_folders() -> tuple[str, str]:
     """(float32 HF folder of SmolLM2-135M-Instruct, its W8A8 folder), made once."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_vs_llama_cpp import export_hf_folder
+    from benchmark_model import default_model_hf_folder
 
-    from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path
-    from pagedserve.model_loader.gguf_loader import load_gguf
     from pagedserve.quantization.quantize_checkpoint import quantize_checkpoint
 
-    folder, quantized = os.path.join(ROOT, "smollm2-135m-instruct-hf"), os.path.join(ROOT, "smollm2-135m-instruct-w8a8")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        os.makedirs(folder, exist_ok=True)
-        export_hf_folder(load_gguf(resolve_model_path(DEFAULT_MODEL_NAME), torch.float32), folder)
+    folder, quantized = default_model_hf_folder(ROOT), os.path.join(ROOT, "smollm2-135m-instruct-w8a8")
     if not os.path.isfile(os.path.join(quantized, "model.safetensors")):
         quantize_checkpoint(folder, quantized)
     return folder, quantized
