@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedserve.config.knob_dict import config_from_dict
 from pagedserve.config.kv_pool import KVPoolConfig
+from pagedserve.config.speculative import HIDDEN_STATE_METHODS
 
 KV_CONNECTORS = ("PullConnector", "PoolConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -142,9 +143,15 @@ class KVTransferConfig:
         """A pull connector extra knob, or its default."""
         return self.kv_connector_extra_config.get(name, PULL_CONNECTOR_DEFAULTS[name])
 
-    def check_engine(self, parallel_config: Any, async_scheduling: bool, speculation: bool,
+    def check_engine(self, parallel_config: Any, speculative_method: str | None,
                      sparse_kv_offload: bool = False) -> None:
-        """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
+        """Refuse, at start, the engine options the KV connector does not serve yet (naming both).
+
+        Served: async scheduling (a request waiting for remote KV holds its blocks outside the steps in flight; a
+        finished request's held blocks are freed only after the worker, which runs the steps in order, reports
+        it); speculation whose drafter needs only the prompt's tokens ('ngram', 'draft_model': the connector moves
+        the target's pages only and the draft model recomputes its own KV over the whole prompt at its first
+        draft)."""
         # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py).
         degrees = (parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
                    parallel_config.prefill_context_parallel_size)
@@ -165,14 +172,14 @@ class KVTransferConfig:
             # Every rank advertises one host (kv_connector_extra_config.host): ranks on other nodes are unreachable.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"distributed_executor_backend='ray' yet: use 'mp' (or 'uni' with one worker)")
-        if async_scheduling:
-            # Not tested yet: steps scheduled ahead of the connector's reports (the batch queue itself sends the
-            # empty steps a request waiting for remote KV needs, as pipeline parallelism uses it).
+        if speculative_method in HIDDEN_STATE_METHODS:
+            # These drafters compute their KV at a prompt position from the target's hidden state there; with a
+            # connector the target computes only the positions past the KV it loaded, so the drafter's KV (or the
+            # target's hidden states) over the prompt would have to travel with the pages, which no connector does.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
-                             f"async_scheduling=True yet: set async_scheduling=False")
-        if speculation:
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
-                             f"speculative_config yet (the drafter's KV is not transferred): drop one of them")
+                             f"speculative_config.method={speculative_method!r} (its drafter's KV over the prompt "
+                             f"comes from the target's hidden states, which stay with the engine that computed the "
+                             f"prompt): use method 'ngram' or 'draft_model', or drop one of them")
         if sparse_kv_offload:
             # The offloaded latents live in the tier file, not in the KV pages the connector moves.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "

@@ -76,16 +76,25 @@ def kv_engine_signature(config: EngineConfig) -> dict[str, Any]:
 
 
 def connect_worker_kv_caches(config: EngineConfig, kv_cache_modules: nn.Module, kv_caches: list[torch.Tensor],
-                             num_blocks: int) -> KVConnectorWorker:
+                             num_blocks: int, target_model: nn.Module | None = None) -> KVConnectorWorker:
     """The worker side of config.kv_transfer_config with the worker's caches registered (layer names from the
-    modules, page layouts from the layers' specs); peers must share the signature built here."""
+    modules, page layouts from the layers' specs); peers must share the signature built here.
+
+    `kv_caches` holds one cache per attention layer of `kv_cache_modules` (the target, then a speculative
+    drafter). Only `target_model`'s layers are registered (all of them when None): a draft model recomputes its
+    own KV over the whole prompt at a request's first draft (spec_decode/draft_model_proposer.py), so its pages
+    never travel, and engines with and without a drafter pair up."""
     from pagedserve.worker.kv_cache_allocation import attention_layers
 
     assert config.kv_transfer_config is not None
     model_config, cache_config = config.model_config, config.cache_config
     names = {id(module): name for name, module in kv_cache_modules.named_modules()}
-    layers = attention_layers(kv_cache_modules)
-    caches = {names[id(layer)]: cache for layer, cache in zip(layers, kv_caches, strict=True)}
+    all_layers = attention_layers(kv_cache_modules)
+    transferred = {id(layer) for layer in attention_layers(target_model if target_model is not None
+                                                           else kv_cache_modules)}
+    pairs = [(layer, cache) for layer, cache in zip(all_layers, kv_caches, strict=True) if id(layer) in transferred]
+    layers = [layer for layer, _ in pairs]
+    caches = {names[id(layer)]: cache for layer, cache in pairs}
     layouts = {names[id(layer)]: layer.kv_cache_spec().page_layout(cache_config.block_size, model_config.dtype,
                                                                     cache_config.kv_cache_dtype)
                for layer in layers}
