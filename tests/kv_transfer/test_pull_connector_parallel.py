@@ -95,6 +95,14 @@ def test_tensor_parallel_consumer_mla(tiny_model_dir, this_tree_on_pythonpath) -
              seed=30)
 
 
+@pytest.mark.slow  # test_connector_with_engine_features.py covers async scheduling, the test above D TP=2
+def test_async_scheduling_over_several_ranks(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
+    """P TP=2 -> D TP=2 ('mp'), both scheduling one step ahead: every rank's reports reach the scheduler through
+    the executor's aggregation while the next step is queued."""
+    check_pd(tiny_model_dir("llama"), {"tensor_parallel_size": 2, "async_scheduling": True},
+             [{"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "async_scheduling": True}], seed=32)
+
+
 def test_pipeline_parallel_producer(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
     """kv pp: P PP=2 (a layer on each stage) -> D PP=1 pulls each layer from the P stage that holds it."""
     check_pd(tiny_model_dir("llama"), {"pipeline_parallel_size": 2}, [{}], seed=22)
