@@ -1,5 +1,6 @@
 """KV connectors beside other engine features: async scheduling (PullConnector on P and D, PoolConnector) and
-speculative decoding on D (ngram; a draft model, whose own KV D recomputes over the pulled prompt). Each gives the
+speculative decoding on D (ngram; a draft model, whose own KV D recomputes over the pulled prompt or the prefix the
+pool gave). Each gives the
 greedy tokens of one engine without disaggregation, D computes only each prompt's last token, and every block ends
 free on both sides. Drafters that read the target's hidden states are refused with a connector.
 
@@ -137,6 +138,37 @@ def test_speculative_decoding_on_the_consumer(tiny_model_dir) -> None:  # type: 
             assert_all_blocks_free(producer)
     finally:
         producer.llm_engine.shutdown()
+
+
+def test_pool_with_a_draft_model(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The pool holds the target's pages only: an engine with a draft model (the target itself) loads a prefix
+    another engine without a drafter stored, recomputes its drafter's KV over it, and accepts every draft."""
+    model = tiny_model_dir("llama")
+    prefix, suffix = random_prompts(2, 20, 30, seed=37)
+    prefix = (prefix * 4)[:64]
+    reference_engine = LLM(model, **ENGINE_KWARGS)
+    expected = token_ids(reference_engine, [prefix + suffix], GREEDY)
+    reference_engine.llm_engine.shutdown()
+    pool = {"kv_connector": "PoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "local", "url": "local://draft-model-test"}}
+    engine_a = LLM(model, kv_transfer_config=pool, **ENGINE_KWARGS)
+    engine_b = None
+    try:
+        token_ids(engine_a, [prefix + suffix[:3]], GREEDY)
+        assert engine_a.llm_engine.engine_core.executor.worker.kv_connector.wait_for_stores(30.0)
+        engine_b = LLM(model, kv_transfer_config=pool, speculative_config={
+            "method": "draft_model", "model": model, "num_speculative_tokens": 3}, **ENGINE_KWARGS)
+        scheduled = record_scheduled_tokens(engine_b)
+        assert token_ids(engine_b, [prefix + suffix], GREEDY) == expected
+        assert [steps[0] for steps in scheduled.values()] == [len(suffix)]  # the prefix came from the pool
+        stats = engine_b.llm_engine.engine_core.make_stats()
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+        for engine in (engine_a, engine_b):
+            assert_all_blocks_free(engine)
+    finally:
+        for engine in (engine_a, engine_b):
+            if engine is not None:
+                engine.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "dflash"])
