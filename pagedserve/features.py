@@ -588,7 +588,8 @@ FEATURES: tuple[Feature, ...] = (
         line="framework", family="PD disaggregation", feature="KV connectors with async scheduling (P, D and the "
                                                               "pool schedule one step ahead) and with speculative "
                                                               "decoding on D (ngram; draft_model, whose KV D "
-                                                              "recomputes over the pulled prompt)",
+                                                              "recomputes over the pulled prompt; EAGLE / EAGLE-3 / "
+                                                              "MTP, whose drafter pages travel beside the target's)",
         modules=("pagedserve.config.kv_transfer", "pagedserve.kv_transfer.connector_factory"),
         knobs=("kv_transfer_config", "async_scheduling", "speculative_config"),
         docs="docs/kv_transfer.md",

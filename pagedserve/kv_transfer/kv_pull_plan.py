@@ -104,8 +104,11 @@ class KVPullPlan:
             name = entry[0]
             candidates = sorted(holders.get(name, []), key=preference)
             if not candidates:
+                # A hidden-state drafter's pages travel beside the target's (kv_transfer/connector_factory.py).
+                drafter_hint = (": this engine's speculative drafter reads its KV over the prompt from the producer, "
+                                "which must run the same speculative_config") if name.startswith("drafter.") else ""
                 raise KVTransferError(f"layer {name!r}: no producer rank holds it (producer layers: "
-                                      f"{sorted(holders)[:4]}...)")
+                                      f"{sorted(holders)[:4]}...){drafter_hint}")
             sources += _layer_sources(local_index, entry, candidates)
         remote_layers: dict[int, set[int]] = {}
         for source in sources:
