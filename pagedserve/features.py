@@ -575,12 +575,25 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="framework", family="PD disaggregation", feature="PD over several worker ranks ('mp'): kv pp (P with "
                                                               "pipeline parallel, each layer from the stage holding "
-                                                              "it) and unequal TP (P TP a multiple of D TP, "
-                                                              "head-interval mapping; MLA read from one rank)",
+                                                              "it) and unequal TP (either TP a multiple of the "
+                                                              "other, head-interval mapping: D with fewer ranks "
+                                                              "gathers heads, D with more ranks slices them; MLA "
+                                                              "read whole from one rank)",
         modules=("pagedserve.kv_transfer.kv_pull_plan", "pagedserve.kv_transfer.kv_output_aggregator"),
         knobs=("kv_transfer_config", "tensor_parallel_size", "pipeline_parallel_size"),
         docs="docs/kv_transfer.md",
         tests=("tests/kv_transfer/test_pull_connector_parallel.py", "tests/kv_transfer/test_kv_pull_plan.py"),
+    ),
+    Feature(
+        line="framework", family="PD disaggregation", feature="KV connectors with async scheduling (P, D and the "
+                                                              "pool schedule one step ahead) and with speculative "
+                                                              "decoding on D (ngram; draft_model, whose KV D "
+                                                              "recomputes over the pulled prompt; EAGLE / EAGLE-3 / "
+                                                              "MTP, whose drafter pages travel beside the target's)",
+        modules=("pagedserve.config.kv_transfer", "pagedserve.kv_transfer.connector_factory"),
+        knobs=("kv_transfer_config", "async_scheduling", "speculative_config"),
+        docs="docs/kv_transfer.md",
+        tests=("tests/kv_transfer/test_connector_with_engine_features.py",),
     ),
     Feature(
         line="framework", family="PD disaggregation", feature="`pagedserve proxy`: OpenAI front over P and D servers "

@@ -232,7 +232,7 @@ class EngineConfig:
                 pipeline_parallel_size=parallel_config.pipeline_parallel_size)
         kv_transfer = KVTransferConfig.parse(kv_transfer_config)
         if kv_transfer is not None:
-            kv_transfer.check_engine(parallel_config, async_scheduling, speculative.is_enabled,
+            kv_transfer.check_engine(parallel_config, speculative.method if speculative.is_enabled else None,
                                      sparse_kv_offload=sparse_kv_offload_config is not None)
         compilation = CompilationConfig.parse(compilation_config).resolve(
             max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,

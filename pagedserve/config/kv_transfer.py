@@ -21,11 +21,16 @@ from typing import Any
 
 from pagedserve.config.knob_dict import config_from_dict
 from pagedserve.config.kv_pool import KVPoolConfig
+from pagedserve.config.speculative import BLOCK_DRAFT_METHODS
 
 KV_CONNECTORS = ("PullConnector", "PoolConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("zmq", "mooncake")
+# Speculative methods whose drafter computes its KV at a prompt position from the target's hidden state there: with a
+# connector the target computes only the positions past the KV it loaded, so the drafter's pages travel beside the
+# target's (kv_transfer/connector_factory.py), and the producer must run the same speculative_config.
+DRAFTER_KV_TRAVELS_METHODS = ("eagle", "eagle3", "mtp")
 # Extra keys the pull connector reads, with their defaults.
 PULL_CONNECTOR_DEFAULTS: dict[str, Any] = {
     "transport": "zmq",
@@ -142,9 +147,15 @@ class KVTransferConfig:
         """A pull connector extra knob, or its default."""
         return self.kv_connector_extra_config.get(name, PULL_CONNECTOR_DEFAULTS[name])
 
-    def check_engine(self, parallel_config: Any, async_scheduling: bool, speculation: bool,
+    def check_engine(self, parallel_config: Any, speculative_method: str | None,
                      sparse_kv_offload: bool = False) -> None:
-        """Refuse, at start, the engine options the KV connector does not serve yet (naming both)."""
+        """Refuse, at start, the engine options the KV connector does not serve yet (naming both).
+
+        Served: async scheduling (a request waiting for remote KV holds its blocks outside the steps in flight; a
+        finished request's held blocks are freed only after the worker, which runs the steps in order, reports
+        it); speculation whose drafter needs only the prompt's tokens ('ngram', 'draft_model': the draft model
+        recomputes its own KV over the whole prompt at its first draft, so only the target's pages travel), and the
+        hidden-state drafters of DRAFTER_KV_TRAVELS_METHODS (their pages travel too) with PullConnector."""
         # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py).
         degrees = (parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
                    parallel_config.prefill_context_parallel_size)
@@ -165,14 +176,21 @@ class KVTransferConfig:
             # Every rank advertises one host (kv_connector_extra_config.host): ranks on other nodes are unreachable.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"distributed_executor_backend='ray' yet: use 'mp' (or 'uni' with one worker)")
-        if async_scheduling:
-            # Not tested yet: steps scheduled ahead of the connector's reports (the batch queue itself sends the
-            # empty steps a request waiting for remote KV needs, as pipeline parallelism uses it).
+        if speculative_method in BLOCK_DRAFT_METHODS:
+            # Their drafter's context KV also comes from the target's layers at every prompt position; it is not
+            # registered with the connector (only DRAFTER_KV_TRAVELS_METHODS' is), so D would draft without it.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
-                             f"async_scheduling=True yet: set async_scheduling=False")
-        if speculation:
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
-                             f"speculative_config yet (the drafter's KV is not transferred): drop one of them")
+                             f"speculative_config.method={speculative_method!r} (its drafter's context KV over the "
+                             f"prompt comes from the target's layers and does not travel): use method 'ngram', "
+                             f"'draft_model', 'eagle', 'eagle3' or 'mtp', or drop one of them")
+        if speculative_method in DRAFTER_KV_TRAVELS_METHODS and any(
+                part.kv_connector == "PoolConnector" for part in parts):
+            # Pool blocks are named by the target's tokens and signature: a drafter's pages would be shared by
+            # engines whose drafters differ.
+            raise ValueError(f"kv_transfer_config.kv_connector='PoolConnector' is not supported with "
+                             f"speculative_config.method={speculative_method!r} (the drafter's KV over a prefix would "
+                             f"have to be pooled too, under keys that do not name the drafter): use method 'ngram' or "
+                             f"'draft_model' with the pool, or drop one of them")
         if sparse_kv_offload:
             # The offloaded latents live in the tier file, not in the KV pages the connector moves.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
@@ -186,4 +204,4 @@ class KVTransferConfig:
         return config_from_dict(KVTransferConfig, "kv_transfer_config", value)
 
 
-__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES"]
+__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]

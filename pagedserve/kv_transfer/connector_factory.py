@@ -76,42 +76,75 @@ def kv_engine_signature(config: EngineConfig) -> dict[str, Any]:
 
 
 def connect_worker_kv_caches(config: EngineConfig, kv_cache_modules: nn.Module, kv_caches: list[torch.Tensor],
-                             num_blocks: int) -> KVConnectorWorker:
+                             num_blocks: int, target_model: nn.Module | None = None,
+                             draft_model: nn.Module | None = None) -> KVConnectorWorker:
     """The worker side of config.kv_transfer_config with the worker's caches registered (layer names from the
-    modules, page layouts from the layers' specs); peers must share the signature built here."""
+    modules, page layouts from the layers' specs); peers must share the signature built here.
+
+    `kv_caches` holds one cache per attention layer of `kv_cache_modules` (`target_model`, then a speculative
+    `draft_model`; None: every layer is the target's). Which drafter pages travel (config/kv_transfer.py
+    DRAFTER_KV_TRAVELS_METHODS):
+    - a draft model ('draft_model') recomputes its own KV over the whole prompt at a request's first draft
+      (spec_decode/draft_model_proposer.py): its pages are not registered, and engines with and without one pair up;
+    - a hidden-state drafter ('eagle', 'eagle3', 'mtp') computes its KV at each prompt position from the target's
+      hidden state there, which only the engine that computed the prompt has: its pages are registered too, named
+      `drafter.<name in the drafter>`, so a consumer with such a drafter pulls them from a producer running the
+      same speculative_config (a producer without it fails the handshake naming the drafter's layer)."""
+    from pagedserve.config.kv_transfer import DRAFTER_KV_TRAVELS_METHODS
     from pagedserve.worker.kv_cache_allocation import attention_layers
 
     assert config.kv_transfer_config is not None
     model_config, cache_config = config.model_config, config.cache_config
     names = {id(module): name for name, module in kv_cache_modules.named_modules()}
-    layers = attention_layers(kv_cache_modules)
-    caches = {names[id(layer)]: cache for layer, cache in zip(layers, kv_caches, strict=True)}
+    all_layers = attention_layers(kv_cache_modules)
+    target_layers = attention_layers(target_model) if target_model is not None else all_layers
+    transferred = {id(layer) for layer in target_layers}
+    total_heads = {id(layer): _total_kv_heads(model_config.hf_config) for layer in target_layers}
+    if draft_model is not None and config.speculative_config.method in DRAFTER_KV_TRAVELS_METHODS:
+        drafter_names = {id(module): name for name, module in draft_model.named_modules()}
+        for layer in attention_layers(draft_model):
+            if id(layer) in transferred:
+                continue  # a target layer the drafter reaches (keeps the target's name)
+            transferred.add(id(layer))
+            names[id(layer)] = f"drafter.{drafter_names[id(layer)]}"
+            total_heads[id(layer)] = _total_kv_heads(getattr(draft_model, "config", None) or model_config.hf_config)
+    pairs = [(layer, cache) for layer, cache in zip(all_layers, kv_caches, strict=True) if id(layer) in transferred]
+    layers = [layer for layer, _ in pairs]
+    caches = {names[id(layer)]: cache for layer, cache in pairs}
     layouts = {names[id(layer)]: layer.kv_cache_spec().page_layout(cache_config.block_size, model_config.dtype,
                                                                     cache_config.kv_cache_dtype)
                for layer in layers}
     connector = create_worker_connector(config.kv_transfer_config, kv_engine_signature(config),
-                                        kv_placement(config, layers, [names[id(layer)] for layer in layers]))
+                                        kv_placement(layers, [names[id(layer)] for layer in layers],
+                                                     [total_heads[id(layer)] for layer in layers]))
     connector.register_kv_caches(caches, layouts, num_blocks)
     return connector
 
 
-def kv_placement(config: EngineConfig, layers: list[nn.Module], layer_names: list[str]) -> dict[str, Any]:
+def _total_kv_heads(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", 0))
+
+
+def kv_placement(layers: list[nn.Module], layer_names: list[str], total_heads: list[int]) -> dict[str, Any]:
     """This rank's place in its engine (tp / pp rank and size) and, per dense K/V layer, the KV heads it holds
-    ([first head, heads, total heads]; kv_pull_plan.py maps them onto a peer's). QKVParallelLinear's split: heads
-    in equal intervals over the TP ranks, or, with fewer KV heads than ranks, head r // (tp / heads) on rank r."""
+    ([first head, heads, total heads]; kv_pull_plan.py maps them onto a peer's); `total_heads`: each layer's model's
+    num_key_value_heads. QKVParallelLinear's split: heads in equal intervals over the TP ranks, or, with fewer KV
+    heads than ranks, head r // (tp / heads) on rank r; a layer not split over TP holds every head on every rank."""
     from pagedserve.distributed.parallel_state import get_pp_group, get_tp_group
 
     tp_group, pp_group = get_tp_group(), get_pp_group()
     tp_rank, tp_size = tp_group.rank, tp_group.world_size
-    hf_config = config.model_config.hf_config
-    total = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_attention_heads", 0)
     kv_heads: dict[str, list[int] | None] = {}
-    for layer, name in zip(layers, layer_names):
+    for layer, name, total in zip(layers, layer_names, total_heads, strict=True):
         spec = layer.kv_cache_spec()
         if spec.latent_rank or spec.leading_shape != (2,) or len(spec.per_token_shape) != 2:
             kv_heads[name] = None  # MLA latents (and other single-row caches) are whole on every TP rank
             continue
         num_heads = spec.per_token_shape[0]
+        if num_heads == total:
+            # Every head on this rank: one rank, or a layer not split over TP (a drafter each rank runs whole).
+            kv_heads[name] = [0, total, total]
+            continue
         if num_heads != (1 if tp_size >= total else total // tp_size):
             raise ValueError(f"{name}: {num_heads} KV heads on each of {tp_size} TP ranks is not the split of the "
                              f"model's num_key_value_heads={total}; the KV connector cannot map its heads")

@@ -7,16 +7,19 @@ latents, which every TP rank holds whole). From those answers a consumer rank pl
 - kv pp: the layer comes from a P rank whose pipeline stage holds it (layer names are global, `model.layers.N`),
   so P's layer partition is read from the handshakes, whatever it is;
 - unequal TP (vLLM-Ascend's head-interval mapping): each local KV head comes from a P rank whose head interval
-  holds it. P's tensor_parallel_size must be a multiple of this engine's; the P ranks of this rank's TP group
-  (P tp ranks [d * ratio, (d + 1) * ratio)) are preferred, so equal TP reads rank to rank and a replicated cache is
-  read from one P rank of the group. KV heads replicated over TP ranks (num_key_value_heads < tp) are intervals of
-  one head that several ranks share; any of them serves.
+  holds it. One tensor_parallel_size must be a multiple of the other. P with more ranks (ratio = P_tp / D_tp): the
+  P ranks of this rank's TP group (P tp ranks [d * ratio, (d + 1) * ratio)) are preferred, so equal TP reads rank
+  to rank and a replicated cache is read from one P rank of the group. D with more ranks (share = D_tp / P_tp): D
+  rank d reads the slice of its heads from P tp rank d // share, and a replicated cache (MLA latents) whole from
+  it. KV heads replicated over TP ranks (num_key_value_heads < tp) are intervals of one head that several ranks
+  share; any of them serves.
 A layer whose source covers exactly its heads with the same page is copied as whole pages (byte regions); else
 each source's head range is copied into the local heads' slice of the page (views, zmq transport only).
 
 Done notices (P frees a request's blocks once every P rank reported it, kv_output_aggregator.py): every consumer
-rank tells every P rank of its TP group, after its own reads; each P rank waits for as many notices as the
-consumer has pipeline stages (`num_readers`), so no P rank frees blocks a consumer rank may still read.
+rank tells every P rank of its TP group, after its own reads; each P rank waits for as many notices as consumer
+ranks read it (`num_readers`: the consumer's pipeline stages, times D_tp / P_tp when D has more TP ranks), so no P
+rank frees blocks a consumer rank may still read.
 Pure Python on the handshake answers (unit-testable).
 """
 from __future__ import annotations
@@ -72,12 +75,22 @@ class KVPullPlan:
                 raise KVTransferError("the engines' KV caches differ: " + "; ".join(mismatches)
                                       + (f" (producer rank {rank})" if len(remotes) > 1 else ""))
         local_tp, remote_tp = int(local.get("tp_size", 1)), int(remotes[0].get("tp_size", 1))
-        if remote_tp % local_tp:
-            raise KVTransferError(f"tensor_parallel_size: producer {remote_tp}, consumer {local_tp}: the producer's "
-                                  f"must be a multiple of the consumer's (each consumer rank reads whole producer "
-                                  f"head intervals)")
-        ratio = remote_tp // local_tp
-        group = range(int(local.get("tp_rank", 0)) * ratio, (int(local.get("tp_rank", 0)) + 1) * ratio)
+        local_tp_rank = int(local.get("tp_rank", 0))
+        if remote_tp % local_tp and local_tp % remote_tp:
+            raise KVTransferError(f"tensor_parallel_size: producer {remote_tp}, consumer {local_tp}: one must be a "
+                                  f"multiple of the other (each consumer rank reads whole producer head intervals, "
+                                  f"or a slice of one)")
+        if remote_tp >= local_tp:
+            # This rank's heads are spread over `ratio` producer ranks; each producer rank has one reader per stage.
+            ratio = remote_tp // local_tp
+            group = range(local_tp_rank * ratio, (local_tp_rank + 1) * ratio)
+            readers_per_stage = 1
+        else:
+            # `share` consumer ranks slice the heads of one producer rank (or, MLA, each reads its whole latent):
+            # that producer rank waits for a done notice from every one of them.
+            share = local_tp // remote_tp
+            group = range(local_tp_rank // share, local_tp_rank // share + 1)
+            readers_per_stage = share
         holders: dict[str, list[tuple[int, int, list[Any]]]] = {}
         for rank, remote in enumerate(remotes):
             for layer_index, entry in enumerate(remote.get("layers") or []):
@@ -91,14 +104,17 @@ class KVPullPlan:
             name = entry[0]
             candidates = sorted(holders.get(name, []), key=preference)
             if not candidates:
+                # A hidden-state drafter's pages travel beside the target's (kv_transfer/connector_factory.py).
+                drafter_hint = (": this engine's speculative drafter reads its KV over the prompt from the producer, "
+                                "which must run the same speculative_config") if name.startswith("drafter.") else ""
                 raise KVTransferError(f"layer {name!r}: no producer rank holds it (producer layers: "
-                                      f"{sorted(holders)[:4]}...)")
+                                      f"{sorted(holders)[:4]}...){drafter_hint}")
             sources += _layer_sources(local_index, entry, candidates)
         remote_layers: dict[int, set[int]] = {}
         for source in sources:
             remote_layers.setdefault(source.remote_rank, set()).add(source.remote_layer)
         done_ranks = [rank for rank, remote in enumerate(remotes) if int(remote.get("tp_rank", 0)) in group]
-        return KVPullPlan(sources, done_ranks, int(local.get("pp_size", 1)),
+        return KVPullPlan(sources, done_ranks, int(local.get("pp_size", 1)) * readers_per_stage,
                           {rank: sorted(layers) for rank, layers in sorted(remote_layers.items())})
 
 

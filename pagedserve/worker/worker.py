@@ -122,7 +122,8 @@ class Worker:
         if config.kv_transfer_config is not None:
             from pagedserve.kv_transfer.connector_factory import connect_worker_kv_caches
 
-            self.kv_connector = connect_worker_kv_caches(config, kv_cache_modules, kv_caches, num_blocks)
+            self.kv_connector = connect_worker_kv_caches(config, kv_cache_modules, kv_caches, num_blocks,
+                                                         target_model=model, draft_model=draft_model)
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks),

@@ -15,11 +15,12 @@ REMOTE = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "1
           "remote_block_ids": [11, 12, 13, 14], "remote_request_id": "p-req"}
 
 
-def connector_scheduler(role: str, policy: str = "recompute", num_blocks: int = 32) -> Scheduler:
+def connector_scheduler(role: str, policy: str = "recompute", num_blocks: int = 32,
+                        async_scheduling: bool = False) -> Scheduler:
     config = KVTransferConfig(kv_connector="PullConnector", kv_role=role, engine_id="e0",
                               kv_load_failure_policy=policy)
     connector = PullConnectorScheduler(config, BLOCK_SIZE, "127.0.0.1", [5600])
-    return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
+    return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, async_scheduling=async_scheduling),
                      KVCacheManager(num_blocks, BLOCK_SIZE, True), BLOCK_SIZE, kv_connector=connector,
                      kv_load_failure_policy=policy)
 
@@ -150,3 +151,56 @@ def test_multi_connector_routes_each_request_to_one_part(make_request, model_out
     assert scheduler.has_kv_held_requests() and "d" in scheduler.remote_kv_requests
     run(scheduler, model_output, KVConnectorOutput(finished_sending={"p"}, finished_recving={"d"}))
     assert not scheduler.has_kv_held_requests() and not scheduler.remote_kv_requests
+
+
+def test_async_scheduling_with_steps_in_flight(make_request) -> None:
+    """Each step is scheduled before the previous one's output is back (the engine's batch queue): "a" decodes ahead
+    on placeholders while "d" waits for its load and "p" is held for a consumer. "p" gets no step past its one
+    token; "d" joins only the step scheduled after the output reporting its load, with the blocks it was parked
+    with and one token to compute; "p"'s blocks are freed by the report of its send, and every block ends free."""
+    from test_async_scheduler import sampled_output, schedule_noting_samplers
+
+    scheduler = connector_scheduler("kv_both", async_scheduling=True)
+    scheduler.add_request(make_request("a", list(range(50, 55)), max_tokens=6))
+    scheduler.add_request(make_request("d", list(range(14)), max_tokens=3, extra_args={"kv_transfer_params": REMOTE}))
+    scheduler.add_request(make_request("p", list(range(30, 40)), max_tokens=1,
+                                       extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
+    step0, samplers0 = schedule_noting_samplers(scheduler)
+    assert step0.num_scheduled_tokens == {"a": 5, "p": 10} and samplers0 == {"a", "p"}
+    (order,) = step0.kv_connector_metadata.loads
+    parked_block_ids = scheduler.kv_cache_manager.get_block_ids("d")
+    assert order.local_block_ids == parked_block_ids and len(parked_block_ids) == 4
+
+    step1, samplers1 = schedule_noting_samplers(scheduler)  # step 0 in flight
+    assert step1.num_scheduled_tokens == {"a": 1}  # "p" has its one token on the way; "d" still loads
+    outputs = scheduler.update_from_output(step0, sampled_output(step0, samplers0))
+    (held,) = [output for output in outputs if output.request_id == "p"]
+    assert held.finish_reason == "length" and held.kv_transfer_params["remote_block_ids"]
+    assert scheduler.has_kv_held_requests()
+
+    step2, samplers2 = schedule_noting_samplers(scheduler)  # step 1 in flight
+    assert step2.num_scheduled_tokens == {"a": 1} and step2.kv_connector_metadata.sends == ["p"]
+    output1 = sampled_output(step1, samplers1)
+    output1.kv_connector_output = KVConnectorOutput(finished_recving={"d"})
+    scheduler.update_from_output(step1, output1)
+    assert scheduler.waiting.peek_request().request_id == "d"
+
+    step3, samplers3 = schedule_noting_samplers(scheduler)  # step 2 in flight
+    assert step3.num_scheduled_tokens == {"a": 1, "d": 1} and samplers3 == {"a", "d"}
+    (new,) = step3.scheduled_new_requests
+    assert (new.block_ids, new.num_computed_tokens) == (parked_block_ids, 13)
+    output2 = sampled_output(step2, samplers2)
+    output2.kv_connector_output = KVConnectorOutput(finished_sending={"p"})
+    scheduler.update_from_output(step2, output2)
+    assert not scheduler.has_kv_held_requests()
+
+    in_flight, samplers = step3, samplers3
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        following, following_samplers = schedule_noting_samplers(scheduler)
+        scheduler.update_from_output(in_flight, sampled_output(in_flight, samplers))
+        in_flight, samplers = following, following_samplers
+    scheduler.update_from_output(in_flight, sampled_output(in_flight, samplers))
+    assert not scheduler.has_unfinished_requests() and not scheduler.has_kv_held_requests()
+    assert scheduler.kv_cache_manager.num_free_blocks == 31

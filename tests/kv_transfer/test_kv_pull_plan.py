@@ -85,9 +85,40 @@ def test_pipeline_stages_serve_their_layers() -> None:
     assert (stage.sources, stage.num_readers) == ([LayerSource(0, 0, 2)], 2)
 
 
+def test_consumer_with_more_tp_ranks_slices_one_producer_rank() -> None:
+    """P TP=1 -> D TP=2 over 2 KV heads: D rank r copies head r out of P rank 0's two-head pages; P rank 0 waits for
+    a done notice from both D ranks. P TP=2 -> D TP=4 over 4 heads: D rank 3 slices head 1 of P rank 1's [2, 4)."""
+    producer = tp_ranks(1, 2, ["l0"])
+    for rank in range(2):
+        plan = KVPullPlan.build(tp_ranks(2, 2, ["l0"])[rank], producer)
+        assert plan.sources == [LayerSource(0, 0, 0, num_heads=1, local_head_start=0, remote_head_start=rank,
+                                            remote_num_heads=2)]
+        assert (plan.done_ranks, plan.num_readers, plan.remote_layers) == ([0], 2, {0: [0]})
+    plan = KVPullPlan.build(tp_ranks(4, 4, ["l0"])[3], tp_ranks(2, 4, ["l0"]))
+    assert plan.sources == [LayerSource(0, 1, 0, num_heads=1, local_head_start=0, remote_head_start=1,
+                                        remote_num_heads=2)]
+    assert (plan.done_ranks, plan.num_readers) == ([1], 2)
+    # 2 KV heads over D TP=4 (each head on two D ranks): D rank 3 holds head 1, from P rank 0's head 1.
+    plan = KVPullPlan.build(tp_ranks(4, 2, ["l0"])[3], producer)
+    assert [(source.remote_rank, source.remote_head_start, source.num_heads) for source in plan.sources] == \
+        [(0, 1, 1)]
+    assert plan.num_readers == 4
+    # With D PP=2 as well, each P rank hears from every D rank of its slice on every D stage.
+    stage = KVPullPlan.build(tp_ranks(2, 2, ["l0"])[1] | {"pp_rank": 1, "pp_size": 2}, producer)
+    assert stage.num_readers == 4
+
+
+def test_consumer_with_more_tp_ranks_reads_the_whole_latent() -> None:
+    """MLA: every D rank of P TP=1 -> D TP=2 reads P rank 0's latent pages whole."""
+    latent = ["l0", [768], ["kv:latent"], None]
+    for rank in range(2):
+        plan = KVPullPlan.build(signature(rank, 2, [latent]), [signature(0, 1, [latent])])
+        assert (plan.sources, plan.done_ranks, plan.num_readers) == ([LayerSource(0, 0, 0)], [0], 2)
+
+
 def test_tp_mismatch_names_both_sizes() -> None:
-    with pytest.raises(KVTransferError, match="tensor_parallel_size: producer 3, consumer 2: the producer's must be "
-                                              "a multiple of the consumer's"):
+    with pytest.raises(KVTransferError, match="tensor_parallel_size: producer 3, consumer 2: one must be a multiple "
+                                              "of the other"):
         KVPullPlan.build(tp_ranks(2, 6, ["l0"])[0], tp_ranks(3, 6, ["l0"]))
 
 

@@ -66,11 +66,9 @@ def test_multi_connector_parts_inherit_role() -> None:
 
 
 @pytest.mark.parametrize("engine_kwargs, message", [
-    (dict(async_scheduling=True), "is not supported with async_scheduling=True"),
     (dict(data_parallel_size=2), "data_parallel_size, decode_context_parallel_size and "
                                  "prefill_context_parallel_size must be 1 (got (2, 1, 1))"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend='ray'"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "with speculative_config"),
 ])
 def test_engine_options_refused_with_a_connector(tiny_model_dir, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError) as error:

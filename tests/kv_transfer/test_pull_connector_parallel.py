@@ -1,7 +1,7 @@
 """PullConnector with several worker ranks ('mp' executor): a prefill engine (P) with tensor parallel 2 or pipeline
 parallel 2 and decode engines (D) with one worker or with TP 2 give one engine's greedy tokens; every rank serves or
-pulls its own KV shard (unequal TP: D's rank copies each P rank's KV heads into its pages; kv pp: each layer from the
-P stage holding it); every block ends free on both sides.
+pulls its own KV shard (unequal TP: D's rank copies each P rank's KV heads into its pages, or, D with more ranks, its
+heads' slice of P's pages; kv pp: each layer from the P stage holding it); every block ends free on both sides.
 
 The 'mp' executors spawn their worker ranks; they must import this tree, so the test puts it first on PYTHONPATH.
 """
@@ -79,6 +79,28 @@ def test_tensor_parallel_producer_and_consumer(tiny_model_dir, this_tree_on_pyth
     """Equal TP: P TP=2 -> D TP=2 ('mp'): D's rank r pulls P's rank r; then D TP=1 from the same P."""
     check_pd(tiny_model_dir("llama"), {"tensor_parallel_size": 2},
              [{"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}, {}], seed=24)
+
+
+def test_tensor_parallel_consumer(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
+    """Unequal TP, D with more ranks: P TP=1 -> D TP=2 ('mp'): each D rank copies its KV head out of P's two-head
+    pages; P frees the blocks once both D ranks told it they are done (num_readers 2)."""
+    check_pd(tiny_model_dir("llama"), {}, [{"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}],
+             seed=29)
+
+
+@pytest.mark.slow  # test_kv_pull_plan.py covers the replicated-cache plan, the dense test above the multi-rank path
+def test_tensor_parallel_consumer_mla(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
+    """MLA, P TP=1 -> D TP=2: every D rank reads P's replicated latent pages whole."""
+    check_pd(tiny_model_dir("deepseek-v3"), {}, [{"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}],
+             seed=30)
+
+
+@pytest.mark.slow  # test_connector_with_engine_features.py covers async scheduling, the test above D TP=2
+def test_async_scheduling_over_several_ranks(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
+    """P TP=2 -> D TP=2 ('mp'), both scheduling one step ahead: every rank's reports reach the scheduler through
+    the executor's aggregation while the next step is queued."""
+    check_pd(tiny_model_dir("llama"), {"tensor_parallel_size": 2, "async_scheduling": True},
+             [{"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "async_scheduling": True}], seed=32)
 
 
 def test_pipeline_parallel_producer(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
