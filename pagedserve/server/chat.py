@@ -6,7 +6,7 @@ With a reasoning parser (--reasoning-parser) the model's thinking goes to `reaso
 `content`, streamed in its own deltas (pagedserve/reasoning/).
 With tools (server/tool_calling.py) the chat template gets them, and the content after any reasoning is read for
 tool calls (pagedserve/tool_parsers/): `tool_calls` in the message, or streamed as deltas that carry a call's
-id, type and name first, then its argument fragments; a choice that called tools finishes with "tool_calls".
+id, type and name first, then its argument fragments; a choice that called tools finishes with "tool_calls" (with "stop" when tool_choice named the function, as OpenAI).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class ChatHandler:
             choices=[ChatCompletionChoice(
                 index=index, message=message,
                 logprobs=ChatChoiceLogprobs(content=choice.logprobs or []) if body.logprobs else None,
-                finish_reason=_finish_reason(choice.finish_reason, bool(message.tool_calls)),
+                finish_reason=_finish_reason(choice.finish_reason, bool(message.tool_calls), tool_request),
                 stop_reason=choice.stop_reason, token_ids=choice.token_ids if body.return_token_ids else None)
                 for index, (choice, message) in enumerate(zip(choices, messages))],
             usage=UsageInfo(prompt_tokens=stream.num_prompt_tokens, completion_tokens=num_completion_tokens,
@@ -176,7 +176,7 @@ class ChatHandler:
                         chunk_choices.append(ChatStreamChoice(
                             index=completion.index, delta=delta,
                             logprobs=ChatChoiceLogprobs(content=delta_logprobs) if delta_logprobs is not None else None,
-                            finish_reason=_finish_reason(completion.finish_reason, answer.called_tools),
+                            finish_reason=_finish_reason(completion.finish_reason, answer.called_tools, tool_request),
                             stop_reason=completion.stop_reason,
                             token_ids=list(completion.token_ids) if body.return_token_ids else None))
                     if chunk_choices:
@@ -191,6 +191,8 @@ class ChatHandler:
             stream.close()
 
 
-def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
-    """"tool_calls" for a choice that stopped after calling tools (OpenAI's); a cut-off one stays "length"."""
-    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+def _finish_reason(finish_reason: str | None, called_tools: bool, tool_request: ToolRequest) -> str | None:
+    """OpenAI's: "tool_calls" for a choice that stopped after calling tools with tool_choice "auto" or "required",
+    but "stop" for a named function (the caller forced that call); a cut-off one stays "length"."""
+    forced = tool_request.mode == "named"
+    return "tool_calls" if called_tools and finish_reason == "stop" and not forced else finish_reason
