@@ -230,26 +230,22 @@ class PDProxy:
         except BaseException:
             instance.num_in_flight -= 1
             raise
-        return StreamingResponse(self._relay(instance, response), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return RelayResponse(self._relay(instance, response), _UpstreamStream(instance, response))
 
     async def _relay(self, instance: Instance, response: httpx.Response) -> AsyncIterator[str]:
-        """D's SSE events, one whole event at a time; a broken stream ends with an error event and [DONE]."""
+        """D's SSE events, one whole event at a time; a broken stream ends with an error event and [DONE]. The
+        instance's in-flight count and the upstream response are released by RelayResponse."""
         event: list[str] = []
         try:
-            try:
-                async for line in response.aiter_lines():
-                    event.append(line)
-                    if not line:
-                        yield "\n".join(event) + "\n"
-                        event = []
-            except httpx.HTTPError as error:
-                failure = self._connection_error(instance, error)
-                yield sse_event(json.dumps(error_body(failure.status_code, failure.message)))
-                yield SSE_DONE
-        finally:
-            instance.num_in_flight -= 1
-            await response.aclose()
+            async for line in response.aiter_lines():
+                event.append(line)
+                if not line:
+                    yield "\n".join(event) + "\n"
+                    event = []
+        except httpx.HTTPError as error:
+            failure = self._connection_error(instance, error)
+            yield sse_event(json.dumps(error_body(failure.status_code, failure.message)))
+            yield SSE_DONE
 
     async def models(self, headers: dict[str, str]) -> Response:
         instance = self._pick(self.decode)
@@ -271,6 +267,39 @@ class PDProxy:
                 reasons = "; ".join(f"{instance.url}: {instance.last_error}" for instance in pool.instances)
                 return error_response(503, f"no {pool.role} instance is up ({reasons})")
         return Response(status_code=200)
+
+
+class _UpstreamStream:
+    """A streamed upstream answer and the in-flight count it holds on its instance; `release()` gives both back,
+    once, whichever path gets there first."""
+
+    def __init__(self, instance: Instance, response: httpx.Response) -> None:
+        self.instance = instance
+        self.response: httpx.Response | None = response
+
+    async def release(self) -> None:
+        if self.response is None:
+            return
+        response, self.response = self.response, None
+        self.instance.num_in_flight -= 1
+        await response.aclose()
+
+
+class RelayResponse(StreamingResponse):
+    """The SSE relay of one upstream stream. Releases the upstream stream however the response ends, including a
+    client that disconnects before the first byte: Starlette then never starts the body iterator, so a `finally`
+    inside it would never run (the instance would keep one request in flight and its connection open)."""
+
+    def __init__(self, events: AsyncIterator[str], upstream: _UpstreamStream) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.upstream = upstream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.upstream.release()
 
 
 def build_proxy_app(proxy: PDProxy) -> FastAPI:
