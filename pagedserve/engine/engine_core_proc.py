@@ -129,8 +129,13 @@ class EngineCoreProc:
                         return
                     continue
             had_input = self.drain_input()
-            outputs = core.step() if core.has_unfinished_requests() else []
-            if outputs or had_input:
+            stepped = core.has_unfinished_requests()
+            outputs = core.step() if stepped else []
+            # Stats go with outputs and inputs, and once more when a step leaves the engine idle: a step with no
+            # outputs can still free blocks (a KV connector's held blocks released), and the gauges (KV usage,
+            # running, waiting) must not stay at their last busy values while nothing runs.
+            went_idle = stepped and not core.has_unfinished_requests()
+            if outputs or had_input or went_idle:
                 self.send(EngineCoreOutputs(outputs=outputs, stats=core.make_stats(), timestamp=time.monotonic()))
 
     def close(self) -> None:

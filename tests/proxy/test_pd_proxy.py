@@ -27,7 +27,11 @@ from server_process import ServerProcess, free_port  # noqa: E402
 
 # As tests/server/conftest.py's servers: a 2048-token context, long enough to catch a stream mid-way.
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--num-kv-blocks", "192", "--block-size", "16"]
-PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail"}
+# P frees blocks no consumer fetched after free_timeout_s (here a D that refused the request, or died): short, so
+# that the last test sees every block free through /metrics.
+FREE_TIMEOUT_S = 10
+PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"free_timeout_s": FREE_TIMEOUT_S}}
 CONSUMER = {"kv_connector": "PullConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail"}
 PROMPTS = ["hello world", "the quick brown fox jumps over", "one two three four five six seven eight nine ten"]
 
@@ -121,6 +125,21 @@ def proxy_metrics(cluster) -> dict[tuple[str, str, str], float]:
     return values
 
 
+def kv_cache_usage(server) -> float:
+    """The server's vllm:kv_cache_usage_perc (referenced blocks / usable blocks) from its /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")).split()[-1])
+
+
+def wait_until_every_block_is_free(servers, timeout_s: float = 30.0) -> None:
+    """Every KV block of every server unreferenced, as /metrics shows it (P frees a request's held blocks when
+    D's done notice arrives, after D's answer may already be back)."""
+    deadline = time.monotonic() + timeout_s
+    while (usage := {server.base_url: kv_cache_usage(server) for server in servers}) and any(usage.values()):
+        assert time.monotonic() < deadline, f"KV blocks still in use: {usage}"
+        time.sleep(0.2)
+
+
 def test_servers_pass_kv_transfer_params(cluster):
     """The OpenAI server takes kv_transfer_params in (P: do_remote_decode) and gives P's back, completions and chat;
     D given them decodes the same greedy tokens as one engine."""
@@ -139,6 +158,11 @@ def test_servers_pass_kv_transfer_params(cluster):
         "model": cluster["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True}}).json()
     assert chat["kv_transfer_params"]["do_remote_prefill"] is True
+    # D takes the chat's KV too (else P holds its blocks until free_timeout_s: every block must be free later).
+    chat_decoded = httpx.post(f"{decode}/v1/chat/completions", timeout=60, json={
+        "model": cluster["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "kv_transfer_params": chat["kv_transfer_params"]})
+    assert chat_decoded.status_code == 200, chat_decoded.text
     two_prompts = httpx.post(f"{prefill}/v1/completions", timeout=60, json=dict(body, prompt=["a", "b"]))
     assert two_prompts.status_code == 400 and "one prompt" in two_prompts.json()["error"]["message"]
     not_a_dict = httpx.post(f"{prefill}/v1/completions", timeout=60, json=dict(body, kv_transfer_params=[1]))
@@ -151,6 +175,7 @@ def test_greedy_through_the_proxy_equals_one_engine(cluster, client):
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
         assert completion.choices[0].token_ids == one_engine_token_ids(cluster, prompt, 12)
         assert completion.usage.completion_tokens == 12
+    wait_until_every_block_is_free([cluster["prefill"], *cluster["decode"]])
 
 
 def test_streaming_through_the_proxy(cluster, client):
@@ -238,6 +263,9 @@ def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, c
         completion = client.completions.create(model=cluster["model"], prompt=prompt, max_tokens=6, temperature=0,
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
         assert completion.choices[0].token_ids == one_engine_token_ids(cluster, prompt, 6)
+    # P (the survivor) ends with every block free: fetched blocks at once, those of requests D refused
+    # (test_errors_are_openai_errors_naming_the_instance) after free_timeout_s.
+    wait_until_every_block_is_free([survivor], timeout_s=3 * FREE_TIMEOUT_S)
     metrics = proxy_metrics(cluster)
     assert metrics[("pagedserve:proxy_failures_total", "decode", doomed.base_url)] == 1
     assert metrics[("pagedserve:proxy_instance_up", "decode", doomed.base_url)] == 0
