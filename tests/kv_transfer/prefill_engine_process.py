@@ -4,6 +4,9 @@
 Commands (one JSON object a line), each answered by one JSON line on stdout:
     {"op": "prefill", "prompts": [[ids...], ...]} -> {"outputs": [{"token_ids": [...], "kv_transfer_params": {...}}]}
     {"op": "blocks"} -> {"num_free_blocks": n, "num_blocks": m, "num_held": h}
+    {"op": "submit", "requests": [{"request_id": id, "prompt": [ids...]}, ...]} -> {"submitted": n}: added with
+        do_remote_decode and left running (push mode: the consumer names these ids), the loop steps them
+    {"op": "push_stats"} -> the push mode's counters: {"num_layer_sends", "num_catch_up_sends", "num_waiting_orders"}
     {"op": "quit"}
 Between commands the engine keeps stepping while it holds blocks for consumers, so their done notices and the
 free timeout release them.
@@ -27,7 +30,8 @@ def main() -> None:
                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     print(json.dumps({"ready": True, "port": core.runtime_info.kv_transfer_port}), flush=True)
     while True:
-        readable, _, _ = select.select([sys.stdin], [], [], 0.02)
+        # Requests running (submitted ones): a step between each look at stdin, without waiting.
+        readable, _, _ = select.select([sys.stdin], [], [], 0 if engine.has_unfinished_requests() else 0.02)
         if not readable:
             if engine.has_unfinished_requests():
                 engine.step()
@@ -43,6 +47,16 @@ def main() -> None:
                                    use_tqdm=False)
             answer = {"outputs": [{"token_ids": output.outputs[0].token_ids,
                                    "kv_transfer_params": output.kv_transfer_params} for output in outputs]}
+        elif command["op"] == "submit":
+            for item in command["requests"]:
+                engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, params)
+            answer = {"submitted": len(command["requests"])}
+        elif command["op"] == "push_stats":
+            connector = core.executor.worker.kv_connector
+            with connector._lock:
+                num_waiting = sum(len(orders) for orders in connector._waiting_orders.values())
+            answer = {"num_layer_sends": connector.num_layer_sends, "num_catch_up_sends": connector.num_catch_up_sends,
+                      "num_waiting_orders": num_waiting}
         elif command["op"] == "blocks":
             deadline = time.monotonic() + float(command.get("wait_s", 0))
             while core.scheduler.has_kv_held_requests() and time.monotonic() < deadline:
