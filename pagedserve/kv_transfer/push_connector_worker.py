@@ -95,6 +95,9 @@ class _PushLoad:
     num_bytes: int = 0
     # The push order's sequence number: a producer's refusal answers with it.
     sequence: int = 0
+    # (producer rank, its layer index) -> block positions written so far: "complete" is taken only when every
+    # ordered layer covers every ordered position (a layer the producer failed to send fails the load, loudly).
+    received: dict[tuple[int, int], set[int]] = field(default_factory=dict)
 
 
 class PushConnectorWorker(PullConnectorWorker):
@@ -429,6 +432,12 @@ class PushConnectorWorker(PullConnectorWorker):
                 load.num_bytes += self._write_layer(load, rank, header, frames[1:])
                 load.deadline = time.monotonic() + float(self.config.extra("transfer_timeout_s"))
             elif kind == "complete":
+                wanted = set(range(order.first_block, order.first_block + len(order.local_block_ids)))
+                missing = [layer for layer in load.plan.remote_layers.get(rank, [])
+                           if not wanted <= load.received.get((rank, layer), set())]
+                if missing:
+                    raise KVTransferError(f"the producer said complete but layers {missing} lack some of the "
+                                          f"blocks at positions [{order.first_block}, +{len(order.local_block_ids)})")
                 load.pending_ranks.discard(rank)
                 if not load.pending_ranks:
                     self._end_load(loads.pop(order.request_id), True, True, client)
@@ -459,6 +468,7 @@ class PushConnectorWorker(PullConnectorWorker):
         block_ids = order.local_block_ids[offset:offset + count]
         for source in sources:
             self._write_source(source, block_ids, tensors, remote_signature)
+        load.received.setdefault((rank, layer), set()).update(range(first_block, first_block + count))  # type: ignore[arg-type]
         return sum(tensor.numel() for tensor in tensors)
 
     def _end_load(self, load: _PushLoad, is_loaded: bool, is_reachable: bool, client: BlockClient) -> None:
