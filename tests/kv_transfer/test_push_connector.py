@@ -167,3 +167,38 @@ def test_push_consumer_refuses_a_pull_producer(tiny_model_dir, caplog) -> None: 
     finally:
         producer.llm_engine.shutdown()
         consumer.llm_engine.shutdown()
+
+
+def test_producer_save_orders_follow_the_chunks() -> None:
+    """P's scheduler side on fabricated steps: one SaveOrder per step that computes prompt tokens of a
+    do_remote_decode request (its blocks so far, tokens before and after), none for other requests or the
+    sampled token, and a preempted request starts again from its new blocks."""
+    from pagedserve.config.kv_transfer import KVTransferConfig
+    from pagedserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from pagedserve.kv_transfer.push_connector_scheduler import PushConnectorScheduler, SaveOrder
+
+    config = KVTransferConfig(kv_connector="PullConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"mode": "push"})
+    scheduler = PushConnectorScheduler(config, 16, "127.0.0.1", [5600])
+    remote = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+
+    def step(new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int],
+             preempted: set[str] | None = None) -> list[SaveOrder]:
+        output = SchedulerOutput(scheduled_new_requests=new, scheduled_cached_requests=cached,
+                                 num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                                 preempted_request_ids=preempted or set())
+        return scheduler.build_connector_meta(output).saves
+
+    prompt = list(range(40))
+    assert step([NewRequestData("p", prompt, 40, remote, [3], 0),
+                 NewRequestData("plain", prompt, 40, SamplingParams(max_tokens=4), [9], 0)],
+                CachedRequestData(), {"p": 16, "plain": 16}) == [SaveOrder("p", [3], 0, 16, 40)]
+    assert step([], CachedRequestData(["p", "plain"], [[4], [10]], [16, 16]), {"p": 16, "plain": 16}) \
+        == [SaveOrder("p", [3, 4], 16, 32, 40)]
+    (last,) = step([], CachedRequestData(["p"], [[5]], [32]), {"p": 8})
+    assert last == SaveOrder("p", [3, 4, 5], 32, 40, 40) and last.completes_prompt
+    assert step([], CachedRequestData(["p"], [[]], [40]), {"p": 1}) == []  # the sampled token stays on P
+    # Preempted, then scheduled again from scratch in other blocks (a prefix hit of one block).
+    assert step([], CachedRequestData(), {}, preempted={"p"}) == []
+    assert step([NewRequestData("p", prompt, 40, remote, [7, 8], 16)], CachedRequestData(), {"p": 16}) \
+        == [SaveOrder("p", [7, 8], 16, 32, 40)]
