@@ -14,7 +14,9 @@ float32: 16 KiB of KV per token), so 8k tokens move 128 MiB.
 --mode (kv_connector_extra_config.mode; default pull) adds each mode's TTFT: from the request's start to D's first
 token, median of --repeats. pull: P prefills (max_tokens 1), then D pulls and computes the last prompt token. push
 (zmq only): D gets the request first and sends P its push order, P is given the request at once and sends each
-layer's KV from its forward, D runs once every layer arrived. Push's "load time" runs from D's order to the last
+layer's KV from its forward, D runs once every layer arrived. "P done -> D first token" is what the transfer leaves
+after P's prefill (the wall time P's request finished, from P, to D's first token): push hides the transfer when it
+is smaller, and it is free of P's prefill time, which other jobs' load makes noisy. Push's "load time" runs from D's order to the last
 layer, so it includes P's prefill (no throughput figure for it). On a loaded 2-core host compare ratios only.
 """
 from __future__ import annotations
@@ -64,21 +66,29 @@ def main() -> None:
              for mode in args.mode for transport in args.transports if mode == "pull" or transport == "zmq"}
     rng = random.Random(0)
     print(f"load average at start: {os.getloadavg()}")
-    print("| mode | transport | prompt tokens | KV bytes | best load time | throughput | median TTFT |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | transport | prompt tokens | KV bytes | best load time | throughput | median TTFT | "
+          "median P done -> D first token |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
+        runs: dict[tuple[int, tuple[str, str]], list[tuple[int, float, float, float]]] = {}
         for prompt_len in args.prompt_lens:
-            for (mode, transport), pair in pairs.items():
-                best, ttfts = None, []
-                for _ in range(args.repeats):
-                    num_bytes, seconds, ttft = pair.run([rng.randrange(8, 400) for _ in range(prompt_len)])
-                    ttfts.append(ttft)
-                    if best is None or seconds < best[1]:
-                        best = (num_bytes, seconds)
-                assert best is not None
+            # Rounds take the pairs in turn (a fresh prompt each), so load from other jobs falls on every pair alike.
+            for _ in range(args.repeats):
+                for key, pair in pairs.items():
+                    runs.setdefault((prompt_len, key), []).append(
+                        pair.run([rng.randrange(8, 400) for _ in range(prompt_len)]))
+            for (mode, transport) in pairs:
+                results = runs[(prompt_len, (mode, transport))]
+                best = min(results, key=lambda result: result[1])
+                ttfts = [result[2] for result in results]
                 throughput = f"{best[0] / best[1] / 1e9:.2f} GB/s" if mode == "pull" else "-"
                 print(f"| {mode} | {transport} | {prompt_len} | {best[0] / 2**20:.1f} MiB | {best[1] * 1000:.1f} ms "
-                      f"| {throughput} | {statistics.median(ttfts) * 1000:.1f} ms |", flush=True)
+                      f"| {throughput} | {statistics.median(ttfts) * 1000:.1f} ms | "
+                      f"{statistics.median(result[3] for result in results) * 1000:.1f} ms |", flush=True)
+            print("  TTFT runs (ms): " + "; ".join(
+                f"{mode}/{transport} " + ", ".join(f"{result[2] * 1000:.0f}" for result in runs[(prompt_len,
+                                                                                                 (mode, transport))])
+                for mode, transport in pairs), flush=True)
     finally:
         for pair in pairs.values():
             pair.close()
@@ -112,12 +122,14 @@ class PrefillDecodePair:
         self.producer.stdin.flush()
         return json.loads(self.producer.stdout.readline())
 
-    def run(self, prompt: list[int]) -> tuple[int, float, float]:
-        """One request through P and D: (bytes moved, seconds the load took, TTFT seconds)."""
+    def run(self, prompt: list[int]) -> tuple[int, float, float, float]:
+        """One request through P and D: (bytes moved, seconds the load took, TTFT seconds, seconds from P's
+        prefill finishing to D's first token)."""
         before_bytes, before_seconds = self.connector.num_loaded_bytes, self.connector.load_seconds
         start = time.perf_counter()
         if self.mode == "pull":
-            params = self._ask({"op": "prefill", "prompts": [prompt]})["outputs"][0]["kv_transfer_params"]
+            answer = self._ask({"op": "prefill", "prompts": [prompt]})["outputs"][0]
+            params, producer_id = answer["kv_transfer_params"], answer["request_id"]
             output = self.consumer.generate([{"prompt_token_ids": prompt}], SamplingParams(
                 temperature=0, max_tokens=1, extra_args={"kv_transfer_params": params}), use_tqdm=False)[0]
         else:
@@ -135,9 +147,12 @@ class PrefillDecodePair:
                 if output is None:
                     time.sleep(0.001)  # D idles while P computes: leave P the cores
         ttft = time.perf_counter() - start
+        first_token_at = time.time()
         assert output.outputs[0].finish_reason == "length", output.outputs[0].finish_reason
+        # What the transfer leaves after P's prefill: P's finish to D's first token (one host, one wall clock).
+        tail = first_token_at - self._ask({"op": "finished_at", "request_id": producer_id})["finished_at"]
         return (self.connector.num_loaded_bytes - before_bytes, self.connector.load_seconds - before_seconds,
-                ttft)
+                ttft, tail)
 
     def close(self) -> None:
         self.producer.stdin.write(json.dumps({"op": "quit"}) + "\n")

@@ -7,6 +7,7 @@ Commands (one JSON object a line), each answered by one JSON line on stdout:
     {"op": "submit", "requests": [{"request_id": id, "prompt": [ids...]}, ...]} -> {"submitted": n}: added with
         do_remote_decode and left running (push mode: the consumer names these ids), the loop steps them
     {"op": "push_stats"} -> the push mode's counters: {"num_layer_sends", "num_catch_up_sends", "num_waiting_orders"}
+    {"op": "finished_at", "request_id": id} -> {"finished_at": wall time (time.time()) its output finished, or null}
     {"op": "quit"}
 Between commands the engine keeps stepping while it holds blocks for consumers, so their done notices and the
 free timeout release them.
@@ -29,12 +30,16 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     print(json.dumps({"ready": True, "port": core.runtime_info.kv_transfer_port}), flush=True)
+    # Request id -> wall time its prefill finished (benchmarks compare it with the consumer's first token).
+    finished_at: dict[str, float] = {}
     while True:
         # Requests running (submitted ones): a step between each look at stdin, without waiting.
         readable, _, _ = select.select([sys.stdin], [], [], 0 if engine.has_unfinished_requests() else 0.02)
         if not readable:
             if engine.has_unfinished_requests():
-                engine.step()
+                for output in engine.step():
+                    if output.finished:
+                        finished_at[output.request_id] = time.time()
             continue
         line = sys.stdin.readline()
         if not line:
@@ -45,12 +50,15 @@ def main() -> None:
         if command["op"] == "prefill":
             outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in command["prompts"]], params,
                                    use_tqdm=False)
-            answer = {"outputs": [{"token_ids": output.outputs[0].token_ids,
+            finished_at.update((output.request_id, time.time()) for output in outputs)
+            answer = {"outputs": [{"token_ids": output.outputs[0].token_ids, "request_id": output.request_id,
                                    "kv_transfer_params": output.kv_transfer_params} for output in outputs]}
         elif command["op"] == "submit":
             for item in command["requests"]:
                 engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, params)
             answer = {"submitted": len(command["requests"])}
+        elif command["op"] == "finished_at":
+            answer = {"finished_at": finished_at.get(command["request_id"])}
         elif command["op"] == "push_stats":
             connector = core.executor.worker.kv_connector
             with connector._lock:
