@@ -12,12 +12,13 @@ Pure Python (it runs inside the scheduler).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.kv_transfer.kv_transfer_params import KVTransferParams, request_kv_transfer_params
 from pagedserve.kv_transfer.pull_connector_scheduler import PullConnectorMetadata, PullConnectorScheduler
 
 if TYPE_CHECKING:
+    from pagedserve.core.request import Request
     from pagedserve.core.scheduler_output import SchedulerOutput
     from pagedserve.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class PushConnectorMetadata(PullConnectorMetadata):
     """One step's orders: pull mode's, plus the producer's layer-wise saves."""
 
     saves: list[SaveOrder] = field(default_factory=list)
+    # Producer: do_remote_decode requests that ended without their KV (aborted, failed), their blocks held until the
+    # worker told their consumers (it reports them in finished_sending then).
+    aborted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class PushConnectorScheduler(PullConnectorScheduler):
         # Producer: do_remote_decode requests the worker has seen, by id -> their blocks so far (the scheduler's
         # outputs carry only new blocks for requests already scheduled).
         self._producer_requests: dict[str, _ProducerRequest] = {}
+        self._aborted: list[str] = []
 
     @staticmethod
     def _is_remote_decode(sampling_params: SamplingParams) -> bool:
@@ -68,7 +73,8 @@ class PushConnectorScheduler(PullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushConnectorMetadata:
         pull = super().build_connector_meta(scheduler_output)
         metadata = PushConnectorMetadata(loads=pull.loads, sends=pull.sends,
-                                         finished_request_ids=pull.finished_request_ids)
+                                         finished_request_ids=pull.finished_request_ids, aborted=self._aborted)
+        self._aborted = []
         for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
             self._producer_requests.pop(request_id, None)
         if not self.config.is_producer:
@@ -93,6 +99,16 @@ class PushConnectorScheduler(PullConnectorScheduler):
                 metadata.saves.append(SaveOrder(request_id, list(state.block_ids), before, after,
                                                 state.num_prompt_tokens))
         return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        is_delayed, params = super().request_finished(request, block_ids)
+        if is_delayed or not self.config.is_producer or not self._is_remote_decode(request.sampling_params):
+            return is_delayed, params
+        # Ended without its KV (aborted, or failed): a consumer may be waiting for its layers. Holding the blocks
+        # keeps the engine stepping (an idle engine would not) until the worker has told the consumers, and keeps
+        # the blocks that layer messages still queued read from out of other requests' hands meanwhile.
+        self._aborted.append(request.request_id)
+        return True, None
 
 
 __all__ = ["PushConnectorMetadata", "PushConnectorScheduler", "SaveOrder"]

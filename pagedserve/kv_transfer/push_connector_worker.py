@@ -183,16 +183,15 @@ class PushConnectorWorker(PullConnectorWorker):
         if not isinstance(metadata, PushConnectorMetadata) or not self.config.is_producer:
             return
         with self._lock:
-            held = set(metadata.sends) | set(self._send_deadlines)
-            # Finished without being held for consumers (aborted, or failed): its blocks are freed now.
-            dropped = [request_id for request_id in metadata.finished_request_ids
-                       if request_id not in held and (request_id in self._pushed or request_id in self._waiting_orders)]
-            for request_id in dropped:
+            # Ended without their KV (aborted, failed): tell their consumers, then release the blocks the scheduler
+            # holds for them (reported in finished_sending; pages still queued come before "failed" to D).
+            for request_id in metadata.aborted:
                 state = self._pushed.pop(request_id, None)
                 orders = self._waiting_orders.pop(request_id, [])
                 for destination in (state.destinations if state is not None else []) + orders:
                     self._send(self._control(destination, "failed",
                                              error=f"the producer's request {request_id!r} ended without its KV"))
+                self._done_ids.add(request_id)
             for save in metadata.saves:
                 state = self._pushed.setdefault(save.request_id, _PushedRequest())
                 # Tokens before the step are written in every layer (a prefix hit, earlier chunks); a preempted

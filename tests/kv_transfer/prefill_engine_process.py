@@ -7,6 +7,8 @@ Commands (one JSON object a line), each answered by one JSON line on stdout:
     {"op": "submit", "requests": [{"request_id": id, "prompt": [ids...]}, ...]} -> {"submitted": n}: added with
         do_remote_decode and left running (push mode: the consumer names these ids), the loop steps them
     {"op": "push_stats"} -> the push mode's counters: {"num_layer_sends", "num_catch_up_sends", "num_waiting_orders"}
+    {"op": "abort", "request_id": id} -> {"aborted": id}: aborted before the loop's next step (a submitted request
+        not yet scheduled stays unscheduled when both commands come in one line: use "submit" with "abort": true)
     {"op": "finished_at", "request_id": id} -> {"finished_at": wall time (time.time()) its output finished, or null}
     {"op": "quit"}
 Between commands the engine keeps stepping while it holds blocks for consumers, so their done notices and the
@@ -56,7 +58,12 @@ def main() -> None:
         elif command["op"] == "submit":
             for item in command["requests"]:
                 engine.add_request(item["request_id"], {"prompt_token_ids": item["prompt"]}, params)
+            if command.get("abort"):  # before any step: the requests end without computing anything
+                engine.abort_request([item["request_id"] for item in command["requests"]])
             answer = {"submitted": len(command["requests"])}
+        elif command["op"] == "abort":
+            engine.abort_request([command["request_id"]])
+            answer = {"aborted": command["request_id"]}
         elif command["op"] == "finished_at":
             answer = {"finished_at": finished_at.get(command["request_id"])}
         elif command["op"] == "push_stats":

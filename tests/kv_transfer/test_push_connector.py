@@ -37,10 +37,14 @@ def start_producer(model: str, **extra: Any) -> tuple[PrefillProcess, int]:
     return producer, producer.port
 
 
+def num_waiting_orders(producer: PrefillProcess) -> int:
+    return producer.ask(op="push_stats")["num_waiting_orders"]
+
+
 def wait_for_orders(producer: PrefillProcess, count: int, timeout_s: float = 20.0) -> None:
     """Until P holds `count` push orders waiting for their requests (D's receiver sent them)."""
     deadline = time.monotonic() + timeout_s
-    while producer.ask(op="push_stats")["num_waiting_orders"] < count:
+    while num_waiting_orders(producer) < count:
         assert time.monotonic() < deadline, "the consumer's push orders did not reach the producer"
         time.sleep(0.02)
 
@@ -105,10 +109,10 @@ def test_push_greedy_equals_one_engine(model_dir: str) -> None:
         engine.shutdown()
 
 
-def test_push_faults_follow_the_policy(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_push_faults_follow_the_policy(tiny_model_dir, caplog) -> None:  # type: ignore[no-untyped-def]
     """A P that never runs the request and a P killed after taking the order: D's load times out
-    (transfer_timeout_s) and D recomputes (same tokens) or fails ('fail'); a request aborted while it waits frees
-    its blocks; every D block ends free."""
+    (transfer_timeout_s) and D recomputes (same tokens) or fails ('fail'); a request aborted on P: P says so and D
+    recomputes; a request aborted on D while it waits frees its blocks; every D block ends free."""
     model = tiny_model_dir("llama")
     prompts = random_prompts(3, 30, 45, seed=23)
     reference_engine = LLM(model, **ENGINE_KWARGS)
@@ -133,10 +137,25 @@ def test_push_faults_follow_the_policy(tiny_model_dir) -> None:  # type: ignore[
         assert_all_blocks_free(recomputing)
         assert producer.ask(op="blocks", wait_s=0)["num_held"] == 0
 
+        # Aborted on P before it ran: P tells D at once ("failed"), D recomputes.
+        waiting = num_waiting_orders(producer)  # the order for "nobody" still waits on P ("x" too, until P steps)
+        recomputing.llm_engine.add_request("p-aborted", {"prompt_token_ids": prompts[1]},
+                                           push_params(port, "p-abort"))
+        recomputing.llm_engine.step()
+        wait_for_orders(producer, waiting + 1)
+        with caplog.at_level(logging.ERROR, logger="pagedserve.kv_transfer.push_connector_worker"):
+            producer.ask(op="submit", requests=[{"request_id": "p-abort", "prompt": prompts[1]}], abort=True)
+            finished = run_until_done(recomputing)
+        assert finished["p-aborted"].outputs[0].token_ids == expected[1]
+        assert "the producer gave up: the producer's request 'p-abort' ended without its KV" in caplog.text
+        assert_all_blocks_free(recomputing)
+        assert producer.ask(op="blocks", wait_s=0)["num_held"] == 0
+
         # Killed after taking the order: nothing comes, the request fails.
+        waiting = num_waiting_orders(producer)
         failing.llm_engine.add_request("killed", {"prompt_token_ids": prompts[2]}, push_params(port, "p-killed"))
         failing.llm_engine.step()
-        wait_for_orders(producer, 3)  # the two earlier orders still wait on P (P frees them after free_timeout_s)
+        wait_for_orders(producer, waiting + 1)
         producer.kill()
         finished = run_until_done(failing)
         assert finished["killed"].outputs[0].finish_reason == "error"
@@ -202,3 +221,26 @@ def test_producer_save_orders_follow_the_chunks() -> None:
     assert step([], CachedRequestData(), {}, preempted={"p"}) == []
     assert step([NewRequestData("p", prompt, 40, remote, [7, 8], 16)], CachedRequestData(), {"p": 16}) \
         == [SaveOrder("p", [7, 8], 16, 32, 40)]
+
+
+def test_push_metadata_through_the_worker_pipe() -> None:
+    """An 'mp' worker gets the push mode's orders as plain maps: the worker side turns them back (SaveOrders
+    included) and takes the step's saves."""
+    from pagedserve.config.kv_transfer import KVTransferConfig
+    from pagedserve.core.scheduler_output import CachedRequestData, SchedulerOutput
+    from pagedserve.executor.worker_messages import ExecuteModel, WorkerCodec
+    from pagedserve.kv_transfer.push_connector_scheduler import PushConnectorMetadata, SaveOrder
+    from pagedserve.kv_transfer.push_connector_worker import PushConnectorWorker
+
+    metadata = PushConnectorMetadata(sends=["s"], saves=[SaveOrder("p", [3, 4], 16, 32, 40)])
+    codec = WorkerCodec()
+    decoded = codec.decode_to_worker(codec.encode(ExecuteModel(scheduler_output=SchedulerOutput(
+        [], CachedRequestData(), {}, 0, kv_connector_metadata=metadata))))
+    worker = PushConnectorWorker(KVTransferConfig(kv_connector="PullConnector", kv_role="kv_producer",
+                                                  kv_connector_extra_config=PUSH), {"block_size": 16})
+    worker.start_load_kv(decoded.scheduler_output.kv_connector_metadata)
+    assert worker._step_saves == metadata.saves and set(worker._send_deadlines) == {"s"}
+    assert worker._pushed["p"].block_ids == [3, 4] and worker._pushed["p"].num_written_tokens == 16
+    worker.wait_for_save()
+    assert worker._pushed["p"].num_written_tokens == 32 and not worker._pushed["p"].is_prefilled
+    worker.shutdown()
