@@ -69,7 +69,8 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir) -> str:  # type: i
 
 def test_push_greedy_equals_one_engine(model_dir: str) -> None:
     """Chunked prefill on P (16-token budget). Two requests reach D first: P streams their layers from the forward
-    (layer sends); a third P computed before D asked: P sends it at once (catch-up). D's tokens equal one engine's,
+    (layer sends), past a local prefix hit on D for one; a third P computed before D asked: P sends it at once
+    (catch-up). D's tokens equal one engine's,
     D computes one prompt token per request, and every block ends free on both sides."""
     prompts = random_prompts(3, 40, 70, seed=21)
     reference_engine = LLM(model_dir, **ENGINE_KWARGS)
@@ -85,6 +86,8 @@ def test_push_greedy_equals_one_engine(model_dir: str) -> None:
         while producer.ask(op="blocks")["num_held"] != 1:
             assert time.monotonic() < deadline, "the producer did not finish its request"
             time.sleep(0.05)
+        # D computed a prefix of the first prompt before: its two full blocks are a local hit, P sends the rest.
+        token_ids(consumer, [prompts[0][:40]], SamplingParams(temperature=0, max_tokens=1))
         scheduled = record_scheduled_tokens(consumer)
         for index in range(2):
             engine.add_request(f"d{index}", {"prompt_token_ids": prompts[index]}, push_params(port, f"p{index}"))
@@ -98,6 +101,7 @@ def test_push_greedy_equals_one_engine(model_dir: str) -> None:
         assert [output.outputs[0].token_ids for output in outputs] == expected
         assert all(output.outputs[0].finish_reason == "length" for output in outputs)
         assert sorted(steps[0] for steps in scheduled.values()) == [1, 1, 1]
+        assert outputs[0].num_cached_tokens == 32  # the local hit on D
         stats = producer.ask(op="push_stats")
         assert stats["num_layer_sends"] > 0 and stats["num_catch_up_sends"] > 0, stats
         assert_all_blocks_free(consumer)
