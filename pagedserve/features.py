@@ -557,6 +557,17 @@ FEATURES: tuple[Feature, ...] = (
                "tests/kv_transfer/test_mooncake_transport.py"),
     ),
     Feature(
+        line="framework", family="PD disaggregation", feature="PullConnector layer-wise push mode: D reserves its "
+                                                              "blocks and sends P a push order, P sends each layer's "
+                                                              "KV from save_kv_layer as its forward writes it (zmq, "
+                                                              "one rank a side; dense and MLA)",
+        modules=("pagedserve.kv_transfer.push_connector_scheduler", "pagedserve.kv_transfer.push_connector_worker",
+                 "pagedserve.attention.forward_context"),
+        knobs=("kv_transfer_config",),
+        docs="docs/kv_transfer.md",
+        tests=("tests/kv_transfer/test_push_connector.py",),
+    ),
+    Feature(
         line="framework", family="pooling", feature="PoolConnector: full KV blocks shared by engines through a store "
                                                     "(Mooncake Store or Redis / Valkey) or a local tier (host "
                                                     "memory, then disk), looked up by chained block hash after the "

@@ -3,7 +3,9 @@
 `kv_transfer_config` is given to EngineConfig.create / LLM(...) as a dict (or JSON text: `--kv-transfer-config`):
     {"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 5600, "engine_id": "prefill-0",
      "kv_connector_extra_config": {"transport": "zmq", "free_timeout_s": 120, "transfer_timeout_s": 30}}
-    (transport "mooncake": the bytes over Mooncake's Transfer Engine, kv_transfer/mooncake_block_transport.py)
+    (transport "mooncake": the bytes over Mooncake's Transfer Engine, kv_transfer/mooncake_block_transport.py;
+    mode "push": D reserves its blocks first and P sends each layer's KV as its forward writes it,
+    kv_transfer/push_connector_worker.py)
     {"kv_connector": "MultiConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {"connectors": [{...one connector's config...}, {...}]}}
     {"kv_connector": "PoolConnector", "kv_role": "kv_both",
@@ -27,6 +29,11 @@ KV_CONNECTORS = ("PullConnector", "PoolConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("zmq", "mooncake")
+# PullConnector modes: "pull" (D reads P's blocks after P's prefill) or "push" (D reserves its blocks and tells P
+# where they are; P sends each layer's KV as soon as its forward wrote it, overlapping P's remaining layers).
+KV_TRANSFER_MODES = ("pull", "push")
+# Transports that can carry the push mode's layer stream (P sends on the consumer's control connection).
+PUSH_TRANSPORTS = ("zmq",)
 # Speculative methods whose drafter computes its KV at a prompt position from the target's hidden state there: with a
 # connector the target computes only the positions past the KV it loaded, so the drafter's pages travel beside the
 # target's (kv_transfer/connector_factory.py), and the producer must run the same speculative_config.
@@ -34,6 +41,7 @@ DRAFTER_KV_TRAVELS_METHODS = ("eagle", "eagle3", "mtp")
 # Extra keys the pull connector reads, with their defaults.
 PULL_CONNECTOR_DEFAULTS: dict[str, Any] = {
     "transport": "zmq",
+    "mode": "pull",
     # Seconds a producer keeps a finished request's blocks when no consumer says it is done with them.
     "free_timeout_s": 120.0,
     # Seconds a consumer waits for a producer's answer before the load counts as failed.
@@ -90,6 +98,15 @@ class KVTransferConfig:
         if transport not in TRANSPORTS:
             raise ValueError(f"kv_transfer_config.kv_connector_extra_config.transport={transport!r} must be one "
                              f"of {list(TRANSPORTS)}")
+        mode = extra.get("mode", "pull")
+        if mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode={mode!r} must be one of "
+                             f"{list(KV_TRANSFER_MODES)}")
+        if mode == "push" and transport not in PUSH_TRANSPORTS:
+            # Mooncake's Transfer Engine reads whole requests cache to cache here; the layer stream rides zmq.
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode='push' cannot run over "
+                             f"transport={transport!r}: push needs transport one of {list(PUSH_TRANSPORTS)} (or "
+                             f"use mode 'pull' with {transport!r})")
         for name in ("free_timeout_s", "transfer_timeout_s"):
             value = extra.get(name, PULL_CONNECTOR_DEFAULTS[name])
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -191,6 +208,17 @@ class KVTransferConfig:
                              f"speculative_config.method={speculative_method!r} (the drafter's KV over a prefix would "
                              f"have to be pooled too, under keys that do not name the drafter): use method 'ngram' or "
                              f"'draft_model' with the pool, or drop one of them")
+        if any(part.kv_connector == "PullConnector" and part.extra("mode") == "push" for part in parts):
+            # Push is tested with one worker rank a side and the target's pages only; the kv pp / unequal TP plan
+            # and drafter pages are pull-mode features until a test covers them in push mode.
+            if ranks != (1, 1):
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode='push' runs with "
+                                 f"tensor_parallel_size and pipeline_parallel_size 1 for now (got {ranks}): use "
+                                 f"mode 'pull' for kv pp and unequal TP")
+            if speculative_method in DRAFTER_KV_TRAVELS_METHODS:
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode='push' is not supported with "
+                                 f"speculative_config.method={speculative_method!r} (its drafter's pages travel in "
+                                 f"mode 'pull' only): use mode 'pull', or drop one of them")
         if sparse_kv_offload:
             # The offloaded latents live in the tier file, not in the KV pages the connector moves.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
@@ -204,4 +232,4 @@ class KVTransferConfig:
         return config_from_dict(KVTransferConfig, "kv_transfer_config", value)
 
 
-__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]
+__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_TRANSFER_MODES", "PUSH_TRANSPORTS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]

@@ -84,6 +84,12 @@ class KVConnectorWorker(ABC):
         """Layer-wise loading: block until `layer_name`'s KV is in place (a no-op for whole-request loads)."""
         return None
 
+    @property
+    def saves_kv_per_layer(self) -> bool:
+        """True when save_kv_layer does something: the model runner then calls it from every attention layer's
+        forward (attention/forward_context.py); False spares the forward the calls."""
+        return False
+
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """Layer-wise saving: `layer_name`'s KV of this step is written (a no-op for pull connectors)."""
         return None

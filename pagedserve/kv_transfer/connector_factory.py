@@ -32,6 +32,10 @@ def create_scheduler_connector(config: KVTransferConfig, block_size: int, ports:
         if engine_signature is None:
             raise ValueError("a PoolConnector's scheduler side needs the engine signature (kv_engine_signature)")
         return PoolConnectorScheduler(config, block_size, engine_signature)
+    if config.extra("mode") == "push":
+        from pagedserve.kv_transfer.push_connector_scheduler import PushConnectorScheduler
+
+        return PushConnectorScheduler(config, block_size, config.extra("host"), ports)
     from pagedserve.kv_transfer.pull_connector_scheduler import PullConnectorScheduler
 
     return PullConnectorScheduler(config, block_size, config.extra("host"), ports)
@@ -54,8 +58,12 @@ def create_worker_connector(config: KVTransferConfig, engine_signature: dict[str
     from pagedserve.kv_transfer.pull_connector_worker import PullConnectorWorker
 
     # PD peers may load one model from different paths: the model's name is no part of their handshake.
-    return PullConnectorWorker(config, (placement or {}) | {key: value for key, value in engine_signature.items()
-                                                            if key != "model_name"})
+    signature = (placement or {}) | {key: value for key, value in engine_signature.items() if key != "model_name"}
+    if config.extra("mode") == "push":
+        from pagedserve.kv_transfer.push_connector_worker import PushConnectorWorker
+
+        return PushConnectorWorker(config, signature)
+    return PullConnectorWorker(config, signature)
 
 
 def kv_engine_signature(config: EngineConfig) -> dict[str, Any]:

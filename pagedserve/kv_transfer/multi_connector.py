@@ -91,6 +91,10 @@ class MultiConnectorWorker(KVConnectorWorker):
         for part in self.parts:
             part.wait_for_layer_load(layer_name)
 
+    @property
+    def saves_kv_per_layer(self) -> bool:
+        return any(part.saves_kv_per_layer for part in self.parts)
+
     def save_kv_layer(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         for part in self.parts:
             part.save_kv_layer(layer_name, kv_cache)

@@ -37,6 +37,8 @@ class LoadOrder:
     remote_request_id: str
     # Every producer rank's block server port, in rank order (pp_rank * tp_size + tp_rank); [remote_port] for one.
     remote_ports: list[int] = field(default_factory=list)
+    # The position (block index in the prompt) of local_block_ids[0]: blocks before it were a local prefix hit.
+    first_block: int = 0
 
 
 @dataclass
@@ -94,7 +96,7 @@ class PullConnectorScheduler(KVConnectorScheduler):
             remote_block_ids=list(params.remote_block_ids[first:end]), remote_engine_id=params.remote_engine_id,
             remote_host=params.remote_host, remote_port=params.remote_port,
             remote_request_id=params.remote_request_id,
-            remote_ports=list(params.remote_ports or (params.remote_port,))))
+            remote_ports=list(params.remote_ports or (params.remote_port,)), first_block=first))
         self._loading_ids.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PullConnectorMetadata:

@@ -219,13 +219,7 @@ class PullConnectorWorker(KVConnectorWorker):
             if self._is_cancelled(order.request_id):
                 return False
             for source in sources:
-                layer_frames = by_layer[source.remote_layer]
-                if source.is_whole_page:
-                    self.regions.scatter(order.local_block_ids, layer_frames, [source.local_layer])
-                else:
-                    self.regions.copy_heads(source.local_layer, order.local_block_ids,
-                                            self._remote_layout(source, remote_signature), layer_frames,
-                                            source.remote_head_start, source.local_head_start, source.num_heads)
+                self._write_source(source, order.local_block_ids, by_layer[source.remote_layer], remote_signature)
             num_bytes += sum(tensor.numel() for tensor in tensors)
         seconds = time.perf_counter() - start
         with self._lock:
@@ -234,6 +228,17 @@ class PullConnectorWorker(KVConnectorWorker):
         logger.debug("request %s: loaded %d blocks (%.1f MiB) in %.3f s", order.request_id,
                      len(order.local_block_ids), num_bytes / 2**20, seconds)
         return True
+
+    def _write_source(self, source: LayerSource, local_block_ids: list[int], layer_frames: list[torch.Tensor],
+                      remote_signature: dict[str, Any]) -> None:
+        """Write one source's pages (its remote layer's regions, [len(local_block_ids), region bytes] each) into
+        `local_block_ids`: whole pages, or its head slice."""
+        assert self.regions is not None
+        if source.is_whole_page:
+            self.regions.scatter(local_block_ids, layer_frames, [source.local_layer])
+        else:
+            self.regions.copy_heads(source.local_layer, local_block_ids, self._remote_layout(source, remote_signature),
+                                    layer_frames, source.remote_head_start, source.local_head_start, source.num_heads)
 
     @staticmethod
     def _handshake(client: BlockClient, host: str, port: int,

@@ -10,6 +10,9 @@ One ROUTER socket on the producer answers three requests, each a msgpack header 
   this producer rank (default 1) no longer needs the request's blocks.
 Every request carries a sequence number echoed in its answer, so a late answer to a timed-out request is dropped.
 A failure is {"ok": false, "error": "..."}. The consumer drops a socket whose answer timed out (lazy pirate).
+A connector may add request kinds (`handlers`: kind -> the messages to send to the asker, the push mode's
+"push_order") and an outbox: an inproc address whose messages ([consumer identity, frames...]) the server thread
+forwards to that consumer, so other threads (the forward's save_kv_layer) send through the one ROUTER socket.
 """
 from __future__ import annotations
 
@@ -42,13 +45,25 @@ class BlockServer:
     """The producer's server thread: handshakes, block reads, done notices (see the module docstring)."""
 
     def __init__(self, context: zmq.Context, host: str, port: int, regions: KVPageRegions,
-                 on_done: Callable[[str, int], None], handshake_extra: dict[str, Any] | None = None) -> None:
-        """`handshake_extra`: more keys for the handshake answer (the mooncake transport's descriptor)."""
+                 on_done: Callable[[str, int], None], handshake_extra: dict[str, Any] | None = None,
+                 handlers: dict[str, Callable[[bytes, dict[str, Any]], list[list[Any]]]] | None = None,
+                 outbox_address: str | None = None) -> None:
+        """`handshake_extra`: more keys for the handshake answer (the mooncake transport's descriptor);
+        `handlers`: more request kinds, each answered by the messages (frame lists) its handler returns for the
+        asker's identity; `outbox_address`: an inproc address to forward [identity, frames...] messages from."""
         self.regions = regions
         self.on_done = on_done
         self.handshake_extra = handshake_extra or {}
+        self.handlers = handlers or {}
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.outbox: zmq.Socket | None = None
+        if outbox_address is not None:
+            # A layer stream is many messages to one consumer: never drop one at the high-water mark.
+            self.socket.setsockopt(zmq.SNDHWM, 0)
+            self.outbox = context.socket(zmq.PULL)
+            self.outbox.setsockopt(zmq.LINGER, 0)
+            self.outbox.bind(outbox_address)
         address = f"tcp://{host}"
         try:
             if port == 0:
@@ -58,6 +73,8 @@ class BlockServer:
                 self.port = port
         except zmq.ZMQError as error:
             self.socket.close()
+            if self.outbox is not None:
+                self.outbox.close()
             raise ValueError(f"kv_transfer_config.kv_port={port}: cannot listen on {host}:{port} ({error})") \
                 from None
         self._encoder = msgspec.msgpack.Encoder()
@@ -68,22 +85,37 @@ class BlockServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        if self.outbox is not None:
+            poller.register(self.outbox, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(_POLL_INTERVAL_MS):
+            events = dict(poller.poll(_POLL_INTERVAL_MS))
+            if self.outbox is not None and self.outbox in events:
+                # Queued sends first: a request handled below may answer after what was queued before it.
+                while True:
+                    try:
+                        message = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.socket.send_multipart(message, copy=False)
+            if self.socket not in events:
                 continue
             identity, *frames = self.socket.recv_multipart()
-            reply: list[Any]
+            replies: list[list[Any]]
             try:
                 header = msgspec.msgpack.decode(frames[0]) if frames else None
                 if not isinstance(header, dict):
                     raise KVTransferError(f"a request must be one msgpack map, got {len(frames)} frames")
-                reply = self._answer(header)
+                handler = self.handlers.get(header.get("kind"))  # type: ignore[arg-type]
+                replies = handler(identity, header) if handler is not None else [self._answer(header)]
             except Exception as error:  # one bad request never stops the server
                 logger.warning("KV block server: %s", error)
                 sequence = header.get("seq") if isinstance(header, dict) else None
-                reply = [self._encoder.encode({"ok": False, "seq": sequence, "error": str(error)})]
-            self.socket.send_multipart([identity, *reply], copy=False)
+                replies = [[self._encoder.encode({"ok": False, "seq": sequence, "error": str(error)})]]
+            for reply in replies:
+                self.socket.send_multipart([identity, *reply], copy=False)
         self.socket.close()
+        if self.outbox is not None:
+            self.outbox.close()
 
     def _answer(self, header: dict[str, Any]) -> list[Any]:
         kind, sequence = header.get("kind"), header.get("seq")
@@ -110,7 +142,8 @@ class BlockServer:
             # numpy views of the gathered copies: zmq sends them without another copy.
             tensors = self.regions.gather(block_ids, layers)
             return [self._encoder.encode({"ok": True, "seq": sequence}), *(tensor.numpy() for tensor in tensors)]
-        raise KVTransferError(f"unknown request kind={kind!r}; known: handshake, read, done")
+        raise KVTransferError(f"unknown request kind={kind!r}; known: "
+                              f"{', '.join(['handshake', 'read', 'done', *self.handlers])}")
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import current_attention_backend_name, get_attention_backend
-from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.forward_context import get_forward_context, save_kv_layer
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
 from pagedserve.layers.watched_attributes import WatchedAttributes
 
@@ -66,6 +66,7 @@ class Attention(WatchedAttributes, nn.Module):
                 raise RuntimeError(f"{self.layer_name}: attention metadata is set but no kv_cache is bound")
             output = self.backend.forward(query, key, value, self.kv_cache, metadata, self.scale,
                                           self.sliding_window)
+            save_kv_layer(self.layer_name, self.kv_cache)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def _attend_as_one_sequence(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

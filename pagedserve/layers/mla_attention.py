@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.decode_context_parallel import mla_context_parallel_attention
-from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.forward_context import get_forward_context, save_kv_layer
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
 from pagedserve.attention.mla_paged import attend_expanded, mla_paged_attention
 
@@ -53,6 +53,7 @@ class MLAAttention(nn.Module):
             attend = mla_paged_attention if metadata.context_parallel is None else mla_context_parallel_attention
             output = attend(q_nope, q_pe, latent, self.kv_cache, metadata, kv_b_weight, self.kv_lora_rank,
                             self.v_head_dim, self.scale)
+            save_kv_layer(self.layer_name, self.kv_cache)
         return output.reshape(num_tokens, self.num_heads * self.v_head_dim)
 
     def extra_repr(self) -> str:

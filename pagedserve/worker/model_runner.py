@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.decode_context_parallel import build_decode_context_parallel
-from pagedserve.attention.forward_context import set_forward_context
+from pagedserve.attention.forward_context import KVLayerSaver, set_forward_context
 from pagedserve.config.engine import EngineConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.prefill_context_parallel import build_prefill_context_parallel_forward
@@ -105,6 +105,8 @@ class ModelRunner:
         self.max_verify_tokens = 1 + (config.speculative_config.num_speculative_tokens or 0)
         # Sparse KV offload (sparse_kv_offload/): set by the worker when on; told each step's requests.
         self.kv_offload: SparseKVOffload | None = None
+        # A layer-wise KV connector's save_kv_layer (the worker sets it; None: no connector saves per layer).
+        self.kv_layer_saver: KVLayerSaver | None = None
         # Every module whose attention layers need KV caches, in binding order: the model, then the drafter.
         self.kv_cache_modules = nn.ModuleList([model] if draft_model is None else [model, draft_model])
         if config.batch_invariant:
@@ -153,7 +155,7 @@ class ModelRunner:
         metadata = self._build_attention_metadata(attention_step)
         if self.kv_offload is not None:
             self.kv_offload.begin_step(attention_step.request_ids, attention_step.num_scheduled)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, self.kv_layer_saver):
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples
             return ModelRunnerOutput(request_ids=step.request_ids,

@@ -124,6 +124,8 @@ class Worker:
 
             self.kv_connector = connect_worker_kv_caches(config, kv_cache_modules, kv_caches, num_blocks,
                                                          target_model=model, draft_model=draft_model)
+            if self.kv_connector.saves_kv_per_layer:  # push mode: each attention layer hands over its KV
+                self.model_runner.kv_layer_saver = self.kv_connector.save_kv_layer
         self.runtime_info = RuntimeInfo(num_kv_blocks=num_blocks, kv_cache_bytes=num_blocks * bytes_per_block,
                                         attention_backend=config.attention_backend,
                                         chunk_latency_samples=self._profile_chunk_latencies(model, num_blocks),
@@ -174,5 +176,6 @@ class Worker:
         if self.kv_offload is not None:
             self.kv_offload.close()
         if self.kv_connector is not None:
+            self.model_runner.kv_layer_saver = None
             self.kv_connector.shutdown()
             self.kv_connector = None

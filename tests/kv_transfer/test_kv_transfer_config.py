@@ -37,6 +37,15 @@ from pagedserve.config.kv_transfer import KVTransferConfig
      "kv_transfer_config.kv_load_failure_policy='retry' must be one of ['recompute', 'fail']"),
     ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"transport": "rdma"}},
      "transport='rdma' must be one of ['zmq', 'mooncake']"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"mode": "stream"}},
+     "kv_transfer_config.kv_connector_extra_config.mode='stream' must be one of ['pull', 'push']"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"mode": "push", "transport": "mooncake"}},
+     "kv_connector_extra_config.mode='push' cannot run over transport='mooncake': push needs transport one of "
+     "['zmq']"),
+    ({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "PullConnector", "kv_connector_extra_config": {"mode": "Push"}}]}},
+     "kv_connector_extra_config.mode='Push' must be one of ['pull', 'push']"),
     ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "x"}},
      "kv_connector_extra_config has unknown keys ['backend'] for PullConnector"),
     ({"kv_connector": "PullConnector", "kv_role": "kv_both",
@@ -89,6 +98,14 @@ def test_pool_connector_refused_over_several_workers(tiny_model_dir, engine_kwar
         with pytest.raises(ValueError) as error:
             EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config=config, **engine_kwargs)
         assert message in str(error.value)
+
+
+def test_push_mode_refused_over_several_ranks(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as error:
+        EngineConfig.create(tiny_model_dir("llama"), tensor_parallel_size=2, kv_transfer_config={
+            "kv_connector": "PullConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"mode": "push"}})
+    assert ("kv_connector_extra_config.mode='push' runs with tensor_parallel_size and pipeline_parallel_size 1 for "
+            "now (got (2, 1))") in str(error.value)
 
 
 def test_cli_flag_parses_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

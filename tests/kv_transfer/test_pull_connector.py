@@ -46,6 +46,7 @@ class PrefillProcess:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ)
         ready = self._read()
         assert ready.get("ready"), ready
+        self.port = int(ready.get("port") or 0)  # P's block server
 
     def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
