@@ -18,7 +18,12 @@ Under kv_cache_dtype="int8" (C8, attention/sparse_int8_cache.py) the keys are in
 the int8 values in place and the key scale multiplies it: s_q s_k ReLU(q~ . k~) = ReLU((s_q q~) . (s_k k~)).
 
 A step's selection is one int64 tensor [num_tokens, width] of token positions within each token's request, width =
-min(top_k, the step's longest context); unused entries are -1.
+min(top_k, the step's longest context); unused entries are -1. select_tokens gives each row in ascending order, -1s
+at the end.
+
+A prefill chunk is scored a group of query rows at a time, each group key tile by key tile (select_request_tokens):
+the indexer is quadratic in the context in time, as the method is, but holds at most a group's [rows, context]
+scores, never a [chunk, context] tensor.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ INDEX_KEY_COMPONENT = "index_key"
 SCORE_CHUNK_BYTES = 64 << 20
 # A prefill's rows are scored tile by tile, [rows, H, keys] per tile under SCORE_TILE_BYTES (float32), so that the
 # per-head temporaries (product, ReLU, weighted sum over the heads) stay in the core's cache: the pass is memory-bound
-# on them otherwise (~7x slower at 64 MiB temporaries on a Zen 2 VM). A group's full score rows [rows, keys] stay
+# on them otherwise (64 MiB temporaries scored ~5x slower, one thread on a 2-vCPU Xeon VM). A group's full score rows [rows, keys] stay
 # under SCORE_CHUNK_BYTES, the only place a prompt's scores exist at once.
 SCORE_TILE_BYTES = 8 << 20
 KEY_TILE = 2048
@@ -98,18 +103,20 @@ def top_k_positions(scores: torch.Tensor, visible: torch.Tensor, top_k: int, wid
 
 def index_scores_tiled(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float,
                        key_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """index_scores for query [T, H, D], weights [T, H] and keys [S, D] (float32 already), computed KEY_TILE keys at a
-    time (the caller keeps T small: prefill_rows_per_group): [T, S] float32."""
+    """index_scores for query [T, H, D], weights [T, H] and keys [S, D] (float32 already) and a positive
+    `softmax_scale`, computed KEY_TILE keys at a time (the caller keeps T small: prefill_rows_per_group): [T, S]
+    float32."""
     num_rows, num_heads, head_dim = query.shape
     num_keys = keys.shape[0]
     scores = query.new_empty(num_rows, num_keys)
     flat_query = query.reshape(num_rows * num_heads, head_dim)
-    row_weights = weights.unsqueeze(1)  # [T, 1, H]
+    # ReLU(s x) = s ReLU(x) for the positive softmax scale s: folded into the weights, it saves a pass over each
+    # tile's products (equal to index_scores up to float rounding).
+    row_weights = (weights * softmax_scale).unsqueeze(1)  # [T, 1, H]
     for first in range(0, num_keys, KEY_TILE):
         last = min(first + KEY_TILE, num_keys)
         products = torch.mm(flat_query, keys[first:last].t()).view(num_rows, num_heads, last - first)
-        products.mul_(softmax_scale).relu_()
-        torch.bmm(row_weights, products, out=scores[:, first:last].unsqueeze(1))
+        torch.bmm(row_weights, products.relu_(), out=scores[:, first:last].unsqueeze(1))
     return scores if key_scales is None else scores.mul_(key_scales)
 
 
