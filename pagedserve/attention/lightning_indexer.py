@@ -38,8 +38,8 @@ INDEX_KEY_COMPONENT = "index_key"
 SCORE_CHUNK_BYTES = 64 << 20
 # A prefill's rows are scored tile by tile, [rows, H, keys] per tile under SCORE_TILE_BYTES (float32), so that the
 # per-head temporaries (product, ReLU, weighted sum over the heads) stay in the core's cache: the pass is memory-bound
-# on them otherwise (64 MiB temporaries scored ~5x slower, one thread on a 2-vCPU Xeon VM). A group's full score rows [rows, keys] stay
-# under SCORE_CHUNK_BYTES, the only place a prompt's scores exist at once.
+# on them otherwise (64 MiB temporaries scored ~5x slower, one thread on a 2-vCPU Xeon VM). A group's full score rows
+# [rows, keys] stay under SCORE_CHUNK_BYTES, the only place a prompt's scores exist at once.
 SCORE_TILE_BYTES = 8 << 20
 KEY_TILE = 2048
 
