@@ -82,19 +82,31 @@ def top_k_positions(scores: torch.Tensor, visible: torch.Tensor, top_k: int, wid
     [..., width] (width >= min(top_k, the number visible)) in ascending order, -1 padded at the end where fewer are
     visible. The order is canonical (it does not depend on how topk orders its results, nor on how the rows were
     grouped), and ascending positions make the attention's row gather walk the cache forwards."""
-    masked = scores.masked_fill(~visible, float("-inf"))
-    count = min(top_k, masked.shape[-1])
+    return _top_k_of_masked(scores.masked_fill(~visible, float("-inf")), top_k, width)
+
+
+def _top_k_of_masked(masked: torch.Tensor, top_k: int, width: int) -> torch.Tensor:
+    """top_k_positions of scores whose hidden entries are -inf already."""
+    num_keys = masked.shape[-1]
+    count = min(top_k, num_keys)
     values, positions = masked.topk(count, dim=-1, sorted=False)
-    # Ascending order through a membership mask read back row by row (nonzero walks it in row-major order): a
-    # fraction of the cost of sorting the positions.
-    is_chosen = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, positions, values != float("-inf"))
-    flat_chosen = is_chosen.reshape(-1, is_chosen.shape[-1])
-    rows, chosen_positions = flat_chosen.nonzero(as_tuple=True)
-    counts = flat_chosen.sum(dim=-1)
-    rank = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[rows]
-    positions = positions.new_full((flat_chosen.shape[0], count), -1)
-    positions[rows, rank] = chosen_positions
-    positions = positions.view(*masked.shape[:-1], count)
+    is_chosen = values != float("-inf")
+    if num_keys <= 4 * count:
+        # Ascending through a membership mask read back row by row (nonzero walks it in row-major order): cheaper
+        # than sorting when the keys are few against top_k.
+        flat_chosen = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, positions, is_chosen)
+        flat_chosen = flat_chosen.reshape(-1, num_keys)
+        rows, chosen_positions = flat_chosen.nonzero(as_tuple=True)
+        counts = flat_chosen.sum(dim=-1)
+        rank = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[rows]
+        positions = positions.new_full((flat_chosen.shape[0], count), -1)
+        positions[rows, rank] = chosen_positions
+        positions = positions.view(*masked.shape[:-1], count)
+    else:
+        # Many keys: sorting the count chosen positions beats a pass over all of them. Unchosen (-1) entries sort
+        # last as "past the end".
+        positions = positions.masked_fill(~is_chosen, num_keys).sort(dim=-1).values
+        positions = positions.masked_fill_(positions == num_keys, -1)
     if count >= width:
         return positions[..., :width]
     padding = positions.new_full((*positions.shape[:-1], width - count), -1)
@@ -148,7 +160,6 @@ def select_request_tokens(
     keys = keys.float()
     query = query.float()
     weights = weights.float()
-    key_positions = torch.arange(keys.shape[0], device=device)
     rows_per_group = prefill_rows_per_group(query.shape[1], keys.shape[0])
     for first in range(num_unscored, num_rows, rows_per_group):
         last = min(first + rows_per_group, num_rows)
@@ -156,9 +167,11 @@ def select_request_tokens(
         num_visible = first_position + last
         scores = index_scores_tiled(query[first:last], weights[first:last], keys[:num_visible], softmax_scale,
                                     key_scales[:num_visible] if key_scales is not None else None)
-        row_positions = torch.arange(first_position + first, first_position + last, device=device)
-        visible = key_positions[None, :num_visible] <= row_positions[:, None]
-        selection[first:last] = top_k_positions(scores, visible, top_k, width)
+        # Causal: only the group's own positions (the last `last - first` keys) can follow one of its rows; row i
+        # hides the keys after its own position, in place.
+        hidden = torch.ones(last - first, last - first, dtype=torch.bool, device=device).triu_(1)
+        scores[:, first_position + first:].masked_fill_(hidden, float("-inf"))
+        selection[first:last] = _top_k_of_masked(scores, top_k, width)
     return selection
 
 
