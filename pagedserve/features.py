@@ -273,7 +273,8 @@ FEATURES: tuple[Feature, ...] = (
                  "pagedserve.attention.lightning_indexer", "pagedserve.attention.sparse_mla"),
         knobs=(),
         docs="docs/params-04-kv-and-sparsity.md",
-        tests=("tests/models/test_deepseek_sparse_attention.py", "tests/attention/test_lightning_indexer.py"),
+        tests=("tests/models/test_deepseek_sparse_attention.py", "tests/attention/test_lightning_indexer.py",
+               "tests/models/test_deepseek_sparse_prefill.py"),
     ),
     Feature(
         line="model", family="sparse attention", feature="C8 int8 caches for DeepSeek sparse attention "

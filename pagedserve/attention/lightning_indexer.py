@@ -18,7 +18,12 @@ Under kv_cache_dtype="int8" (C8, attention/sparse_int8_cache.py) the keys are in
 the int8 values in place and the key scale multiplies it: s_q s_k ReLU(q~ . k~) = ReLU((s_q q~) . (s_k k~)).
 
 A step's selection is one int64 tensor [num_tokens, width] of token positions within each token's request, width =
-min(top_k, the step's longest context); unused entries are -1.
+min(top_k, the step's longest context); unused entries are -1. select_tokens gives each row in ascending order, -1s
+at the end.
+
+A prefill chunk is scored a group of query rows at a time, each group key tile by key tile (select_request_tokens):
+the indexer is quadratic in the context in time, as the method is, but holds at most a group's [rows, context]
+scores, never a [chunk, context] tensor.
 """
 from __future__ import annotations
 
@@ -28,14 +33,29 @@ from pagedserve.attention.backend import AttentionMetadata
 
 # The page component holding the indexer's keys (KVCacheSpec.extra_components of a DSA layer).
 INDEX_KEY_COMPONENT = "index_key"
-# Query rows are scored in groups whose per-head score temporaries [rows, H, S] (float32) stay under this size: a
-# long prompt's chunk against a long context would otherwise need gigabytes at once.
+# Decode rows are scored in groups whose per-head score temporaries [rows, H, S] (float32) stay under this size: a
+# batch of decodes against long contexts would otherwise need gigabytes at once.
 SCORE_CHUNK_BYTES = 64 << 20
+# A prefill's rows are scored tile by tile, [rows, H, keys] per tile under SCORE_TILE_BYTES (float32), so that the
+# per-head temporaries (product, ReLU, weighted sum over the heads) stay in the core's cache: the pass is memory-bound
+# on them otherwise (64 MiB temporaries scored ~5x slower, one thread on a 2-vCPU Xeon VM). A group's full score rows
+# [rows, keys] stay under SCORE_CHUNK_BYTES, the only place a prompt's scores exist at once.
+SCORE_TILE_BYTES = 8 << 20
+KEY_TILE = 2048
 
 
 def _row_groups(num_rows: int, num_heads: int, num_keys: int) -> list[tuple[int, int]]:
     rows = max(1, SCORE_CHUNK_BYTES // (4 * num_heads * max(num_keys, 1)))
     return [(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+
+
+def prefill_rows_per_group(num_heads: int, num_keys: int) -> int:
+    """Query rows scored together by select_request_tokens: one key tile's temporaries under SCORE_TILE_BYTES and the
+    group's score rows under SCORE_CHUNK_BYTES."""
+    key_tile = max(1, min(KEY_TILE, num_keys))
+    by_tile = SCORE_TILE_BYTES // (4 * num_heads * key_tile)
+    by_rows = SCORE_CHUNK_BYTES // (4 * max(num_keys, 1))
+    return max(1, min(by_tile, by_rows))
 
 
 def write_index_keys(keys: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -59,15 +79,100 @@ def index_scores(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 def top_k_positions(scores: torch.Tensor, visible: torch.Tensor, top_k: int, width: int) -> torch.Tensor:
     """The positions of the `top_k` highest `scores` [..., S] among the `visible` ones ([..., S] bool), as int64
-    [..., width] (width >= min(top_k, the number visible)), -1 where fewer are visible."""
-    masked = scores.masked_fill(~visible, float("-inf"))
-    count = min(top_k, masked.shape[-1])
-    values, positions = masked.topk(count, dim=-1)
-    positions = positions.masked_fill(values == float("-inf"), -1)
+    [..., width] (width >= min(top_k, the number visible)) in ascending order, -1 padded at the end where fewer are
+    visible. The order is canonical (it does not depend on how topk orders its results, nor on how the rows were
+    grouped), and ascending positions make the attention's row gather walk the cache forwards."""
+    return _top_k_of_masked(scores.masked_fill(~visible, float("-inf")), top_k, width)
+
+
+def _top_k_of_masked(masked: torch.Tensor, top_k: int, width: int) -> torch.Tensor:
+    """top_k_positions of scores whose hidden entries are -inf already."""
+    num_keys = masked.shape[-1]
+    count = min(top_k, num_keys)
+    values, positions = masked.topk(count, dim=-1, sorted=False)
+    is_chosen = values != float("-inf")
+    if num_keys <= 4 * count:
+        # Ascending through a membership mask read back row by row (nonzero walks it in row-major order): cheaper
+        # than sorting when the keys are few against top_k.
+        flat_chosen = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, positions, is_chosen)
+        flat_chosen = flat_chosen.reshape(-1, num_keys)
+        rows, chosen_positions = flat_chosen.nonzero(as_tuple=True)
+        counts = flat_chosen.sum(dim=-1)
+        rank = torch.arange(rows.shape[0], device=rows.device) - (counts.cumsum(0) - counts)[rows]
+        positions = positions.new_full((flat_chosen.shape[0], count), -1)
+        positions[rows, rank] = chosen_positions
+        positions = positions.view(*masked.shape[:-1], count)
+    else:
+        # Many keys: sorting the count chosen positions beats a pass over all of them. Unchosen (-1) entries sort
+        # last as "past the end".
+        positions = positions.masked_fill(~is_chosen, num_keys).sort(dim=-1).values
+        positions = positions.masked_fill_(positions == num_keys, -1)
     if count >= width:
         return positions[..., :width]
     padding = positions.new_full((*positions.shape[:-1], width - count), -1)
     return torch.cat([positions, padding], dim=-1)
+
+
+def index_scores_tiled(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float,
+                       key_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """index_scores for query [T, H, D], weights [T, H] and keys [S, D] (float32 already) and a positive
+    `softmax_scale`, computed KEY_TILE keys at a time (the caller keeps T small: prefill_rows_per_group): [T, S]
+    float32."""
+    num_rows, num_heads, head_dim = query.shape
+    num_keys = keys.shape[0]
+    scores = query.new_empty(num_rows, num_keys)
+    flat_query = query.reshape(num_rows * num_heads, head_dim)
+    # ReLU(s x) = s ReLU(x) for the positive softmax scale s: folded into the weights, it saves a pass over each
+    # tile's products (equal to index_scores up to float rounding).
+    row_weights = (weights * softmax_scale).unsqueeze(1)  # [T, 1, H]
+    for first in range(0, num_keys, KEY_TILE):
+        last = min(first + KEY_TILE, num_keys)
+        products = torch.mm(flat_query, keys[first:last].t()).view(num_rows, num_heads, last - first)
+        torch.bmm(row_weights, products.relu_(), out=scores[:, first:last].unsqueeze(1))
+    return scores if key_scales is None else scores.mul_(key_scales)
+
+
+def select_request_tokens(
+    query: torch.Tensor,  # [q, H, D] one request's rows, in position order (C8: int8, quantize_index_query)
+    weights: torch.Tensor,  # [q, H]
+    keys: torch.Tensor,  # [S, D]: the request's keys for positions [0, S), the rows' own included
+    first_position: int,  # the first row's position (S - q for a chunk that ends the known tokens)
+    top_k: int,
+    width: int,
+    softmax_scale: float,
+    key_scales: torch.Tensor | None = None,  # [S] float32: C8 keys' scales
+) -> torch.Tensor:  # [q, width] int64 positions, ascending, -1 padded
+    """One request's consecutive query rows' top-k positions (causal), scored in row groups and key tiles: no score
+    tensor larger than a group's rows [rows, S] (prefill_rows_per_group) ever exists. A row at a position below
+    top_k sees at most top_k tokens and selects them all unscored."""
+    num_rows = query.shape[0]
+    device = query.device
+    selection = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
+    # Rows that see at most top_k tokens take all of them, in ascending order as top_k_positions gives.
+    num_unscored = min(num_rows, max(0, top_k - first_position))
+    if num_unscored:
+        positions = torch.arange(width, device=device)
+        row_positions = torch.arange(first_position, first_position + num_unscored, device=device)
+        selection[:num_unscored] = positions.masked_fill(positions[None, :] > row_positions[:, None], -1)
+    if num_unscored == num_rows:
+        return selection
+    # int8 values multiply exactly in float32 (index_scores); converted once, not once per group.
+    keys = keys.float()
+    query = query.float()
+    weights = weights.float()
+    rows_per_group = prefill_rows_per_group(query.shape[1], keys.shape[0])
+    for first in range(num_unscored, num_rows, rows_per_group):
+        last = min(first + rows_per_group, num_rows)
+        # Keys after the group's last row are visible to none of its rows.
+        num_visible = first_position + last
+        scores = index_scores_tiled(query[first:last], weights[first:last], keys[:num_visible], softmax_scale,
+                                    key_scales[:num_visible] if key_scales is not None else None)
+        # Causal: only the group's own positions (the last `last - first` keys) can follow one of its rows; row i
+        # hides the keys after its own position, in place.
+        hidden = torch.ones(last - first, last - first, dtype=torch.bool, device=device).triu_(1)
+        scores[:, first_position + first:].masked_fill_(hidden, float("-inf"))
+        selection[first:last] = _top_k_of_masked(scores, top_k, width)
+    return selection
 
 
 def gather_index_keys(key_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -121,14 +226,9 @@ def select_tokens(
         keys = gather_index_keys(key_cache, metadata.block_table[index], seq_len)
         key_scales = (gather_index_keys(key_scale_cache, metadata.block_table[index], seq_len)
                       if key_scale_cache is not None else None)
-        key_positions = torch.arange(seq_len, device=query.device)[None, :]
-        first_position = seq_len - (end - start)
-        for first, last in _row_groups(end - start, query.shape[1], seq_len):
-            scores = index_scores(query[start + first:start + last], weights[start + first:start + last], keys,
-                                  softmax_scale, key_scales)
-            query_positions = torch.arange(first_position + first, first_position + last, device=query.device)
-            visible = key_positions <= query_positions[:, None]
-            selection[start + first:start + last] = top_k_positions(scores, visible, top_k, width)
+        selection[start:end] = select_request_tokens(query[start:end], weights[start:end], keys,
+                                                     seq_len - (end - start), top_k, width, softmax_scale,
+                                                     key_scales)
     return selection
 
 
@@ -136,11 +236,8 @@ def select_tokens_in_sequence(query: torch.Tensor, weights: torch.Tensor, keys: 
                               softmax_scale: float) -> torch.Tensor:
     """The selection for the given tokens taken as one causal sequence (no cache: profiling and dummy runs)."""
     num_tokens = query.shape[0]
-    scores = index_scores(query, weights, keys, softmax_scale)
-    positions = torch.arange(num_tokens, device=query.device)
-    visible = positions[None, :] <= positions[:, None]
-    return top_k_positions(scores, visible, top_k, min(top_k, num_tokens))
+    return select_request_tokens(query, weights, keys, 0, top_k, min(top_k, num_tokens), softmax_scale)
 
 
-__all__ = ["INDEX_KEY_COMPONENT", "gather_index_keys", "index_scores", "select_tokens", "select_tokens_in_sequence",
-           "top_k_positions", "write_index_keys"]
+__all__ = ["INDEX_KEY_COMPONENT", "gather_index_keys", "index_scores", "index_scores_tiled", "prefill_rows_per_group",
+           "select_request_tokens", "select_tokens", "select_tokens_in_sequence", "top_k_positions", "write_index_keys"]

@@ -14,8 +14,8 @@ One block id's page in one layer (an interleaved KVPageLayout, attention/kv_page
 dimensions a token costs 512 + 64 * 2 + 4 * 4 = 656 bytes of latent and 128 + 4 of index key: 788 bytes against
 1408 in bfloat16 (0.56x).
 
-Reads happen in place: the sparse decode gathers and dequantizes only its selected rows, a prefill chunk only its
-request's context blocks (attention/sparse_mla.py); the indexer scores the int8 keys directly, with the query
+Reads happen in place: a sparse decode or prefill token gathers and dequantizes only its selected rows
+(attention/sparse_mla.py); the indexer scores the int8 keys directly, with the query
 rotated by the same matrix and quantized per token and head, and the two scales multiplied into the score
 (s_q s_k (q~ . k~), the ReLU commutes with the non-negative scales; attention/lightning_indexer.py).
 """

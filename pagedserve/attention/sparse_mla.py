@@ -5,14 +5,19 @@ Same cache, same two forms as attention/mla_paged.py:
 - decodes (absorbed): each decode gathers just its selected latent rows through the block table, [width, R + rope]
   per request, and attends them with W_UK / W_UV folded into query and output, so a step reads top_k rows per
   decode however long the context;
-- prefills and chunks (expanded): the request's context is expanded through kv_b_proj as for dense MLA and the
-  selection becomes an additive mask (0 at the selected positions, -inf elsewhere; the selection is causal by
-  construction).
-With every visible token selected (top_k >= context) both forms are exactly dense MLA.
+- prefills and chunks (gathered, attend_selected_prefills): the same absorbed form, query rows taken a bounded
+  chunk at a time, each gathering its own selected rows ([chunk, width, R + rope], under PREFILL_GATHER_BYTES): a
+  prefill's attention costs O(tokens x top_k), in time and memory, however long the context.
+With every visible token selected (top_k >= context) both forms are exactly dense MLA (up to float rounding: the
+absorbed form multiplies in another order).
 
-A C8 cache (kv_cache_dtype="int8", attention/sparse_int8_cache.py) takes the same two forms: the write quantizes,
-a decode dequantizes only the rows it selected, a prefill chunk only its request's context (always read back from
-the cache, so that a prefix-cache hit sees the values a first computation saw).
+The plain reference for prefills is attend_masked_prefills: the request's whole context expanded through kv_b_proj
+as for dense MLA, the selection an additive [q_len, context] mask (0 at the selected positions, -inf elsewhere; the
+selection is causal by construction). It is quadratic in the context and serves as the tests' oracle.
+
+A C8 cache (kv_cache_dtype="int8", attention/sparse_int8_cache.py) takes the same forms: the write quantizes, and
+every read, decode or prefill, dequantizes only the rows it gathers (always read back from the cache, so that a
+prefix-cache hit sees the values a first computation saw).
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ import torch
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.mla_paged import attend_expanded_requests, attend_latent_rows, write_latent_to_cache
+
+# A prefill chunk's gathered latent rows [rows, width, R + rope] (float32 after a C8 dequantization) stay under this
+# size; the attention's scores [rows, H, width] are smaller by (R + rope) / H.
+PREFILL_GATHER_BYTES = 32 << 20
 
 
 def selection_mask(selection: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,12 +75,92 @@ def attend_selected_decodes(
     v_head_dim: int,
     scale: float,
 ) -> torch.Tensor:  # [B, H, v]
-    """One new token per request, attended over its selected latent rows with W_UK / W_UV absorbed."""
+    """Each query row (a decode, or a prefill token: its own row of `rows`) attended over its selected latent rows
+    with W_UK / W_UV absorbed."""
     num_heads, nope = q_nope.shape[1:]
     weight = kv_b_weight.view(num_heads, nope + v_head_dim, kv_lora_rank)
     w_uk, w_uv = weight[:, :nope, :], weight[:, nope:, :]
     query = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_pe], dim=-1)  # [B, H, R + rope]
     return attend_latent_rows(query, rows.to(query.dtype), selection < 0, kv_lora_rank, scale, w_uv)
+
+
+def prefill_rows_per_chunk(width: int, row_width: int) -> int:
+    """Query rows attended together by attend_selected_prefills: their gathered rows under PREFILL_GATHER_BYTES."""
+    return max(1, PREFILL_GATHER_BYTES // (4 * max(width, 1) * row_width))
+
+
+def attend_selected_prefills(
+    q_nope: torch.Tensor,  # [n, H, nope]
+    q_pe: torch.Tensor,  # [n, H, rope]
+    latent: torch.Tensor,  # [n, R + rope] (unused: the rows are read back from the cache, this step's included)
+    kv_cache: torch.Tensor,  # holding this step's latents already
+    metadata: AttentionMetadata,
+    selection: torch.Tensor,  # [n, width] positions, -1 = none
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+    output: torch.Tensor,  # [n, H, v]: the prefill requests' rows are written
+) -> None:
+    """The requests after the leading decodes (prefills, chunks): each token attends only its selected rows, gathered
+    through its request's block table, a bounded chunk of tokens at a time (absorbed form)."""
+    width = selection.shape[1]
+    rows_per_chunk = prefill_rows_per_chunk(width, latent.shape[-1])
+    starts = metadata.query_start_loc_cpu
+    for index in range(metadata.num_decodes, metadata.num_seqs):
+        block_table = metadata.block_table[index:index + 1]
+        for first in range(starts[index], starts[index + 1], rows_per_chunk):
+            last = min(first + rows_per_chunk, starts[index + 1])
+            chosen = selection[first:last]
+            rows = gather_selected_rows(kv_cache, block_table.expand(last - first, -1), chosen)
+            output[first:last] = attend_selected_decodes(q_nope[first:last], q_pe[first:last], rows, chosen,
+                                                         kv_b_weight, kv_lora_rank, v_head_dim, scale)
+
+
+def attend_masked_prefills(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    selection: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    """attend_selected_prefills' plain reference (same arguments): each request's whole context expanded, the
+    selection a dense additive mask. Quadratic in the context: for tests."""
+    is_int8 = sparse_int8_cache.is_sparse_int8_cache(kv_cache)
+    attend_expanded_requests(
+        q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
+        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype),
+        gather_context=(lambda index, seq_len: sparse_int8_cache.gather_latent_context(
+            kv_cache, metadata.block_table[index], seq_len)) if is_int8 else None)
+
+
+def attend_selected_in_sequence(
+    q_nope: torch.Tensor,  # [n, H, nope]
+    q_pe: torch.Tensor,  # [n, H, rope]
+    latent: torch.Tensor,  # [n, R + rope]: the tokens of one causal sequence, no cache
+    selection: torch.Tensor,  # [n, width] positions into `latent`, -1 = none
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [n, H, v]
+    """The cache-free form (profiling and dummy runs): as attend_selected_prefills, the rows gathered from
+    `latent`."""
+    output = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], v_head_dim)
+    rows_per_chunk = prefill_rows_per_chunk(selection.shape[1], latent.shape[-1])
+    for first in range(0, q_nope.shape[0], rows_per_chunk):
+        last = min(first + rows_per_chunk, q_nope.shape[0])
+        chosen = selection[first:last]
+        output[first:last] = attend_selected_decodes(q_nope[first:last], q_pe[first:last],
+                                                     latent[chosen.clamp(min=0)], chosen, kv_b_weight,
+                                                     kv_lora_rank, v_head_dim, scale)
+    return output
 
 
 def sparse_mla_attention(
@@ -106,13 +195,12 @@ def sparse_mla_attention(
         output[:num_decodes] = attend_selected_decodes(
             q_nope[:num_decodes], q_pe[:num_decodes], rows, decode_selection, kv_b_weight, kv_lora_rank, v_head_dim,
             scale)
-    attend_expanded_requests(
-        q_nope, q_pe, latent, kv_cache, metadata, kv_b_weight, kv_lora_rank, v_head_dim, scale, output,
-        request_mask=lambda start, end, seq_len: selection_mask(selection[start:end], seq_len, q_nope.dtype),
-        gather_context=(lambda index, seq_len: sparse_int8_cache.gather_latent_context(
-            kv_cache, metadata.block_table[index], seq_len)) if is_int8 else None)
+    # Looked up in the module at call time: tests swap in attend_masked_prefills, the reference.
+    attend_selected_prefills(q_nope, q_pe, latent, kv_cache, metadata, selection, kv_b_weight, kv_lora_rank,
+                             v_head_dim, scale, output)
     return output
 
 
-__all__ = ["DecodeRowGather", "attend_selected_decodes", "gather_selected_rows", "selection_mask",
-           "sparse_mla_attention"]
+__all__ = ["DecodeRowGather", "PREFILL_GATHER_BYTES", "attend_masked_prefills", "attend_selected_decodes",
+           "attend_selected_in_sequence", "attend_selected_prefills", "gather_selected_rows",
+           "prefill_rows_per_chunk", "selection_mask", "sparse_mla_attention"]

@@ -29,9 +29,8 @@ from pagedserve.attention.lightning_indexer import (
     select_tokens_in_sequence,
     write_index_keys,
 )
-from pagedserve.attention.mla_paged import attend_expanded
 from pagedserve.attention.sparse_int8_cache import SparseMLAKVCacheSpec
-from pagedserve.attention.sparse_mla import DecodeRowGather, selection_mask, sparse_mla_attention
+from pagedserve.attention.sparse_mla import DecodeRowGather, attend_selected_in_sequence, sparse_mla_attention
 from pagedserve.layers.lightning_indexer import IndexerProjections
 from pagedserve.layers.mla_attention import MLAAttention
 
@@ -105,8 +104,8 @@ class SparseMLAAttention(MLAAttention):
             else:
                 selection = self._shared_selection(num_tokens)
             self.latest_selection = selection
-            output = attend_expanded(q_nope, q_pe, latent, kv_b_weight, self.kv_lora_rank, self.v_head_dim,
-                                     self.scale, mask=selection_mask(selection, num_tokens, q_nope.dtype))
+            output = attend_selected_in_sequence(q_nope, q_pe, latent, selection, kv_b_weight, self.kv_lora_rank,
+                                                 self.v_head_dim, self.scale)
         else:
             if self.kv_cache is None:
                 raise RuntimeError(f"{self.layer_name}: attention metadata is set but no kv_cache is bound")

@@ -3,8 +3,8 @@
 At start it takes the place of the plain KV allocation for the model's DSA layers: each layer's `kv_cache` is its
 region of the tier (OffloadTier: latent rows, a memory-mapped file), with the lightning indexer's keys (the layer's
 extra page components) in a resident buffer of their own under the same block ids. The layers' existing paths then
-write every new latent row through to the tier and read prefill context from it; decodes read their selected rows
-through the layer's LayerResidentBuffers (SparseMLAAttention.decode_row_gather).
+write every new latent row through to the tier, and prefill tokens read their selected rows from it; decodes read
+theirs through the layer's LayerResidentBuffers (SparseMLAAttention.decode_row_gather).
 
 The model runner calls two seams per step: `free_requests` with the finished and preempted ids (their resident
 buffers go), and `begin_step` with the step's request order (the rows the decode gather serves). The tier is

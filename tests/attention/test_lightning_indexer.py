@@ -148,6 +148,28 @@ def test_sparse_mla_equals_attention_over_the_selected_tokens(top_k: int) -> Non
     assert torch.equal(step.key_cache[block_ids, offsets], step.new_keys)
 
 
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 4, 64])
+def test_gathered_prefill_equals_the_masked_reference(monkeypatch: pytest.MonkeyPatch, rows_per_chunk: int) -> None:
+    """Prefill tokens gathering their selected rows in chunks of `rows_per_chunk` equal the dense-masked reference
+    (the whole context expanded, unselected positions masked), the chunk over a cached prefix included."""
+    from pagedserve.attention import sparse_mla
+
+    step = _Step(seed=31)
+    write_index_keys(step.new_keys, step.key_cache, step.metadata.slot_mapping)
+    selection = select_tokens(step.index_query, step.index_weights, step.key_cache, step.metadata, 5, 0.25)
+    width = selection.shape[1]
+    monkeypatch.setattr(sparse_mla, "PREFILL_GATHER_BYTES", rows_per_chunk * width * (RANK + ROPE) * 4)
+    assert sparse_mla.prefill_rows_per_chunk(width, RANK + ROPE) == rows_per_chunk
+    gathered = sparse_mla_attention(step.q_nope, step.q_pe, step.new_latent, step.cache, step.metadata, selection,
+                                    step.kv_b, RANK, V, SCALE)
+    monkeypatch.setattr(sparse_mla, "attend_selected_prefills", sparse_mla.attend_masked_prefills)
+    masked = sparse_mla_attention(step.q_nope, step.q_pe, step.new_latent, step.cache, step.metadata, selection,
+                                  step.kv_b, RANK, V, SCALE)
+    torch.testing.assert_close(gathered, masked, rtol=1e-5, atol=1e-5)
+    # The prefill rows really are sparse: the two prefill requests see more than 5 tokens.
+    assert (selection[2:] >= 0).sum(dim=1).max() == 5 < max(step.metadata.seq_lens_cpu)
+
 def test_top_k_at_least_the_context_is_dense_mla() -> None:
     step = _Step(seed=3)
     write_index_keys(step.new_keys, step.key_cache, step.metadata.slot_mapping)
@@ -186,14 +208,17 @@ def test_selection_in_one_sequence_equals_the_paged_one() -> None:
 
 
 def test_scoring_in_row_groups_selects_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Long contexts score their query rows in groups (bounded temporaries): the selection does not change."""
+    """Long contexts score their query rows in groups and key tiles (bounded temporaries): the selection does not
+    change."""
     from pagedserve.attention import lightning_indexer
 
     step = _Step(seed=21)
     write_index_keys(step.new_keys, step.key_cache, step.metadata.slot_mapping)
     whole = select_tokens(step.index_query, step.index_weights, step.key_cache, step.metadata, 5, 0.25)
-    # Room for about one row's scores per group.
+    # Room for about one row's scores per group, and tiles of 4 keys.
     monkeypatch.setattr(lightning_indexer, "SCORE_CHUNK_BYTES", 4 * INDEX_HEADS * 20)
+    monkeypatch.setattr(lightning_indexer, "KEY_TILE", 4)
     assert len(lightning_indexer._row_groups(13, INDEX_HEADS, 13)) > 1
+    assert lightning_indexer.prefill_rows_per_group(INDEX_HEADS, 13) < 13
     grouped = select_tokens(step.index_query, step.index_weights, step.key_cache, step.metadata, 5, 0.25)
     assert torch.equal(grouped, whole)

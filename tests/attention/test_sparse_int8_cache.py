@@ -253,7 +253,8 @@ def test_sparse_mla_over_c8_equals_sparse_mla_over_the_dequantized_latents(top_k
 
 
 def test_reads_dequantize_only_the_rows_they_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode dequantizes its selected rows (width per decode), a chunk or prefill its request's context."""
+    """Every token, decode or prefill, dequantizes only its selected rows (width per token), never a request's
+    whole context."""
     from pagedserve.attention import sparse_int8_cache
 
     step = _Step(seed=4)
@@ -269,8 +270,8 @@ def test_reads_dequantize_only_the_rows_they_gather(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sparse_int8_cache, "dequantize_latent_tiles", counting)
     sparse_mla_attention(step.q_nope, step.q_pe, step.new_latent, step.cache, step.metadata, selection, step.kv_b,
                          RANK, V, SCALE)
-    assert num_rows == [2 * selection.shape[1]] + [cached + new for cached, new in SCHEDULE[2:]]
-    assert sum(num_rows) < NUM_BLOCKS * BLOCK_SIZE // 4
+    assert num_rows == [2 * selection.shape[1]] + [new * selection.shape[1] for _, new in SCHEDULE[2:]]
+    assert max(num_rows) < NUM_BLOCKS * BLOCK_SIZE // 4  # never the whole cache
 
 
 def test_decodes_never_read_unselected_rows() -> None:
