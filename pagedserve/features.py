@@ -102,7 +102,7 @@ FEATURES: tuple[Feature, ...] = (
                "tests/e2e/test_hf_parity.py"),
     ),
     Feature(
-        line="model", family="parallel", feature="tensor parallel over spawned gloo/nccl workers ('mp') or "
+        line="model", family="parallel", feature="tensor parallel over gloo/nccl worker processes ('mp') or "
                                                  "Ray actors in a placement group ('ray', multi-node), sharded "
                                                  "safetensors loading, KV-head replication",
         modules=("pagedserve.distributed.parallel_state", "pagedserve.executor.multiproc",

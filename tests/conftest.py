@@ -10,24 +10,14 @@ import pytest
 # Make `import tiny_models` work from any test module, whatever rootdir/import mode pytest uses.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from native_kernel_modules import NATIVE_KERNEL_TEST_MODULES  # noqa: E402
 from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
-# The native kernels' tests (each kernel against its plain reference, and the decode stack against the modules):
-# marked `native_kernels`, so that tests/kernels/test_isa_levels.py runs them once more at every other ISA level the
-# machine supports (PAGEDSERVE_CPU_ISA=<level> in a child pytest).
-NATIVE_KERNEL_TEST_MODULES = (
-    "tests/attention/test_cpu_native.py", "tests/attention/test_native_kv_write.py",
-    "tests/attention/test_prefill_attention.py", "tests/attention/test_native_int8_kv.py", "tests/layers/test_amx_gate_up_silu.py",
-    "tests/layers/test_amx_linear.py", "tests/layers/test_native_elementwise.py",
-    "tests/layers/test_small_batch_linear.py", "tests/models/test_native_decode_stack.py",
-    "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",
-    "tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_decode_stack.py",
-    "tests/quantization/test_w8a8_native_kernel.py", "tests/quantization/test_w8a8_decode_stack.py",
-)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the native kernels' tests `native_kernels` (tests/native_kernel_modules.py)."""
     for item in items:
         if os.path.relpath(str(item.path), _ROOT) in NATIVE_KERNEL_TEST_MODULES:
             item.add_marker(pytest.mark.native_kernels)

@@ -1,6 +1,7 @@
-"""MultiprocExecutor ('mp'): one spawned process per rank of the engine's TP x PP world.
+"""MultiprocExecutor ('mp'): one worker process per rank of the engine's TP x PP world.
 
-Start: every worker is spawned (torch.multiprocessing 'spawn' context: no forked torch state), joins a
+Start: every worker is a fork of a fork server that imported the worker's modules once (worker_start.py; no
+forked kernel state: the fork server never runs one; 'spawn' where there is no fork server), joins a
 torch.distributed world through a TCP store on a free loopback port, builds its shard of the model and
 its KV cache, and reports WorkerReady. Per step: the SchedulerOutput is msgpack-encoded once and the
 same bytes are written to every worker's pipe (a local OS pipe, raw bytes: nothing is pickled); the
@@ -35,13 +36,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-import torch.multiprocessing
 
 from pagedserve.config.engine import EngineConfig
 from pagedserve.config.parallel import ParallelConfig
 from pagedserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.worker_init import free_loopback_port
 from pagedserve.executor.abstract import Executor, FatalExecutorError, WorkerStepError
+from pagedserve.executor.worker_start import run_in_environment, worker_context
 from pagedserve.executor.worker_messages import (PIPELINE_STEP_FAILURE_IS_FATAL, STEP_DONE, ExecuteModel,
                                                  ResumeSteps, ShutdownWorker, StepDone, StepFailed,
                                                  StepResult, WorkerCodec, WorkerFailure, WorkerReady,
@@ -176,7 +177,8 @@ class MultiprocExecutor(Executor):
         self._pending: dict[int, deque[Any]] = {rank: deque() for rank in range(self.world_size)}
         # Futures of steps sent but not read back yet (execute_model_async), oldest first.
         self._unresolved_steps: deque[_StepFuture] = deque()
-        context = torch.multiprocessing.get_context("spawn")
+        hf_config = config.model_config.hf_config
+        context = worker_context(type(hf_config).__module__ if hf_config is not None else None)
         init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
@@ -184,7 +186,9 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _reap_workers, self.processes, self.conns, self.codec)
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe(duplex=True)
-            process = context.Process(target=run_worker_process, args=(config, rank, init_method, child_end),
+            process = context.Process(target=run_in_environment,
+                                      args=(dict(os.environ), run_worker_process, config, rank, init_method,
+                                            child_end),
                                       name=f"pagedserve-worker-{rank}", daemon=True)
             process.start()
             child_end.close()  # only the child holds it now: its death closes the pipe

@@ -2,10 +2,12 @@
 
 The main pytest run uses the level the CPU and PAGEDSERVE_CPU_ISA select. These tests start a child pytest with
 PAGEDSERVE_CPU_ISA=<level> (each level builds its own library at first use) for:
-- every other supported level: the native kernels' tests (marker `native_kernels`, tests/conftest.py), each kernel
-  against its plain reference, bitwise where it claims bits;
+- every other supported level: the native kernels' tests (marker `native_kernels`, the modules of
+  tests/native_kernel_modules.py, which the child collects alone), each kernel against its plain reference, bitwise
+  where it claims bits;
 - the avx2 cap, on machines above it: representative engine tests (HF parity, bfloat16, the decode stack, batch
-  invariance), so the level most CPUs run is tested end to end wherever the suite runs;
+  invariance), so the level most CPUs run is tested end to end wherever the suite runs; they run in the same child
+  as the avx2 level's native kernels' tests (the decode stack's module is one of those: it runs once there);
 - 'none' (no native kernels, as on aarch64): the engine against transformers on its plain-PyTorch paths.
 ATen runs at the same level in the child (ATEN_CPU_CAPABILITY): the kernels' bitwise claims compare them with ATen's
 vector code of the same width, as on a CPU of that level.
@@ -19,6 +21,7 @@ import sys
 
 import pytest
 
+from native_kernel_modules import NATIVE_KERNEL_TEST_MODULES
 from pagedserve.kernels import cpu_isa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,21 +44,31 @@ def _run_pytest_at(level: str, *arguments: str) -> None:
     assert passed is not None and int(passed.group(1)) > 0, f"nothing ran at {level}:\n{output[-3000:]}"
 
 
+def modules_at(level: str) -> tuple[str, ...]:
+    """The test modules a child at `level` runs: the native kernels' modules, and at avx2 the engine tests too
+    (each module once)."""
+    engine_modules = ENGINE_TESTS_AT_AVX2 if level == "avx2" else ()
+    return tuple(dict.fromkeys(NATIVE_KERNEL_TEST_MODULES + engine_modules))
+
+
+def test_modules_at_avx2_hold_the_engine_tests_once() -> None:
+    assert set(ENGINE_TESTS_AT_AVX2) <= set(modules_at("avx2"))
+    assert set(NATIVE_KERNEL_TEST_MODULES) <= set(modules_at("avx2"))
+    assert len(modules_at("avx2")) == len(set(modules_at("avx2")))
+    assert not set(ENGINE_TESTS_AT_AVX2) - set(NATIVE_KERNEL_TEST_MODULES) & set(modules_at("avx512"))
+    assert all(os.path.isfile(os.path.join(ROOT, module)) for module in modules_at("avx2"))
+
+
 @pytest.mark.parametrize("level", cpu_isa.LEVELS[1:])
 def test_native_kernel_tests_at_every_level(level: str) -> None:
+    """The native kernels' tests at `level`; at avx2, on machines above it, the engine tests too."""
     if level not in cpu_isa.cpu_levels():
         pytest.skip(f"this CPU has no {level} (it supports {', '.join(cpu_isa.cpu_levels())})")
     if level == cpu_isa.selected_level():
-        pytest.skip(f"{level} is the level of this run: the native_kernels tests ran at it here")
-    _run_pytest_at(level, "-m", "native_kernels and not slow", "tests")
-
-
-def test_engine_tests_at_the_avx2_cap() -> None:
-    if "avx2" not in cpu_isa.cpu_levels():
-        pytest.skip("this CPU has no avx2")
-    if cpu_isa.selected_level() == "avx2":
-        pytest.skip("avx2 is the level of this run: these tests ran at it here")
-    _run_pytest_at("avx2", *ENGINE_TESTS_AT_AVX2)
+        pytest.skip(f"{level} is the level of this run: its native_kernels and engine tests ran at it here")
+    # The engine modules hold tests not marked native_kernels: `-m "not slow"` (_run_pytest_at) selects them all, as
+    # it selects every test of the native kernels' modules (each one is marked native_kernels).
+    _run_pytest_at(level, *modules_at(level))
 
 
 def test_engine_without_native_kernels() -> None:
