@@ -17,10 +17,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks the native kernels' tests `native_kernels` (tests/native_kernel_modules.py)."""
+    """Marks the native kernels' tests `native_kernels` (tests/native_kernel_modules.py), and those that build an
+    engine on a tiny model folder `engine` (the ISA-level children run these at the avx2 cap only)."""
     for item in items:
         if os.path.relpath(str(item.path), _ROOT) in NATIVE_KERNEL_TEST_MODULES:
             item.add_marker(pytest.mark.native_kernels)
+        if "tiny_model_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

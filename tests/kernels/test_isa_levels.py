@@ -33,9 +33,9 @@ ATEN_CAPABILITY = {"none": "default", "avx2": "avx2", "avx512": "avx512", "avx51
 CHILD_TIMEOUT_S = 1200
 
 
-def _run_pytest_at(level: str, *arguments: str) -> None:
+def _run_pytest_at(level: str, *arguments: str, markers: str = "not slow") -> None:
     environment = dict(os.environ, **{cpu_isa.CAP_ENV: level, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[level]})
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *arguments]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", markers, *arguments]
     result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True,
                             timeout=CHILD_TIMEOUT_S)
     output = result.stdout + result.stderr
@@ -61,14 +61,17 @@ def test_modules_at_avx2_hold_the_engine_tests_once() -> None:
 
 @pytest.mark.parametrize("level", cpu_isa.LEVELS[1:])
 def test_native_kernel_tests_at_every_level(level: str) -> None:
-    """The native kernels' tests at `level`; at avx2, on machines above it, the engine tests too."""
+    """The native kernels' tests at `level`; at avx2, on machines above it, the engine tests too (every test of the
+    modules); above avx2 the tests that build no engine."""
     if level not in cpu_isa.cpu_levels():
         pytest.skip(f"this CPU has no {level} (it supports {', '.join(cpu_isa.cpu_levels())})")
     if level == cpu_isa.selected_level():
         pytest.skip(f"{level} is the level of this run: its native_kernels and engine tests ran at it here")
-    # The engine modules hold tests not marked native_kernels: `-m "not slow"` (_run_pytest_at) selects them all, as
-    # it selects every test of the native kernels' modules (each one is marked native_kernels).
-    _run_pytest_at(level, *modules_at(level))
+    # The engine modules hold tests not marked native_kernels: `-m "not slow"` selects them all, as it selects every
+    # test of the native kernels' modules (each one is marked native_kernels). Above avx2 the kernels' own tests
+    # only: the tests that build an engine (marked `engine`) ran at this run's level and run at avx2, and repeating
+    # them at every level cost the suite ~15 minutes on an AMX machine.
+    _run_pytest_at(level, *modules_at(level), markers="not slow" if level == "avx2" else "not slow and not engine")
 
 
 def test_engine_without_native_kernels() -> None:
