@@ -4,13 +4,15 @@ The main pytest run uses the level the CPU and PAGEDSERVE_CPU_ISA select. These 
 PAGEDSERVE_CPU_ISA=<level> (each level builds its own library at first use) for:
 - every other supported level: the native kernels' tests (marker `native_kernels`, the modules of
   tests/native_kernel_modules.py, which the child collects alone), each kernel against its plain reference, bitwise
-  where it claims bits;
+  where it claims bits; above avx2 without the tests that build an engine (marker `engine`: they run at the main
+  run's level and at avx2);
 - the avx2 cap, on machines above it: representative engine tests (HF parity, bfloat16, the decode stack, batch
   invariance), so the level most CPUs run is tested end to end wherever the suite runs; they run in the same child
   as the avx2 level's native kernels' tests (the decode stack's module is one of those: it runs once there);
 - 'none' (no native kernels, as on aarch64): the engine against transformers on its plain-PyTorch paths.
 ATen runs at the same level in the child (ATEN_CPU_CAPABILITY): the kernels' bitwise claims compare them with ATen's
-vector code of the same width, as on a CPU of that level.
+vector code of the same width, as on a CPU of that level (attention/sdpa_backend.py keeps torch's bfloat16 attention
+off its AMX packing there).
 """
 from __future__ import annotations
 
