@@ -168,14 +168,19 @@ class PullConnectorWorker(KVConnectorWorker):
                     logger.exception("request %s: KV load failed", order.request_id)
                 if is_reachable:
                     self._notify_done(client, order, plan)
-                with self._lock:
-                    self._pending_ids.discard(order.request_id)
-                    self._cancelled_ids.discard(order.request_id)
-                    self._finished_loads.add(order.request_id)
-                    if not is_loaded:
-                        self._invalid_block_ids.update(order.local_block_ids)
+                self._report_load_ended(order, is_loaded)
         finally:
             client.close()
+
+    def _report_load_ended(self, order: LoadOrder, is_loaded: bool) -> None:
+        """`order`'s load ended: reported in the next finished_recving, its blocks in invalid_block_ids unless every
+        one arrived. Caller holds no lock."""
+        with self._lock:
+            self._pending_ids.discard(order.request_id)
+            self._cancelled_ids.discard(order.request_id)
+            self._finished_loads.add(order.request_id)
+            if not is_loaded:
+                self._invalid_block_ids.update(order.local_block_ids)
 
     def _plan(self, order: LoadOrder, answers: list[dict[str, Any]]) -> KVPullPlan:
         """Where this rank's layers come from (KVTransferError naming both sides when the engines differ)."""

@@ -477,16 +477,12 @@ class PushConnectorWorker(PullConnectorWorker):
         self._sequence_tags.pop(load.sequence, None)
         if is_reachable:
             self._notify_done(client, order, load.plan if load.plan.done_ranks else None)
-        with self._lock:
-            self._pending_ids.discard(order.request_id)
-            self._cancelled_ids.discard(order.request_id)
-            self._finished_loads.add(order.request_id)
-            if not is_loaded:
-                self._invalid_block_ids.update(order.local_block_ids)
-            else:
+        if is_loaded:
+            with self._lock:
                 self.num_loaded_bytes += load.num_bytes
                 # From the push order to the last layer: it includes P's prefill (the transfer overlaps it).
                 self.load_seconds += time.perf_counter() - load.started
+        self._report_load_ended(order, is_loaded)
 
     def shutdown(self) -> None:
         if self._outbox is not None:  # before the context ends (pages still queued are dropped: shutting down)
