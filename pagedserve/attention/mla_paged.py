@@ -32,7 +32,7 @@ from pagedserve.attention.kv_quantization import (
     kv_cache_scales,
     quantize_latent,
 )
-from pagedserve.attention.sdpa_backend import cpu_attention_backends
+from pagedserve.platforms.sdpa_backends import cpu_attention_backends
 
 
 def write_latent_to_cache(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -101,7 +101,7 @@ def attend_expanded(
     query = torch.cat([q_nope, q_pe], dim=-1)
     if mask is None:
         mask = _causal_mask(q_len, seq_len, query.dtype, query.device)
-    with cpu_attention_backends(query.dtype):
+    with cpu_attention_backends(query):
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
             attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -152,7 +152,7 @@ def attend_latent_rows(
     mask = torch.zeros(batch, 1, 1, hidden.shape[1], dtype=query.dtype, device=query.device)
     mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
     # The heads share the single latent "KV head": they are that head's query rows.
-    with cpu_attention_backends(query.dtype):
+    with cpu_attention_backends(query):
         out_latent = F.scaled_dot_product_attention(
             query[:, None], rows[:, None], rows[:, None, :, :kv_lora_rank], attn_mask=mask, scale=scale,
         )[:, 0]  # [B, H, R]

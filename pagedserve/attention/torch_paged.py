@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionBackend, AttentionMetadata
 from pagedserve.attention.kv_quantization import gather_dequantized_blocks, is_int8_kv_cache, write_to_int8_kv_cache
-from pagedserve.attention.sdpa_backend import cpu_attention_backends
+from pagedserve.platforms.sdpa_backends import cpu_attention_backends
 
 # Decode requests are attended in chunks whose gathered K/V (padded to the chunk's longest context) stays
 # under this many bytes. Measured on the CPU (benchmarks/attention_micro.py): small chunks win because
@@ -151,7 +151,7 @@ def _attend_request(
     q_len, num_heads, _ = query.shape
     mask = _request_mask(q_len, seq_len, first_key_position, sliding_window, query.dtype, query.device)
     # 4-D inputs: with 3-D ones the CPU dispatcher silently takes the slow math path.
-    with cpu_attention_backends(query.dtype):
+    with cpu_attention_backends(query):
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], key[None].to(query.dtype), value[None].to(query.dtype), attn_mask=mask,
             is_causal=mask is None, scale=scale, enable_gqa=num_heads != key.shape[0],
@@ -286,7 +286,7 @@ def _attend_decode_chunk(
         context = context.to(query.dtype)
     # The `group` query heads sharing one KV head become that head's query rows: no K/V expansion.
     grouped_query = query.view(batch, num_kv_heads, group, head_dim)
-    with cpu_attention_backends(query.dtype):
+    with cpu_attention_backends(query):
         out = F.scaled_dot_product_attention(grouped_query, context[0], context[1], attn_mask=chunk.mask,
                                              scale=scale)
     return out.reshape(batch, num_heads, head_dim)

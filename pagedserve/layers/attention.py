@@ -14,8 +14,8 @@ from torch import nn
 from pagedserve.attention import current_attention_backend_name, get_attention_backend
 from pagedserve.attention.forward_context import get_forward_context, save_kv_layer
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
-from pagedserve.attention.sdpa_backend import cpu_attention_backends
 from pagedserve.layers.watched_attributes import WatchedAttributes
+from pagedserve.platforms.sdpa_backends import cpu_attention_backends
 
 
 class Attention(WatchedAttributes, nn.Module):
@@ -80,7 +80,7 @@ class Attention(WatchedAttributes, nn.Module):
         is_visible = distance >= 0
         if self.sliding_window is not None:
             is_visible &= distance < self.sliding_window
-        with cpu_attention_backends(query.dtype):
+        with cpu_attention_backends(query):
             output = F.scaled_dot_product_attention(
                 query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=is_visible,
                 scale=self.scale,

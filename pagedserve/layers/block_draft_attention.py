@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.attention.kv_cache_spec import KVCacheSpec
-from pagedserve.attention.sdpa_backend import cpu_attention_backends
+from pagedserve.platforms.sdpa_backends import cpu_attention_backends
 
 
 @dataclass
@@ -82,7 +82,7 @@ class BlockDraftAttention(nn.Module):
             start, end = metadata.query_start_loc[b], metadata.query_start_loc[b + 1]
             request_keys = torch.cat([keys[slots].to(key.dtype), key[start:end]])
             request_values = torch.cat([values[slots].to(value.dtype), value[start:end]])
-            with cpu_attention_backends(query.dtype):
+            with cpu_attention_backends(query):
                 attended = F.scaled_dot_product_attention(
                     query[start:end].transpose(0, 1),
                     request_keys.repeat_interleave(group_size, dim=1).transpose(0, 1),

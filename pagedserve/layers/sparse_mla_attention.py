@@ -20,7 +20,7 @@ from torch import nn
 from pagedserve.attention import sparse_int8_cache
 from pagedserve.attention.backend import AttentionMetadata
 from pagedserve.attention.sparse_mla_context_parallel import dcp_select_tokens, sparse_mla_context_parallel_attention
-from pagedserve.attention.forward_context import get_forward_context
+from pagedserve.attention.forward_context import get_forward_context, save_kv_layer
 from pagedserve.attention.kv_cache_spec import ExtraKVComponent, KVCacheSpec
 from pagedserve.attention.kv_page_layout import kv_cache_component
 from pagedserve.attention.lightning_indexer import (
@@ -122,6 +122,7 @@ class SparseMLAAttention(MLAAttention):
                 output = sparse_mla_attention(q_nope, q_pe, latent, self.kv_cache, metadata, selection, kv_b_weight,
                                               self.kv_lora_rank, self.v_head_dim, self.scale,
                                               gather_decode_rows=self.decode_row_gather)
+            save_kv_layer(self.layer_name, self.kv_cache)  # the page's latent and index keys are written
         return output.reshape(output.shape[0], self.num_heads * self.v_head_dim)
 
     def _select(self, index: IndexerProjections, metadata: AttentionMetadata) -> torch.Tensor:

@@ -11,7 +11,7 @@ PAGEDSERVE_CPU_ISA=<level> (each level builds its own library at first use) for:
   as the avx2 level's native kernels' tests (the decode stack's module is one of those: it runs once there);
 - 'none' (no native kernels, as on aarch64): the engine against transformers on its plain-PyTorch paths.
 ATen runs at the same level in the child (ATEN_CPU_CAPABILITY): the kernels' bitwise claims compare them with ATen's
-vector code of the same width, as on a CPU of that level (attention/sdpa_backend.py keeps torch's bfloat16 attention
+vector code of the same width, as on a CPU of that level (platforms/sdpa_backends.py keeps torch's bfloat16 attention
 off its AMX packing there).
 """
 from __future__ import annotations

@@ -62,7 +62,8 @@ def run_until_done(llm: LLM, timeout_s: float = 60.0) -> dict[str, Any]:
     return finished
 
 
-@pytest.fixture(scope="module", params=["llama", pytest.param("deepseek-v3", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["llama", pytest.param("deepseek-v3", marks=pytest.mark.slow),
+                                        pytest.param("deepseek-v32", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest, tiny_model_dir) -> str:  # type: ignore[no-untyped-def]
     return tiny_model_dir(request.param)
 

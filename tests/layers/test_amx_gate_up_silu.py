@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from native_marks import NEEDS_ATEN_BF16_ATTENTION
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers import amx_gate_up_silu
 from pagedserve.kernels import elementwise as native_elementwise
@@ -105,7 +104,6 @@ def test_mlp_takes_the_fused_pass_only_where_it_pays_and_is_allowed(monkeypatch:
     assert calls == [1]
 
 
-@NEEDS_ATEN_BF16_ATTENTION
 def test_engine_tokens_and_logprobs_are_the_same_with_and_without_fusion(tiny_model_dir, monkeypatch) -> None:
     """On/off equivalence: prompts past MIN_FUSED_ROWS tokens prefill through the fused pass; greedy tokens and
     top-5 logprobs over 24 steps are identical with it turned off."""

@@ -1,4 +1,4 @@
-"""Which scaled_dot_product_attention backends the CPU attention paths let torch choose.
+"""Which scaled_dot_product_attention backends the attention paths let torch choose on the CPU.
 
 torch 2.13's CPU flash attention packs bfloat16 / float16 key and value blocks for AMX whenever the hardware has AMX
 (cpuinfo), even when ATEN_CPU_CAPABILITY holds ATen below AVX-512; the pack then fails ("pack_vnni2 is only supported
@@ -27,9 +27,12 @@ def cpu_flash_attention_is_broken() -> bool:
     return has_amx_hardware and torch.backends.cpu.get_cpu_capability() not in _PACKING_CAPABILITIES
 
 
-def cpu_attention_backends(dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """The context to run a CPU scaled_dot_product_attention of `dtype` inputs in."""
-    if dtype in (torch.bfloat16, torch.float16) and cpu_flash_attention_is_broken():
+def cpu_attention_backends(query: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context to run a scaled_dot_product_attention of `query` (and its keys and values) in: the math backend
+    for bfloat16 / float16 CPU tensors where the flash backend is broken, torch's own choice otherwise (CUDA
+    included)."""
+    if (query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+            and cpu_flash_attention_is_broken()):
         return sdpa_kernel([SDPBackend.MATH])
     return contextlib.nullcontext()
 
