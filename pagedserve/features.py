@@ -561,7 +561,7 @@ FEATURES: tuple[Feature, ...] = (
         line="framework", family="PD disaggregation", feature="PullConnector layer-wise push mode: D reserves its "
                                                               "blocks and sends P a push order, P sends each layer's "
                                                               "KV from save_kv_layer as its forward writes it (zmq, "
-                                                              "one rank a side; dense and MLA)",
+                                                              "one rank a side; dense, MLA and DSA)",
         modules=("pagedserve.kv_transfer.push_connector_scheduler", "pagedserve.kv_transfer.push_connector_worker",
                  "pagedserve.attention.forward_context"),
         knobs=("kv_transfer_config",),
