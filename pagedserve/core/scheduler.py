@@ -120,6 +120,11 @@ class Scheduler:
         """Queue a new request. Its prompt must hold between 1 and max_model_len tokens."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already scheduled; ids must be unique")
+        if request.request_id in self.kv_held_requests:
+            # Finished, but its blocks are held for the KV connector under this id: a new request under the same id
+            # would mix its blocks (and a consumer's transfer) with the held ones.
+            raise ValueError(f"request_id={request.request_id!r} is still in use: the KV connector holds the blocks "
+                             f"of the finished request with this id; ids must be unique")
         if not 1 <= request.num_prompt_tokens <= self.max_model_len:
             raise ValueError(
                 f"prompt length={request.num_prompt_tokens} of request {request.request_id!r} must be in "

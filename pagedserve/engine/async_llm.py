@@ -27,6 +27,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.core_client import EngineCoreClient, EngineUnreachableError, utility_result_value
 from pagedserve.engine.input_processor import InputProcessor, PromptType, apply_chat_template, prompt_text_of
 from pagedserve.engine.messages import EngineCoreOutputs, EngineFailure, UtilityResult
+from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
@@ -108,6 +109,10 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+class DuplicateRequestError(ValueError):
+    """add_request was given the id of a request still in flight (the engine runs one request per id)."""
+
+
 class AsyncLLM:
     """Asynchronous engine client for the server; build with `await AsyncLLM.start(engine_kwargs)`."""
 
@@ -163,6 +168,13 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.config.model_config.max_model_len
 
+    def kv_transfer_info(self) -> KVTransferInfo:
+        """The prefill/decode KV connector's role, mode and block-server address (GET /kv_transfer_info)."""
+        ready = self.client.ready if self.client is not None else None
+        return KVTransferInfo.from_engine(self.config.kv_transfer_config,
+                                          ready.kv_transfer_engine_id if ready is not None else "",
+                                          list(ready.kv_transfer_ports) if ready is not None else [])
+
     @property
     def max_num_seqs(self) -> int:
         return self.config.scheduler_config.max_num_seqs
@@ -205,7 +217,7 @@ class AsyncLLM:
         """
         self.check_alive()
         if request_id in self.streams:
-            raise ValueError(f"request_id={request_id!r} is already in flight")
+            raise DuplicateRequestError(f"request_id={request_id!r} is already in flight")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = self.input_processor.process(request_id, prompt, params, priority=priority, arrival_time=arrival)
         self.output_processor.add_request(request_id, prompt_text_of(prompt), requests, params,

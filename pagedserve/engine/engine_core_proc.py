@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from pagedserve.core.engine_core_output import EngineCoreOutput
 from pagedserve.engine.messages import (AbortRequests, AddRequests, EngineCoreOutputs, EngineFailure,
                                         EngineReady, MessageCodec, UtilityCall, UtilityResult)
 
@@ -80,16 +81,34 @@ class EngineCoreProc:
         from pagedserve.engine.dp_engine_core import create_engine_core
 
         config = EngineConfig.create(**self.engine_kwargs)
+        from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
+
         self.engine_core = create_engine_core(config)
-        self.send(EngineReady(pid=os.getpid(), num_kv_blocks=int(self.engine_core.runtime_info.num_kv_blocks),
-                              max_model_len=config.model_config.max_model_len))
+        runtime_info = self.engine_core.runtime_info
+        pd_connector = pd_connector_config(config.kv_transfer_config)
+        self.send(EngineReady(pid=os.getpid(), num_kv_blocks=int(runtime_info.num_kv_blocks),
+                              max_model_len=config.model_config.max_model_len,
+                              kv_transfer_engine_id=pd_connector.engine_id if pd_connector is not None else "",
+                              kv_transfer_ports=[int(port) for port in runtime_info.kv_transfer_ports
+                                                 or ([runtime_info.kv_transfer_port]
+                                                     if runtime_info.kv_transfer_port else [])]))
 
     def handle_input(self, data: bytes) -> None:
         message = self.codec.decode_input(data)
         core = self.engine_core
         if isinstance(message, AddRequests):
+            refused = []
             for request in message.requests:
-                core.add_request(request)
+                try:
+                    core.add_request(request)
+                except ValueError as error:
+                    # A request the scheduler refuses (an id still in use, a prompt out of bounds): the front end
+                    # checked what it could; this request fails alone, the engine keeps running.
+                    logger.error("request %s refused: %s", request.request_id, error)
+                    refused.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                                    finish_reason="error", stop_reason=str(error)))
+            if refused:
+                self.send(EngineCoreOutputs(outputs=refused, stats=core.make_stats(), timestamp=time.monotonic()))
         elif isinstance(message, AbortRequests):
             core.abort_requests(message.request_ids, message.status)
         elif isinstance(message, UtilityCall):

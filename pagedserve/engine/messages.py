@@ -48,6 +48,10 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     pid: int
     num_kv_blocks: int
     max_model_len: int
+    # The prefill/decode KV connector's engine id and block-server ports (every worker rank's), as the engine
+    # process knows them (kv_transfer/kv_transfer_info.py); empty without one.
+    kv_transfer_engine_id: str = ""
+    kv_transfer_ports: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):

@@ -28,6 +28,7 @@ from pagedserve.server.serve_args import DEFAULT_MAX_BODY_BYTES
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
 from pagedserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                         ModelList, TokenizeRequest)
+from pagedserve.server.request_ids import RequestIdHeaderMiddleware
 from pagedserve.server.request_text import TextCheckedRoute
 from pagedserve.server.state import ServerState
 from pagedserve.server.tool_calling import check_tools
@@ -92,7 +93,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(state: ServerState, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_request_id_headers: bool = False) -> FastAPI:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     # Before any route is added: every route checks that its body is valid UTF-8 text before parsing it.
@@ -114,6 +115,11 @@ def build_app(state: ServerState, api_key: str | None = None,
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": pagedserve.__version__})
+
+    @app.get("/kv_transfer_info")
+    async def kv_transfer_info() -> JSONResponse:
+        # For a PD proxy: this server's KV connector role and mode, and a producer's block-server address.
+        return JSONResponse(engine.kv_transfer_info().to_json())
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -162,6 +168,8 @@ def build_app(state: ServerState, api_key: str | None = None,
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     if api_key is not None:
         # Added last so it runs first: an unauthenticated client's body is never even read.
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -1,4 +1,5 @@
-"""API-key authentication: `Authorization: Bearer <key>` on every path but /health and /version.
+"""API-key authentication: `Authorization: Bearer <key>` on every path but /health, /version and
+/kv_transfer_info (a PD proxy reads it at start, before any client; it names a KV role, mode and address).
 
 The key comes from --api-key or PAGEDSERVE_API_KEY. It is compared with hmac.compare_digest on the
 SHA-256 digests of both sides, so the comparison takes the same time whatever the key's length or
@@ -16,7 +17,7 @@ from pagedserve.server.errors import error_response
 from pagedserve.server.serve_args import API_KEY_ENV
 
 # Paths a load balancer or a monitor must reach without the key.
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/version", "/kv_transfer_info"})
 
 
 def resolve_api_key(api_key: str | None) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.engine.async_llm import EngineDeadError, RequestStream
+from pagedserve.engine.async_llm import DuplicateRequestError, EngineDeadError, RequestStream
 from pagedserve.outputs import CompletionOutput
 from pagedserve.reasoning.reasoning_parser import ReasoningParser, get_reasoning_parser
 from pagedserve.server.chat_answer import AnswerStream, parse_answer
@@ -29,7 +29,8 @@ from pagedserve.server.logprobs_format import chat_logprobs
 from pagedserve.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                         ChatCompletionRequest, ChatCompletionResponse,
                                         ChatStreamChoice, ChatTokenLogprob, DeltaMessage, UsageInfo)
-from pagedserve.server.state import ServerState, new_request_id
+from pagedserve.server.request_ids import REQUEST_ID_HEADER, base_request_id, chat_request_id, duplicate_request_error
+from pagedserve.server.state import ServerState
 from pagedserve.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
 from pagedserve.server.tool_calling import ToolRequest, resolve_tool_request
 
@@ -80,9 +81,13 @@ class ChatHandler:
             params = dataclasses.replace(params, skip_special_tokens=False)
         prompt_token_ids = self.prompt_token_ids(body, tool_request.tools)
         self.state.admit(params.n)
-        request_id = new_request_id("chatcmpl")
-        stream = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
-                                               priority=body.priority)
+        base_id = base_request_id(raw_request.headers.get(REQUEST_ID_HEADER), body.request_id)
+        request_id = chat_request_id(base_id)
+        try:
+            stream = await self.engine.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params,
+                                                   priority=body.priority)
+        except DuplicateRequestError:
+            raise duplicate_request_error(base_id) from None
         created = int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(body, tool_request, request_id, model_name, created, stream),

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagedserve.engine.async_llm import AsyncLLM, DuplicateRequestError, EngineDeadError, RequestStream
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.server.disconnect import run_until_disconnected
@@ -20,7 +20,9 @@ from pagedserve.server.errors import OpenAIError, error_body
 from pagedserve.server.logprobs_format import append_completion_logprobs
 from pagedserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                         CompletionStreamResponse, UsageInfo)
-from pagedserve.server.state import ServerState, new_request_id
+from pagedserve.server.request_ids import (REQUEST_ID_HEADER, base_request_id, completion_prompt_request_id,
+                                           completion_request_id, duplicate_request_error)
+from pagedserve.server.state import ServerState
 from pagedserve.server.streaming import SSE_DONE, SSE_HEADERS, merge_streams, sse_event
 
 
@@ -39,14 +41,17 @@ def completion_prompts(prompt: Any) -> list[PromptType]:
     raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
-async def add_streams(engine: AsyncLLM, request_id: str, prompts: list[PromptType], params: Any,
+async def add_streams(engine: AsyncLLM, base_id: str, prompts: list[PromptType], params: Any,
                       priority: int) -> list[RequestStream]:
     """Add one engine request per prompt; on a bad prompt nothing stays queued (ValueError names it)."""
     streams: list[RequestStream] = []
     try:
         for index, prompt in enumerate(prompts):
             try:
-                streams.append(await engine.add_request(f"{request_id}-{index}", prompt, params, priority=priority))
+                streams.append(await engine.add_request(completion_prompt_request_id(base_id, index), prompt,
+                                                        params, priority=priority))
+            except DuplicateRequestError:
+                raise
             except ValueError as error:
                 raise ValueError(f"prompt[{index}]: {error}" if len(prompts) > 1 else str(error)) from None
     except BaseException:
@@ -87,8 +92,12 @@ class CompletionHandler:
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=logprobs,
                                       prompt_logprobs=logprobs if body.echo and logprobs is not None else None)
         self.state.admit(len(prompts) * params.n)
-        request_id = new_request_id("cmpl")
-        streams = await add_streams(self.engine, request_id, prompts, params, body.priority)
+        base_id = base_request_id(raw_request.headers.get(REQUEST_ID_HEADER), body.request_id)
+        request_id = completion_request_id(base_id)
+        try:
+            streams = await add_streams(self.engine, base_id, prompts, params, body.priority)
+        except DuplicateRequestError:
+            raise duplicate_request_error(base_id) from None
         created = int(time.time())
         if body.stream:
             return StreamingResponse(self._stream(body, request_id, model_name, created, streams),

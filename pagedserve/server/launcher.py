@@ -61,7 +61,7 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_timeout: float = 30.0,
                 engine_death_exit_delay: float = 2.0, engine_startup_timeout: float = 600.0,
                 log_level: str = "WARNING", uvicorn_log_level: str = "warning", access_log: bool = False,
-                tool_calling: ToolCallingConfig | None = None,
+                tool_calling: ToolCallingConfig | None = None, enable_request_id_headers: bool = False,
                 on_serving: Callable[[], None] | None = None) -> int:
     """Run the server until a signal or an engine death; returns the exit status.
 
@@ -82,7 +82,8 @@ async def serve(engine_kwargs: dict[str, Any], *, host: str = "127.0.0.1", port:
     state = ServerState(engine=engine, served_model_names=names, metrics=metrics,
                         max_waiting_requests=max_waiting_requests, tool_calling=tool_calling or ToolCallingConfig())
     try:
-        app = build_app(state, api_key=api_key, max_body_bytes=max_body_bytes)
+        app = build_app(state, api_key=api_key, max_body_bytes=max_body_bytes,
+                        enable_request_id_headers=enable_request_id_headers)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
                                 lifespan="off", timeout_graceful_shutdown=shutdown_timeout,
                                 timeout_keep_alive=5)
@@ -161,7 +162,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      engine_death_exit_delay=args.engine_death_exit_delay,
                      engine_startup_timeout=args.engine_startup_timeout, log_level=args.log_level,
                      uvicorn_log_level=args.uvicorn_log_level, access_log=args.access_log,
-                     tool_calling=tool_calling, on_serving=on_serving)
+                     tool_calling=tool_calling, enable_request_id_headers=args.enable_request_id_headers,
+                     on_serving=on_serving)
         return await task
 
     try:

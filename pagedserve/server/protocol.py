@@ -96,6 +96,8 @@ class SamplingFields(OpenAIModel):
     # vLLM extension for prefill/decode disaggregation: handed to the engine's KV connector (to P:
     # {"do_remote_decode": true}; to D: what P's response returned). pagedserve/kv_transfer/kv_transfer_params.py.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM extension: the caller's id for the request (the X-Request-Id header wins); server/request_ids.py.
+    request_id: str | None = None
 
     def check_numbers(self) -> None:
         """ValueError naming the field, value and limit for an integer beyond 64 bits or a float that is not

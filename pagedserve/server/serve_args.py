@@ -27,6 +27,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-startup-timeout", type=float, default=600.0)
     group.add_argument("--uvicorn-log-level", default="warning")
     group.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="add X-Request-Id to every response (the request's own header, else a random id)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto" (the default of requests with tools): the model decides and '

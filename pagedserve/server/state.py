@@ -1,7 +1,6 @@
 """ServerState: what every endpoint handler shares (the engine, names, limits, metrics)."""
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
 from pagedserve.config.tool_calling import ToolCallingConfig
@@ -41,7 +40,3 @@ class ServerState:
             raise OpenAIError(503, f"the engine is dead: {self.engine.dead_error}")
         check_admission(self.engine.num_engine_requests, num_engine_requests, self.engine.max_num_seqs,
                         self.max_waiting_requests)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
