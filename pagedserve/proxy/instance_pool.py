@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
+
 PREFILL = "prefill"
 DECODE = "decode"
 
@@ -24,6 +26,9 @@ class Instance:
     num_failures: int = 0
     # The last connection or health error, for /health and the logs.
     last_error: str = ""
+    # Its /kv_transfer_info once read and found fit for the proxy's mode (None: read it before use; cleared when
+    # the instance comes back up, since a restart may move its block server).
+    kv_transfer_info: KVTransferInfo | None = None
 
     @property
     def name(self) -> str:

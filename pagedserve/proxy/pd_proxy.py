@@ -1,11 +1,21 @@
 """The prefill/decode proxy: an OpenAI-compatible front over P (KV producer) and D (KV consumer) servers.
 
-Each POST /v1/completions or /v1/chat/completions goes
-  1. to the least-loaded live P, not streamed, with max_tokens 1 and kv_transfer_params {"do_remote_decode": true}
-     (P computes the prompt's KV and keeps its blocks); P's response carries the kv_transfer_params D needs;
-  2. to the least-loaded live D, with the client's own body plus those kv_transfer_params (D pulls the blocks
-     instead of computing the prompt); D's answer, streamed (SSE) or whole, goes back to the client as it is.
-Without prefill instances the proxy only balances: each request goes whole to one instance (colocated engines).
+Each POST /v1/completions or /v1/chat/completions gets one request id: the X-Request-Id header of the proxy's answer
+and of its call to D; P's call carries it suffixed "-prefill" (a kv_both instance may be P and D of one request, and
+one engine runs one request per id). Then, per --kv-transfer-mode (kv_transfer_mode.py):
+- pull: 1. to the least-loaded live P, not streamed, with max_tokens 1 and kv_transfer_params
+  {"do_remote_decode": true} (P computes the prompt's KV and keeps its blocks); P's response carries the
+  kv_transfer_params D needs; 2. to the least-loaded live D, with the client's own body plus those kv_transfer_params
+  (D pulls the blocks instead of computing the prompt);
+- push: to a D and a P at the same time: D with kv_transfer_params naming P's block server (learnt once from P's
+  GET /kv_transfer_info) and the id P's engine runs the request under, P as in pull mode; D reserves blocks and
+  orders the pages, P sends each layer's as its forward writes it. A failure of either call before D's answer is
+  whole cancels the other (closing its connection aborts the request there, which frees its blocks).
+D's answer, streamed (SSE) or whole, goes back to the client as it is. Without prefill instances the proxy only
+balances: each request goes whole to one instance (colocated engines).
+
+At start (and when an instance is first used or comes back) the proxy reads each instance's /kv_transfer_info and
+refuses an instance whose role or mode does not fit, naming both modes: at start the proxy exits with that error.
 
 Failures stay per request: an instance that refuses the connection is marked down (503 for that request; new ones
 go to the others) until its /health answers 200 again; one that dies mid-answer fails that request (502, or an
@@ -17,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,20 +37,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
 from pagedserve.proxy.instance_pool import DECODE, PREFILL, Instance, InstancePool, NoInstanceError
+from pagedserve.proxy.kv_transfer_mode import (KV_TRANSFER_MODES, instance_error, prefill_body, prefill_headers,
+                                               prefill_request_id, push_kv_transfer_params)
 from pagedserve.proxy.proxy_metrics import ProxyMetrics
 from pagedserve.server.disconnect import run_until_disconnected
 from pagedserve.server.errors import OpenAIError, error_body, error_response
+from pagedserve.server.request_ids import REQUEST_ID_HEADER, engine_request_id
 from pagedserve.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
 
 logger = logging.getLogger(__name__)
 
-# Fields of the client's body that P does not get: P samples one token that nobody reads (D samples the first
-# token itself from the pulled KV), so only what shapes the prompt matters there. A stop string could even end
-# P's request in the front end, before its kv_transfer_params are made (docs/kv_transfer.md).
-_FIELDS_NOT_FOR_PREFILL = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "stop",
-                           "stop_token_ids", "n", "best_of", "logprobs", "top_logprobs", "echo", "response_format",
-                           "structured_outputs", "return_token_ids", "include_stop_str_in_output")
 # Headers the client sent that instances get too (they share the client's API key, if any).
 _FORWARDED_HEADERS = ("authorization",)
 
@@ -66,8 +75,10 @@ def _upstream_error_message(content: bytes) -> tuple[str, str | None]:
 class PDProxy:
     """The proxy's state: the two pools, one HTTP client, the health probe, and the request flow."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, timeout: float = 600.0,
-                 connect_timeout: float = 5.0, health_interval: float = 2.0) -> None:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], *, kv_transfer_mode: str = "pull",
+                 timeout: float = 600.0, connect_timeout: float = 5.0, health_interval: float = 2.0) -> None:
+        if kv_transfer_mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer_mode={kv_transfer_mode!r} must be one of {list(KV_TRANSFER_MODES)}")
         if not decode_urls:
             raise ValueError("decode_urls=[] is empty: give at least one --decode instance")
         for url in [*prefill_urls, *decode_urls]:
@@ -75,6 +86,7 @@ class PDProxy:
                 raise ValueError(f"instance url {url!r} must start with http:// or https://")
         if health_interval <= 0:
             raise ValueError(f"health_interval={health_interval} must be > 0")
+        self.kv_transfer_mode = kv_transfer_mode
         self.prefill = InstancePool(PREFILL, prefill_urls)
         self.decode = InstancePool(DECODE, decode_urls)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
@@ -95,10 +107,18 @@ class PDProxy:
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Open the HTTP client, probe every instance once, then keep probing in the background."""
+        """Open the HTTP client, probe every instance once, check the KV role and mode of every live one (ValueError
+        naming both modes when one does not fit), then keep probing in the background."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._http = httpx.AsyncClient(timeout=self.timeout, limits=limits)
         await self.probe_all()
+        if len(self.prefill):
+            live = [instance for pool in self.pools for instance in pool.instances if instance.is_up]
+            try:
+                await asyncio.gather(*(self._transfer_info(instance) for instance in live))
+            except UpstreamError as error:
+                await self._http.aclose()
+                raise ValueError(error.message) from None
         self._probe_task = asyncio.create_task(self._probe_forever())
 
     async def close(self) -> None:
@@ -122,6 +142,7 @@ class PDProxy:
         if response.status_code == 200:
             if not instance.is_up:
                 logger.warning("%s is up again", instance.name)
+                instance.kv_transfer_info = None  # a restarted instance may serve its blocks on another port
             instance.is_up, instance.last_error = True, ""
         else:
             message, _ = _upstream_error_message(response.content)
@@ -182,13 +203,50 @@ class PDProxy:
             raise self._status_error(instance, response.status_code, response.content)
         return response
 
-    async def _prefill(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        """Send the prompt to a P; returns the kv_transfer_params its response carries."""
-        prefill_body = {key: value for key, value in body.items() if key not in _FIELDS_NOT_FOR_PREFILL}
-        prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-        instance = self._pick(self.prefill)
+    async def _transfer_info(self, instance: Instance) -> KVTransferInfo:
+        """The instance's /kv_transfer_info (read once, again after it was down); UpstreamError when it cannot be
+        read or the instance's role or mode does not fit this proxy."""
+        if instance.kv_transfer_info is not None:
+            return instance.kv_transfer_info
         try:
-            response = await self._post(instance, endpoint, prefill_body, headers)
+            response = await self.http.get(f"{instance.url}/kv_transfer_info", timeout=max(self.connect_timeout, 5.0))
+        except httpx.HTTPError as error:
+            raise self._connection_error(instance, error) from None
+        if response.status_code != 200:
+            raise self._status_error(instance, response.status_code, response.content)
+        try:
+            info = KVTransferInfo.from_json(response.json())
+        except ValueError as error:
+            raise UpstreamError(502, f"{instance.name}: GET /kv_transfer_info: {error}") from None
+        problem = instance_error(instance.name, instance.role, info, self.kv_transfer_mode)
+        if problem is not None:
+            raise UpstreamError(502, problem)
+        instance.kv_transfer_info = info
+        return info
+
+    async def _open_stream(self, instance: Instance, endpoint: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> httpx.Response:
+        """A streamed call whose status is 200 (the status is known before the first byte goes back, so an error
+        answer keeps its status); UpstreamError naming the instance otherwise."""
+        request = self.http.build_request("POST", f"{instance.url}{endpoint}", json=body, headers=headers)
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.HTTPError as error:
+            raise self._connection_error(instance, error) from None
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError:
+                content = b""
+            await response.aclose()
+            raise self._status_error(instance, response.status_code, content)
+        return response
+
+    async def _prefill(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """Pull mode: send the prompt to a P; returns the kv_transfer_params its response carries."""
+        instance = await self._pick_checked(self.prefill)
+        try:
+            response = await self._post(instance, endpoint, prefill_body(body), prefill_headers(headers))
             try:
                 kv_transfer_params = response.json().get("kv_transfer_params")
             except ValueError:
@@ -202,35 +260,95 @@ class PDProxy:
         finally:
             instance.num_in_flight -= 1
 
+    async def _pick_checked(self, pool: InstancePool) -> Instance:
+        """The least-loaded live instance of `pool`, its KV role and mode checked (counted in flight)."""
+        instance = self._pick(pool)
+        try:
+            await self._transfer_info(instance)
+        except BaseException:
+            instance.num_in_flight -= 1
+            raise
+        return instance
+
     async def generate(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         """The whole flow of one completion or chat request (see the module docstring)."""
+        request_id = uuid.uuid4().hex
+        headers = {**headers, REQUEST_ID_HEADER: request_id}
+        if len(self.prefill) and self.kv_transfer_mode == "push":
+            response = await self._generate_push(endpoint, body, headers, request_id)
+        else:
+            response = await self._generate_pull(endpoint, body, headers)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+
+    async def _generate_pull(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         if len(self.prefill):
             body = dict(body, kv_transfer_params=await self._prefill(endpoint, body, headers))
-        instance = self._pick(self.decode)
+            instance = await self._pick_checked(self.decode)
+        else:
+            instance = self._pick(self.decode)
         if not body.get("stream"):
             try:
                 response = await self._post(instance, endpoint, body, headers)
                 return Response(response.content, status_code=200, media_type="application/json")
             finally:
                 instance.num_in_flight -= 1
-        # Streaming: the status is known before the first byte goes back, so an error answer keeps its status.
         try:
-            request = self.http.build_request("POST", f"{instance.url}{endpoint}", json=body, headers=headers)
-            try:
-                response = await self.http.send(request, stream=True)
-            except httpx.HTTPError as error:
-                raise self._connection_error(instance, error) from None
-            if response.status_code != 200:
-                try:
-                    content = await response.aread()
-                except httpx.HTTPError:
-                    content = b""
-                await response.aclose()
-                raise self._status_error(instance, response.status_code, content)
+            response = await self._open_stream(instance, endpoint, body, headers)
         except BaseException:
             instance.num_in_flight -= 1
             raise
         return RelayResponse(self._relay(instance, response), _UpstreamStream(instance, response))
+
+    async def _generate_push(self, endpoint: str, body: dict[str, Any], headers: dict[str, str],
+                             request_id: str) -> Response:
+        """Push mode: D and P at once (see the module docstring). Every path ends both calls and their in-flight
+        counts; only a relayed stream keeps D's, until RelayResponse releases it."""
+        prefill = await self._pick_checked(self.prefill)
+        try:
+            decode = await self._pick_checked(self.decode)
+        except BaseException:
+            prefill.num_in_flight -= 1
+            raise
+        assert prefill.kv_transfer_info is not None
+        is_stream = bool(body.get("stream"))
+        decode_body = dict(body, kv_transfer_params=push_kv_transfer_params(
+            prefill.kv_transfer_info, engine_request_id(endpoint, prefill_request_id(request_id))))
+        decode_call = self._open_stream if is_stream else self._post
+        decode_task = asyncio.ensure_future(decode_call(decode, endpoint, decode_body, headers))
+        prefill_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body(body),
+                                                              prefill_headers(headers)))
+        is_relayed = False
+        try:
+            await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_EXCEPTION)
+            # P's failure first: D's may only follow from it (D's load failed, or it was cancelled).
+            for task in (prefill_task, decode_task):
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            if not is_stream and decode_task.done():
+                # D's answer is whole (the KV arrived): P's call ends on its own; its outcome changes nothing.
+                await asyncio.gather(prefill_task, return_exceptions=True)
+            else:
+                await prefill_task
+            response = await decode_task
+            if not is_stream:
+                return Response(response.content, status_code=200, media_type="application/json")
+            is_relayed = True
+            return RelayResponse(self._relay(decode, response), _UpstreamStream(decode, response))
+        except BaseException:
+            # Closing a call's connection makes that server abort its request (and free its blocks): D's reserved
+            # blocks when P failed, P's computed ones when D refused the request.
+            for task in (decode_task, prefill_task):
+                task.cancel()
+            results = await asyncio.gather(decode_task, prefill_task, return_exceptions=True)
+            if isinstance(results[0], httpx.Response):  # D's stream was open
+                await results[0].aclose()
+            raise
+        finally:
+            prefill.num_in_flight -= 1
+            if not is_relayed:
+                decode.num_in_flight -= 1
+
 
     async def _relay(self, instance: Instance, response: httpx.Response) -> AsyncIterator[str]:
         """D's SSE events, one whole event at a time; a broken stream ends with an error event and [DONE]. The
@@ -332,10 +450,9 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
 
     async def generate(endpoint: str, request: Request) -> Response:
         body = await json_body(request)
-        work = proxy.generate(endpoint, body, forwarded_headers(request))
-        if body.get("stream"):
-            return await work  # A streamed answer is cancelled by Starlette when the client leaves.
-        return await run_until_disconnected(request, work)
+        # Until the answer starts, a client that leaves cancels the work (its upstream calls end, which aborts their
+        # requests); a relayed stream is then released by RelayResponse when the client leaves.
+        return await run_until_disconnected(request, proxy.generate(endpoint, body, forwarded_headers(request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -368,7 +485,7 @@ def run_proxy(args: Any) -> int:
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"port={args.port} must be in [1, 65535]")
-    proxy = PDProxy(args.prefill, args.decode, timeout=args.timeout, connect_timeout=args.connect_timeout,
+    proxy = PDProxy(args.prefill, args.decode, kv_transfer_mode=args.kv_transfer_mode, timeout=args.timeout, connect_timeout=args.connect_timeout,
                     health_interval=args.health_interval)
     app = build_proxy_app(proxy)
 
@@ -377,7 +494,8 @@ def run_proxy(args: Any) -> int:
         try:
             config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                     access_log=False, lifespan="off", timeout_keep_alive=5)
-            mode = (f"{len(proxy.prefill)} prefill, {len(proxy.decode)} decode instances" if len(proxy.prefill)
+            mode = (f"{len(proxy.prefill)} prefill, {len(proxy.decode)} decode instances, "
+                    f"{proxy.kv_transfer_mode} mode" if len(proxy.prefill)
                     else f"{len(proxy.decode)} colocated instances")
             print(f"pagedserve proxy: {mode} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
             await uvicorn.Server(config).serve()
