@@ -39,12 +39,12 @@ PROMPTS = ["hello world", "the quick brown fox jumps over", "one two three four 
 class ProxyProcess:
     """`pagedserve proxy` as a child process in its own session (killed as a group on stop)."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedserve-proxy-", suffix=".log", delete=False)
         command = [sys.executable, "-m", "pagedserve.cli", "proxy", "--prefill", *prefill, "--decode", *decode,
-                   "--port", str(self.port), "--health-interval", "0.5"]
+                   "--port", str(self.port), "--health-interval", "0.5", *extra_args]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         deadline = time.monotonic() + 60
@@ -222,6 +222,18 @@ def test_metrics_count_per_instance_and_least_loaded_spreads(cluster):
                - metrics[("pagedserve:proxy_requests_total", "decode", second)]) <= 1
     assert all(value == 0 for (name, _, _), value in metrics.items() if name in (
         "pagedserve:proxy_requests_in_flight", "pagedserve:proxy_failures_total"))
+
+
+def test_a_push_mode_proxy_refuses_pull_mode_instances(cluster):
+    """The instances run the pull mode: a proxy started in push mode stops at start naming both modes."""
+    import asyncio
+
+    from pagedserve.proxy.pd_proxy import PDProxy
+
+    proxy = PDProxy([cluster["prefill"].base_url], [cluster["decode"][0].base_url], kv_transfer_mode="push")
+    with pytest.raises(ValueError, match=r"runs kv_connector_extra_config.mode='pull', but this proxy runs "
+                                         r"--kv-transfer-mode 'push'"):
+        asyncio.run(proxy.start())
 
 
 def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, client):
