@@ -609,14 +609,20 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         line="framework", family="PD disaggregation", feature="`pagedserve proxy`: OpenAI front over P and D servers "
-                                                              "(kv_transfer_params through the server, least-loaded "
-                                                              "choice, streaming, per-instance /metrics, a dead "
-                                                              "instance fails only its requests)",
+                                                              "in pull mode or push mode (--kv-transfer-mode: D and "
+                                                              "P at once under one request id, P's block server "
+                                                              "from its /kv_transfer_info; each instance's role and "
+                                                              "mode checked at start), kv_transfer_params and "
+                                                              "caller-chosen request ids (X-Request-Id, request_id) "
+                                                              "through the server, least-loaded choice, streaming, "
+                                                              "per-instance /metrics, a dead instance fails only its "
+                                                              "requests",
         modules=("pagedserve.proxy.pd_proxy", "pagedserve.proxy.instance_pool", "pagedserve.proxy.proxy_metrics",
-                 "pagedserve.server.protocol"),
+                 "pagedserve.proxy.kv_transfer_mode", "pagedserve.kv_transfer.kv_transfer_info",
+                 "pagedserve.server.protocol", "pagedserve.server.request_ids"),
         knobs=("kv_transfer_config",),
         docs="docs/kv_transfer.md",
-        tests=("tests/proxy/test_pd_proxy.py",),
+        tests=("tests/proxy/test_pd_proxy.py", "tests/proxy/test_pd_proxy_push.py"),
     ),
     Feature(
         line="framework", family="PD disaggregation", feature="P/D ratio tuning: `pagedserve bench pd` measures "
