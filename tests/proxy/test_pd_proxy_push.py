@@ -110,6 +110,25 @@ def test_push_through_the_proxy_equals_one_engine(cluster, client):
     wait_until_every_block_is_free([cluster["prefill"], cluster["decode"]])
 
 
+def test_concurrent_requests_keep_to_their_own_kv(cluster):
+    """Requests through the proxy at the same time (each its own id on P and D) get each their own prompt's
+    answer."""
+    prompts = [f"{prompt} {index}" for index, prompt in enumerate(PROMPTS * 2)]
+    expected = [one_engine(cluster, "/v1/completions", {"prompt": prompt, "max_tokens": 6})["choices"][0]["token_ids"]
+                for prompt in prompts]
+
+    def through_proxy(prompt: str) -> list[int]:
+        response = httpx.post(f"{cluster['proxy'].base_url}/v1/completions", timeout=60, json={
+            "model": cluster["model"], "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(through_proxy, prompts)) == expected
+    wait_until_every_block_is_free([cluster["prefill"], cluster["decode"]])
+
+
 def test_servers_take_caller_chosen_request_ids(cluster):
     """vLLM's conventions: the X-Request-Id header, else the body's request_id, names the request (chatcmpl-<id>,
     cmpl-<id>); --enable-request-id-headers echoes it; an id still running is a 400 naming request_id."""
@@ -212,24 +231,32 @@ def test_a_proxy_in_the_other_mode_refuses_to_start(cluster, capsys):
     assert status == 2 and "--kv-transfer-mode 'pull'" in capsys.readouterr().err
 
 
-def test_a_dead_prefill_fails_its_requests_and_d_frees_its_blocks(cluster, client):
-    """P killed: the proxy (which still counts P up: its probe is slow here) sends D and P the request at once;
-    P's call fails, the proxy cancels D's, which aborts it there: a clear error naming P, D ends with every block
-    free and keeps nothing in flight."""
-    prefill, proxy_url = cluster["prefill"], cluster["proxy"].base_url
+def gauge(server, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines() if line.startswith(name)).split()[-1])
 
-    def decode_requests() -> float:
-        line = next(line for line in httpx.get(f"{proxy_url}/metrics", timeout=10).text.splitlines()
-                    if line.startswith("pagedserve:proxy_requests_total") and 'role="decode"' in line)
-        return float(line.split()[-1])
 
-    sent_to_decode = decode_requests()
-    os.killpg(prefill.process.pid, signal.SIGKILL)
-    prefill.process.wait(timeout=10)
-    with pytest.raises(openai.APIStatusError, match=f"prefill instance {prefill.base_url} is unreachable") as error:
-        client.completions.create(model=cluster["model"], prompt=PROMPTS[0], max_tokens=4)
-    assert error.value.status_code == 503
-    assert decode_requests() == sent_to_decode + 1  # D got it at the same time, and the proxy cancelled it
+def test_p_dying_mid_request_fails_it_and_d_frees_its_blocks(cluster, client):
+    """P frozen, so that the request is in flight at both (D holds its reserved blocks, waiting for P's layers),
+    then killed: the request fails with a 502 naming P, the proxy cancels D's call, which frees D's blocks; the next
+    request finds P down (503). The proxy's probe is slow here, so the request, not the probe, finds P dead."""
+    prefill, decode = cluster["prefill"], cluster["decode"]
+    os.killpg(prefill.process.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.completions.create, model=cluster["model"], prompt=PROMPTS[1], max_tokens=4)
+            deadline = time.monotonic() + 20
+            while gauge(decode, "vllm:num_requests_waiting") < 1:  # D reserved its blocks and waits for P
+                assert time.monotonic() < deadline and not pending.done(), "D never got the request"
+                time.sleep(0.05)
+            assert kv_cache_usage(decode) > 0
+            os.killpg(prefill.process.pid, signal.SIGKILL)
+            with pytest.raises(openai.APIStatusError, match=f"prefill instance {prefill.base_url}") as error:
+                pending.result(timeout=60)
+    finally:
+        os.killpg(prefill.process.pid, signal.SIGKILL)
+    assert error.value.status_code in (502, 503)
     with pytest.raises(openai.APIStatusError, match="no prefill instance is up"):
         client.chat.completions.create(model=cluster["model"], messages=MESSAGES, max_tokens=4, stream=True)
-    wait_until_every_block_is_free([cluster["decode"]])
+    wait_until_every_block_is_free([decode])
+    assert gauge(decode, "vllm:num_requests_waiting") == 0 and gauge(decode, "vllm:num_requests_running") == 0
