@@ -63,6 +63,10 @@ class UpstreamError(Exception):
         self.param = param
 
 
+class InstanceUnfitError(UpstreamError):
+    """An instance whose KV role or mode does not fit the proxy (or that cannot say): a setup error, not an outage."""
+
+
 def _upstream_error_message(content: bytes) -> tuple[str, str | None]:
     """The message and param of an instance's error body (OpenAI's shape), or its text when it has another shape."""
     try:
@@ -114,11 +118,14 @@ class PDProxy:
         await self.probe_all()
         if len(self.prefill):
             live = [instance for pool in self.pools for instance in pool.instances if instance.is_up]
-            try:
-                await asyncio.gather(*(self._transfer_info(instance) for instance in live))
-            except UpstreamError as error:
-                await self._http.aclose()
-                raise ValueError(error.message) from None
+            results = await asyncio.gather(*(self._transfer_info(instance) for instance in live),
+                                           return_exceptions=True)
+            for instance, result in zip(live, results):
+                if isinstance(result, InstanceUnfitError):
+                    await self._http.aclose()
+                    raise ValueError(result.message)
+                if isinstance(result, BaseException):  # busy or gone: checked when first used
+                    logger.warning("%s: its KV role and mode are checked at first use (%s)", instance.name, result)
         self._probe_task = asyncio.create_task(self._probe_forever())
 
     async def close(self) -> None:
@@ -212,15 +219,18 @@ class PDProxy:
             response = await self.http.get(f"{instance.url}/kv_transfer_info", timeout=max(self.connect_timeout, 5.0))
         except httpx.HTTPError as error:
             raise self._connection_error(instance, error) from None
+        if response.status_code == 404:
+            raise InstanceUnfitError(502, f"{instance.name} has no GET /kv_transfer_info (it answered 404): the proxy "
+                                          f"needs `pagedserve serve` instances of this version")
         if response.status_code != 200:
             raise self._status_error(instance, response.status_code, response.content)
         try:
             info = KVTransferInfo.from_json(response.json())
         except ValueError as error:
-            raise UpstreamError(502, f"{instance.name}: GET /kv_transfer_info: {error}") from None
+            raise InstanceUnfitError(502, f"{instance.name}: GET /kv_transfer_info: {error}") from None
         problem = instance_error(instance.name, instance.role, info, self.kv_transfer_mode)
         if problem is not None:
-            raise UpstreamError(502, problem)
+            raise InstanceUnfitError(502, problem)
         instance.kv_transfer_info = info
         return info
 

@@ -225,7 +225,8 @@ def test_metrics_count_per_instance_and_least_loaded_spreads(cluster):
 
 
 def test_a_push_mode_proxy_refuses_pull_mode_instances(cluster):
-    """The instances run the pull mode: a proxy started in push mode stops at start naming both modes."""
+    """The instances run the pull mode: a proxy started in push mode stops at start naming both modes; so does
+    one over an instance that cannot say its mode."""
     import asyncio
 
     from pagedserve.proxy.pd_proxy import PDProxy
@@ -233,6 +234,11 @@ def test_a_push_mode_proxy_refuses_pull_mode_instances(cluster):
     proxy = PDProxy([cluster["prefill"].base_url], [cluster["decode"][0].base_url], kv_transfer_mode="push")
     with pytest.raises(ValueError, match=r"runs kv_connector_extra_config.mode='pull', but this proxy runs "
                                          r"--kv-transfer-mode 'push'"):
+        asyncio.run(proxy.start())
+    # Something that is no pagedserve server (here the proxy itself) cannot say its mode: refused too.
+    proxy = PDProxy([cluster["proxy"].base_url], [cluster["decode"][0].base_url])
+    with pytest.raises(ValueError, match=f"prefill instance {cluster['proxy'].base_url} has no GET "
+                                         f"/kv_transfer_info"):
         asyncio.run(proxy.start())
 
 
