@@ -27,8 +27,8 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.core_client import EngineCoreClient, EngineUnreachableError, utility_result_value
 from pagedserve.engine.input_processor import InputProcessor, PromptType, apply_chat_template, prompt_text_of
 from pagedserve.engine.messages import EngineCoreOutputs, EngineFailure, UtilityResult
-from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
 from pagedserve.model_loader.model_source import open_model_source
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams

@@ -79,10 +79,9 @@ class EngineCoreProc:
         """Build the EngineCore (loads the model, allocates KV) and announce readiness."""
         from pagedserve.config.engine import EngineConfig
         from pagedserve.engine.dp_engine_core import create_engine_core
-
-        config = EngineConfig.create(**self.engine_kwargs)
         from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
 
+        config = EngineConfig.create(**self.engine_kwargs)
         self.engine_core = create_engine_core(config)
         runtime_info = self.engine_core.runtime_info
         pd_connector = pd_connector_config(config.kv_transfer_config)
