@@ -6,6 +6,7 @@ the chosen attention backend) are not written back here: the worker returns them
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,14 @@ class EngineConfig:
         """Positions one KV block id covers: block_size on each rank's page, times the PCP x DCP ranks that split
         the positions (attention/decode_context_parallel.py). The scheduler counts these."""
         return self.cache_config.block_size * self.parallel_config.context_parallel_size
+
+    def for_data_parallel_rank(self, data_parallel_rank: int) -> "EngineConfig":
+        """The config DP rank `data_parallel_rank` runs as its own engine (engine/dp_engine_core.py): its KV
+        connector gets its own engine id and ports (KVTransferConfig.for_data_parallel_rank); the rest is shared."""
+        if self.kv_transfer_config is None:
+            return self
+        return dataclasses.replace(self, kv_transfer_config=self.kv_transfer_config.for_data_parallel_rank(
+            data_parallel_rank, self.parallel_config.world_size_per_engine))
 
     @staticmethod
     def create(

@@ -10,6 +10,8 @@
      "kv_connector_extra_config": {"connectors": [{...one connector's config...}, {...}]}}
     {"kv_connector": "PoolConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}}  (config/kv_pool.py)
+With data_parallel_size > 1 every DP rank runs its own connector under `for_data_parallel_rank` (its own engine id and
+ports, derived as vLLM does); every worker rank of an engine serves on `worker_kv_port` (kv_port plus its rank).
 A producer (P) keeps the blocks of a request sent with kv_transfer_params {"do_remote_decode": true} after it
 finishes and serves them; a consumer (D) pulls them for a request sent with the kv_transfer_params P returned
 (pagedserve/kv_transfer/). A pool connector looks up, loads (consumer) and stores (producer) full blocks in a store
@@ -17,6 +19,7 @@ shared by engines.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +163,40 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} has no pool knobs")
         return KVPoolConfig.from_extra_config(self.kv_connector_extra_config)
 
+    def for_data_parallel_rank(self, data_parallel_rank: int, world_size_per_engine: int) -> "KVTransferConfig":
+        """This config as DP rank `data_parallel_rank` of an engine with data_parallel_size > 1 runs it (each DP rank
+        is its own engine with its own connector), derived as vLLM derives its DP ranks' connectors:
+        - engine_id `<engine_id>_dp<rank>` (vLLM's spelling), so P's kv_transfer_params name the rank holding the
+          blocks;
+        - kv_port offset by `rank * world_size_per_engine` when set (the rank's worker ranks then add their own rank,
+          `worker_kv_port`): DP rank r's worker rank w serves on kv_port + r * world_size_per_engine + w. kv_port 0
+          stays 0 (every worker picks a free port).
+        A MultiConnector's parts are derived the same way (a part without its own engine_id takes the derived
+        `<engine_id>_dp<rank>-<index>`)."""
+        if data_parallel_rank < 0 or world_size_per_engine < 1:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank} must be >= 0 and world_size_per_engine="
+                             f"{world_size_per_engine} >= 1")
+        offset = data_parallel_rank * world_size_per_engine
+        extra = self.kv_connector_extra_config
+        if self.kv_connector == "MultiConnector":
+            parts = []
+            for value in extra.get("connectors", []):
+                part = dict(value)
+                if "engine_id" in part:
+                    part["engine_id"] = f"{part['engine_id']}_dp{data_parallel_rank}"
+                if part.get("kv_port"):
+                    part["kv_port"] = part["kv_port"] + offset
+                parts.append(part)
+            extra = extra | {"connectors": parts}
+        return dataclasses.replace(self, engine_id=f"{self.engine_id}_dp{data_parallel_rank}",
+                                   kv_port=self.kv_port + offset if self.kv_port else 0,
+                                   kv_connector_extra_config=extra)
+
+    def worker_kv_port(self, worker_rank: int) -> int:
+        """The block-server port of worker rank `worker_rank` (pp_rank * tensor_parallel_size + tp_rank) of this
+        engine: kv_port + worker_rank, or 0 (a free port) when kv_port is 0."""
+        return self.kv_port + worker_rank if self.kv_port else 0
+
     def extra(self, name: str) -> Any:
         """A pull connector extra knob, or its default."""
         return self.kv_connector_extra_config.get(name, PULL_CONNECTOR_DEFAULTS[name])
@@ -173,13 +210,13 @@ class KVTransferConfig:
         it); speculation whose drafter needs only the prompt's tokens ('ngram', 'draft_model': the draft model
         recomputes its own KV over the whole prompt at its first draft, so only the target's pages travel), and the
         hidden-state drafters of DRAFTER_KV_TRAVELS_METHODS (their pages travel too) with PullConnector."""
-        # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py).
-        degrees = (parallel_config.data_parallel_size, parallel_config.decode_context_parallel_size,
-                   parallel_config.prefill_context_parallel_size)
-        if degrees != (1, 1, 1):
-            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with data or "
-                             f"context parallelism yet: data_parallel_size, decode_context_parallel_size and "
-                             f"prefill_context_parallel_size must be 1 (got {degrees})")
+        # Tensor and pipeline parallel ranks each move their own KV shard (kv_transfer/kv_pull_plan.py); data
+        # parallel ranks are engines of their own, each with its own connector (for_data_parallel_rank).
+        context_degrees = (parallel_config.decode_context_parallel_size, parallel_config.prefill_context_parallel_size)
+        if context_degrees != (1, 1):
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with context "
+                             f"parallelism yet: decode_context_parallel_size and prefill_context_parallel_size must "
+                             f"be 1 (got {context_degrees})")
         parts = self.connector_configs if self.kv_connector == "MultiConnector" else [self]
         ranks = (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
         if any(part.kv_connector == "PoolConnector" for part in parts) and (
@@ -189,6 +226,17 @@ class KVTransferConfig:
                              f"for now: tensor_parallel_size and pipeline_parallel_size must be 1 (got {ranks}) and "
                              f"distributed_executor_backend None or 'uni' (got "
                              f"{parallel_config.distributed_executor_backend!r})")
+        if parallel_config.data_parallel_size > 1:
+            self._check_data_parallel(parts, parallel_config.data_parallel_size)
+        num_serving_ranks = parallel_config.data_parallel_size * parallel_config.world_size_per_engine
+        for part in parts:
+            # Worker rank w of DP rank r serves on kv_port + r * world_size_per_engine + w (for_data_parallel_rank).
+            last = part.kv_port + num_serving_ranks - 1
+            if part.kv_port and part.is_producer and last > 65535:
+                raise ValueError(f"kv_transfer_config.kv_port={part.kv_port}: data_parallel_size="
+                                 f"{parallel_config.data_parallel_size} x {parallel_config.world_size_per_engine} "
+                                 f"worker rank(s) each serve on kv_port + their rank, up to {last} > 65535; choose "
+                                 f"kv_port <= {65536 - num_serving_ranks} or 0 (free ports)")
         if parallel_config.executor_backend == "ray":
             # Every rank advertises one host (kv_connector_extra_config.host): ranks on other nodes are unreachable.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
@@ -223,6 +271,22 @@ class KVTransferConfig:
             # The offloaded latents live in the tier file, not in the KV pages the connector moves.
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r} is not supported with "
                              f"sparse_kv_offload: drop one of them")
+
+    @staticmethod
+    def _check_data_parallel(parts: list["KVTransferConfig"], data_parallel_size: int) -> None:
+        """data_parallel_size > 1 runs the PullConnector in mode 'pull' only."""
+        for part in parts:
+            if part.kv_connector == "PoolConnector":
+                # Untested per DP rank (one store connection and one put queue per rank).
+                raise ValueError(f"kv_transfer_config.kv_connector='PoolConnector' is not supported with "
+                                 f"data_parallel_size={data_parallel_size} yet: use data_parallel_size 1 with the "
+                                 f"pool (PullConnector in mode 'pull' runs with data parallelism)")
+            if part.kv_connector == "PullConnector" and part.extra("mode") == "push":
+                # The push-mode proxy names P's address to D before P's coordinator has chosen the DP rank that
+                # runs the request: D would wait on the wrong rank.
+                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode='push' is not supported with "
+                                 f"data_parallel_size={data_parallel_size} yet (D learns P's address before P's "
+                                 f"coordinator picks a DP rank): use mode 'pull' with data parallelism")
 
     @staticmethod
     def parse(value: "KVTransferConfig | dict[str, Any] | str | None") -> "KVTransferConfig | None":

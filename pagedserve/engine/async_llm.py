@@ -173,7 +173,8 @@ class AsyncLLM:
         ready = self.client.ready if self.client is not None else None
         return KVTransferInfo.from_engine(self.config.kv_transfer_config,
                                           ready.kv_transfer_engine_id if ready is not None else "",
-                                          list(ready.kv_transfer_ports) if ready is not None else [])
+                                          list(ready.kv_transfer_ports) if ready is not None else [],
+                                          list(ready.kv_transfer_data_parallel_ranks) if ready is not None else [])
 
     @property
     def max_num_seqs(self) -> int:

@@ -4,7 +4,9 @@ Each DP rank is a full EngineCore (its own scheduler, KV cache manager and execu
 when it is itself tensor/pipeline parallel). New requests go to the DPCoordinator's choice; a request
 no rank may take now waits here and is offered again each step. Steps run the ranks one after the
 other in this process (dense models need no cross-rank collective; MoE expert parallelism across DP
-ranks would need lock-stepped ranks with dummy batches, which this does not build).
+ranks would need lock-stepped ranks with dummy batches, which this does not build). With a KV connector every rank is its own P or D engine
+(EngineConfig.for_data_parallel_rank): a P rank serves the blocks of the requests it ran and names itself in their
+kv_transfer_params; a D rank pulls the requests the coordinator gave it.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ class DataParallelEngineCore:
         self.config = config
         self.cores: list[EngineCore] = []
         try:
-            for _ in range(parallel.data_parallel_size):
-                self.cores.append(EngineCore(config))
+            for rank in range(parallel.data_parallel_size):
+                # A KV connector per rank, with the rank's own engine id and ports (a P rank's kv_transfer_params
+                # name it, so D pulls from the rank that holds the blocks).
+                self.cores.append(EngineCore(config.for_data_parallel_rank(rank)))
         except BaseException:
             self.shutdown()
             raise

@@ -79,18 +79,16 @@ class EngineCoreProc:
         """Build the EngineCore (loads the model, allocates KV) and announce readiness."""
         from pagedserve.config.engine import EngineConfig
         from pagedserve.engine.dp_engine_core import create_engine_core
-        from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
 
         config = EngineConfig.create(**self.engine_kwargs)
         self.engine_core = create_engine_core(config)
         runtime_info = self.engine_core.runtime_info
-        pd_connector = pd_connector_config(config.kv_transfer_config)
+        kv_transfer_ranks = _kv_transfer_ranks(self.engine_core)
+        first = kv_transfer_ranks[0] if kv_transfer_ranks else {"engine_id": "", "ports": []}
         self.send(EngineReady(pid=os.getpid(), num_kv_blocks=int(runtime_info.num_kv_blocks),
                               max_model_len=config.model_config.max_model_len,
-                              kv_transfer_engine_id=pd_connector.engine_id if pd_connector is not None else "",
-                              kv_transfer_ports=[int(port) for port in runtime_info.kv_transfer_ports
-                                                 or ([runtime_info.kv_transfer_port]
-                                                     if runtime_info.kv_transfer_port else [])]))
+                              kv_transfer_engine_id=first["engine_id"], kv_transfer_ports=first["ports"],
+                              kv_transfer_data_parallel_ranks=kv_transfer_ranks))
 
     def handle_input(self, data: bytes) -> None:
         message = self.codec.decode_input(data)
@@ -209,3 +207,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _kv_transfer_ranks(engine_core: Any) -> list[dict[str, Any]]:
+    """Every DP rank's prefill/decode connector as its engine core runs it, in rank order: [{"engine_id": ...,
+    "ports": [its worker ranks' block-server ports]}] (one entry for one engine core; [] without a PD connector)."""
+    from pagedserve.engine.dp_engine_core import DataParallelEngineCore
+    from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
+
+    cores = engine_core.cores if isinstance(engine_core, DataParallelEngineCore) else [engine_core]
+    ranks = []
+    for core in cores:
+        part = pd_connector_config(core.config.kv_transfer_config)
+        if part is None:
+            return []
+        info = core.runtime_info
+        ports = info.kv_transfer_ports or ((info.kv_transfer_port,) if info.kv_transfer_port else ())
+        ranks.append({"engine_id": part.engine_id, "ports": [int(port) for port in ports]})
+    return ranks

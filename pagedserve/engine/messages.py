@@ -52,6 +52,8 @@ class EngineReady(msgspec.Struct, tag="ready", kw_only=True):
     # process knows them (kv_transfer/kv_transfer_info.py); empty without one.
     kv_transfer_engine_id: str = ""
     kv_transfer_ports: list[int] = []
+    # Every DP rank's ({"engine_id", "ports"}, rank order; the two fields above are rank 0's); empty without one.
+    kv_transfer_data_parallel_ranks: list[dict[str, Any]] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):

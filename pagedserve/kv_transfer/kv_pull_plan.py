@@ -118,6 +118,12 @@ class KVPullPlan:
                           {rank: sorted(layers) for rank, layers in sorted(remote_layers.items())})
 
 
+def placement_worker_rank(placement: dict[str, Any]) -> int:
+    """A worker's rank in its engine from its placement (connector_factory.kv_placement): pp_rank * tp_size +
+    tp_rank, the order of a producer's remote_ports (0 without a placement)."""
+    return int(placement.get("pp_rank", 0)) * int(placement.get("tp_size", 1)) + int(placement.get("tp_rank", 0))
+
+
 def _layer_sources(local_index: int, entry: list[Any], candidates: list[tuple[int, int, list[Any]]]
                    ) -> list[LayerSource]:
     """The sources of one local layer from the producer ranks holding it (preferred first)."""
@@ -165,4 +171,4 @@ def _check_same_page(name: str, local: list[Any], remote: list[Any]) -> None:
                               f"{local[1:3]}")
 
 
-__all__ = ["KVPullPlan", "LayerSource", "PLACEMENT_KEYS"]
+__all__ = ["KVPullPlan", "LayerSource", "PLACEMENT_KEYS", "placement_worker_rank"]

@@ -1,8 +1,9 @@
 """What a server tells a PD proxy about its prefill/decode KV connector (GET /kv_transfer_info).
 
 {"kv_connector": "PullConnector" | null, "kv_role": ..., "mode": "pull" | "push", "engine_id": ..., "host": ...,
- "ports": [every worker rank's block-server port]}: the PullConnector's settings (a MultiConnector's PullConnector
-part), and where a producer serves its blocks. The push-mode proxy learns a producer's address from it once, then
+ "ports": [every worker rank's block-server port], "data_parallel_ranks": [{"engine_id", "ports"} per DP rank]}: the
+PullConnector's settings (a MultiConnector's PullConnector part), and where a producer serves its blocks (with
+data_parallel_size > 1 each DP rank serves its own; "engine_id" and "ports" are DP rank 0's). The push-mode proxy learns a producer's address from it once, then
 names it in the kv_transfer_params it sends the consumer with each request (remote_host, remote_port(s),
 remote_engine_id), so P and D get the request at the same time; both proxies check every instance's role and mode
 with it at start. The engine id and ports come from the engine process (its own engine_id when none was configured,
@@ -37,18 +38,26 @@ class KVTransferInfo:
     engine_id: str = ""
     host: str = ""
     ports: list[int] = field(default_factory=list)
+    # Every data parallel rank's connector, in DP rank order: [{"engine_id": ..., "ports": [...]}] (one entry with
+    # data_parallel_size 1). Each DP rank is its own P or D engine (config/kv_transfer.py for_data_parallel_rank);
+    # engine_id and ports above are DP rank 0's. A producer rank names itself in the kv_transfer_params it returns.
+    data_parallel_ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @staticmethod
-    def from_engine(config: KVTransferConfig | None, engine_id: str, ports: list[int]) -> "KVTransferInfo":
+    def from_engine(config: KVTransferConfig | None, engine_id: str, ports: list[int],
+                    data_parallel_ranks: list[dict[str, Any]] | None = None) -> "KVTransferInfo":
         """From the engine's kv_transfer_config and what the engine process reported (its PD connector's
-        engine id, its block servers' ports)."""
+        engine id and block servers' ports: DP rank 0's, and `data_parallel_ranks`, every DP rank's)."""
         part = pd_connector_config(config)
         if part is None:
             return KVTransferInfo()
+        engine_id = engine_id or part.engine_id
+        ranks = [{"engine_id": str(rank["engine_id"]),
+                  "ports": [int(port) for port in rank["ports"]] if part.is_producer else []}
+                 for rank in data_parallel_ranks or [{"engine_id": engine_id, "ports": ports}]]
         return KVTransferInfo(kv_connector=part.kv_connector, kv_role=part.kv_role, mode=part.extra("mode"),
-                              engine_id=engine_id or part.engine_id,
-                              host=part.extra("host") if part.is_producer else "",
-                              ports=list(ports) if part.is_producer else [])
+                              engine_id=engine_id, host=part.extra("host") if part.is_producer else "",
+                              ports=list(ports) if part.is_producer else [], data_parallel_ranks=ranks)
 
     @property
     def is_producer(self) -> bool:
@@ -72,6 +81,11 @@ class KVTransferInfo:
                 or not all(isinstance(port, int) and 1 <= port <= 65535 for port in info.ports)):
             raise ValueError(f"kv_transfer_info of a producer needs a host and ports in [1, 65535], got "
                              f"host={info.host!r} ports={info.ports!r}")
+        if not isinstance(info.data_parallel_ranks, list) or not all(
+                isinstance(rank, dict) and isinstance(rank.get("engine_id"), str)
+                and isinstance(rank.get("ports"), list) for rank in info.data_parallel_ranks):
+            raise ValueError(f"kv_transfer_info.data_parallel_ranks={info.data_parallel_ranks!r} must be a list of "
+                             f"{{'engine_id': str, 'ports': [int]}}")
         return info
 
     def describe(self) -> str:

@@ -33,7 +33,7 @@ from pagedserve.config.kv_transfer import KVTransferConfig
 from pagedserve.core.scheduler_output import KVConnectorOutput
 from pagedserve.kv_transfer.connector_base import KVConnectorWorker
 from pagedserve.kv_transfer.kv_page_regions import KVPageRegions, component_descriptions, with_num_heads
-from pagedserve.kv_transfer.kv_pull_plan import KVPullPlan, LayerSource
+from pagedserve.kv_transfer.kv_pull_plan import KVPullPlan, LayerSource, placement_worker_rank
 from pagedserve.kv_transfer.mooncake_block_transport import MooncakeEndpoint
 from pagedserve.kv_transfer.pull_connector_scheduler import LoadOrder, PullConnectorMetadata
 from pagedserve.kv_transfer.zmq_block_transport import (BlockClient, BlockServer, KVTransferError, KVTransferTimeout,
@@ -83,7 +83,8 @@ class PullConnectorWorker(KVConnectorWorker):
             self.mooncake = MooncakeEndpoint(self.regions, self.config.extra("host"))
             handshake_extra["mooncake"] = self.mooncake.descriptor()
         if self.config.is_producer:
-            self.server = BlockServer(self.context, self.config.extra("host"), self.config.kv_port, self.regions,
+            port = self.config.worker_kv_port(placement_worker_rank(self.engine_signature))
+            self.server = BlockServer(self.context, self.config.extra("host"), port, self.regions,
                                       self._on_done, handshake_extra)
         if self.config.is_consumer:
             self._loader = threading.Thread(target=self._load_orders, name="pagedserve-kv-loader", daemon=True)

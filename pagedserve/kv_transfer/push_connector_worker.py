@@ -44,7 +44,7 @@ from pagedserve.attention.kv_page_layout import KVPageLayout
 from pagedserve.config.kv_transfer import KVTransferConfig
 from pagedserve.core.scheduler_output import KVConnectorOutput
 from pagedserve.kv_transfer.kv_page_regions import KVPageRegions
-from pagedserve.kv_transfer.kv_pull_plan import KVPullPlan, LayerSource
+from pagedserve.kv_transfer.kv_pull_plan import KVPullPlan, LayerSource, placement_worker_rank
 from pagedserve.kv_transfer.pull_connector_scheduler import LoadOrder
 from pagedserve.kv_transfer.pull_connector_worker import PullConnectorWorker
 from pagedserve.kv_transfer.push_connector_scheduler import PushConnectorMetadata, SaveOrder
@@ -135,7 +135,8 @@ class PushConnectorWorker(PullConnectorWorker):
         self._layer_by_pointer = {cache.data_ptr(): index for index, cache in enumerate(kv_caches.values())}
         if self.config.is_producer:
             outbox_address = f"inproc://pagedserve-kv-push-{uuid.uuid4().hex}"
-            self.server = BlockServer(self.context, self.config.extra("host"), self.config.kv_port, self.regions,
+            port = self.config.worker_kv_port(placement_worker_rank(self.engine_signature))
+            self.server = BlockServer(self.context, self.config.extra("host"), port, self.regions,
                                       self._on_done, {"mode": "push"}, {"push_order": self._on_push_order},
                                       outbox_address)
             # Used by the forward thread only (save_kv_layer, wait_for_save, get_finished): zmq sockets are not

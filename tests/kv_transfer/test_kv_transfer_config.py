@@ -75,8 +75,9 @@ def test_multi_connector_parts_inherit_role() -> None:
 
 
 @pytest.mark.parametrize("engine_kwargs, message", [
-    (dict(data_parallel_size=2), "data_parallel_size, decode_context_parallel_size and "
-                                 "prefill_context_parallel_size must be 1 (got (2, 1, 1))"),
+    (dict(prefill_context_parallel_size=2), "is not supported with context parallelism yet: "
+                                            "decode_context_parallel_size and prefill_context_parallel_size must be 1 "
+                                            "(got (1, 2))"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="ray"), "distributed_executor_backend='ray'"),
 ])
 def test_engine_options_refused_with_a_connector(tiny_model_dir, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
@@ -106,6 +107,58 @@ def test_push_mode_refused_over_several_ranks(tiny_model_dir) -> None:  # type: 
             "kv_connector": "PullConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"mode": "push"}})
     assert ("kv_connector_extra_config.mode='push' runs with tensor_parallel_size and pipeline_parallel_size 1 for "
             "now (got (2, 1))") in str(error.value)
+
+
+@pytest.mark.parametrize("kv_transfer_config, engine_kwargs, message", [
+    ({"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"mode": "push"}},
+     dict(data_parallel_size=2),
+     "kv_transfer_config.kv_connector_extra_config.mode='push' is not supported with data_parallel_size=2 yet (D "
+     "learns P's address before P's coordinator picks a DP rank): use mode 'pull' with data parallelism"),
+    ({"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "PullConnector"}, {"kv_connector": "PoolConnector",
+                                            "kv_connector_extra_config": {"backend": "local"}}]}},
+     dict(data_parallel_size=2),
+     "kv_transfer_config.kv_connector='PoolConnector' is not supported with data_parallel_size=2 yet"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 65535}, dict(data_parallel_size=2),
+     "kv_transfer_config.kv_port=65535: data_parallel_size=2 x 1 worker rank(s) each serve on kv_port + their rank, "
+     "up to 65536 > 65535; choose kv_port <= 65534 or 0 (free ports)"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_port": 65535}, dict(tensor_parallel_size=2),
+     "data_parallel_size=1 x 2 worker rank(s) each serve on kv_port + their rank, up to 65536 > 65535"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_producer"},
+     dict(data_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray"),
+     "distributed_executor_backend='ray'"),
+])
+def test_data_parallel_refusals(tiny_model_dir, kv_transfer_config, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
+    """What data_parallel_size > 1 still refuses with a connector: push mode, the pool, Ray, ports past 65535."""
+    with pytest.raises(ValueError) as error:
+        EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config=kv_transfer_config, **engine_kwargs)
+    assert message in str(error.value)
+
+
+def test_data_parallel_ranks_derive_engine_ids_and_ports(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Each DP rank's connector: engine id `<engine_id>_dp<rank>`, kv_port + rank x world_size_per_engine (0 stays
+    0), worker rank w of it on + w; a MultiConnector's parts likewise; no connector: the config itself."""
+    config = EngineConfig.create(tiny_model_dir("llama"), data_parallel_size=2, kv_transfer_config={
+        "kv_connector": "PullConnector", "kv_role": "kv_producer", "engine_id": "prefill", "kv_port": 5600})
+    ranks = [config.for_data_parallel_rank(rank).kv_transfer_config for rank in range(2)]
+    assert [(part.engine_id, part.kv_port) for part in ranks] == [("prefill_dp0", 5600), ("prefill_dp1", 5601)]
+    assert ranks[1].kv_connector_extra_config == config.kv_transfer_config.kv_connector_extra_config
+    # Two worker ranks per DP rank (TP=2): DP rank 1's worker ranks serve on 5602 and 5603.
+    tp_rank_one = config.kv_transfer_config.for_data_parallel_rank(1, world_size_per_engine=2)
+    assert [tp_rank_one.worker_kv_port(rank) for rank in range(2)] == [5602, 5603]
+    free = KVTransferConfig(kv_connector="PullConnector", kv_role="kv_producer", engine_id="p")
+    assert (free.for_data_parallel_rank(1, 1).kv_port, free.for_data_parallel_rank(1, 1).worker_kv_port(1)) == (0, 0)
+    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_producer", engine_id="m",
+                             kv_connector_extra_config={"connectors": [
+                                 {"kv_connector": "PullConnector", "kv_port": 6000},
+                                 {"kv_connector": "PullConnector", "kv_role": "kv_consumer", "engine_id": "own"}]})
+    parts = multi.for_data_parallel_rank(3, 2).connector_configs
+    assert [(part.engine_id, part.kv_port) for part in parts] == [("m_dp3-0", 6006), ("own_dp3", 0)]
+    assert multi.connector_configs[1].engine_id == "own"  # the original is unchanged
+    plain = EngineConfig.create(tiny_model_dir("llama"), data_parallel_size=2)
+    assert plain.for_data_parallel_rank(1) is plain
+    with pytest.raises(ValueError, match="data_parallel_rank=-1 must be >= 0"):
+        free.for_data_parallel_rank(-1, 1)
 
 
 def test_cli_flag_parses_json(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

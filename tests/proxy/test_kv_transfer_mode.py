@@ -33,7 +33,8 @@ def test_the_info_of_an_engine_and_its_json() -> None:
     producer = KVTransferConfig(kv_connector="PullConnector", kv_role="kv_producer",
                                 kv_connector_extra_config={"mode": "push", "host": "10.0.0.2"})
     got = KVTransferInfo.from_engine(producer, "engine-7", [5601])
-    assert got == KVTransferInfo("PullConnector", "kv_producer", "push", "engine-7", "10.0.0.2", [5601])
+    assert got == KVTransferInfo("PullConnector", "kv_producer", "push", "engine-7", "10.0.0.2", [5601],
+                                 [{"engine_id": "engine-7", "ports": [5601]}])
     assert KVTransferInfo.from_json(got.to_json()) == got
     # A MultiConnector's PullConnector part; a consumer advertises no address.
     multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer", kv_connector_extra_config={
