@@ -54,6 +54,24 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(0)
 
 
+def _kv_transfer_ranks(engine_core: Any) -> list[dict[str, Any]]:
+    """Every DP rank's prefill/decode connector as its engine core runs it, in rank order: [{"engine_id": ...,
+    "ports": [its worker ranks' block-server ports]}] (one entry for one engine core; [] without a PD connector)."""
+    from pagedserve.engine.dp_engine_core import DataParallelEngineCore
+    from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
+
+    cores = engine_core.cores if isinstance(engine_core, DataParallelEngineCore) else [engine_core]
+    ranks = []
+    for core in cores:
+        part = pd_connector_config(core.config.kv_transfer_config)
+        if part is None:
+            return []
+        info = core.runtime_info
+        ports = info.kv_transfer_ports or ((info.kv_transfer_port,) if info.kv_transfer_port else ())
+        ranks.append({"engine_id": part.engine_id, "ports": [int(port) for port in ports]})
+    return ranks
+
+
 class EngineCoreProc:
     """Owns one EngineCore and the two sockets; `run()` is the busy loop."""
 
@@ -208,20 +226,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _kv_transfer_ranks(engine_core: Any) -> list[dict[str, Any]]:
-    """Every DP rank's prefill/decode connector as its engine core runs it, in rank order: [{"engine_id": ...,
-    "ports": [its worker ranks' block-server ports]}] (one entry for one engine core; [] without a PD connector)."""
-    from pagedserve.engine.dp_engine_core import DataParallelEngineCore
-    from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
-
-    cores = engine_core.cores if isinstance(engine_core, DataParallelEngineCore) else [engine_core]
-    ranks = []
-    for core in cores:
-        part = pd_connector_config(core.config.kv_transfer_config)
-        if part is None:
-            return []
-        info = core.runtime_info
-        ports = info.kv_transfer_ports or ((info.kv_transfer_port,) if info.kv_transfer_port else ())
-        ranks.append({"engine_id": part.engine_id, "ports": [int(port) for port in ports]})
-    return ranks
