@@ -75,8 +75,9 @@ class BlockServer:
             self.socket.close()
             if self.outbox is not None:
                 self.outbox.close()
-            raise ValueError(f"kv_transfer_config.kv_port={port}: cannot listen on {host}:{port} ({error})") \
-                from None
+            # `port` is this rank's: kv_port + its DP and worker rank offset (config/kv_transfer.py).
+            raise ValueError(f"kv_transfer_config.kv_port: this rank's block server cannot listen on {host}:{port} "
+                             f"(kv_port plus the rank's offset; {error})") from None
         self._encoder = msgspec.msgpack.Encoder()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pagedserve-kv-block-server", daemon=True)

@@ -23,7 +23,8 @@ from test_pull_connector import (ENGINE_KWARGS, GREEDY, assert_all_blocks_free, 
 
 # One engine worker, no data or context parallelism (what check_engine reads of the parallel config).
 PARALLEL_1 = SimpleNamespace(data_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
-                             tensor_parallel_size=1, pipeline_parallel_size=1, executor_backend="uni",
+                             tensor_parallel_size=1, pipeline_parallel_size=1, world_size_per_engine=1,
+                             executor_backend="uni",
                              distributed_executor_backend=None)
 PREFILL = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
 

@@ -17,6 +17,7 @@ from generation_helpers import random_prompts
 from pagedserve import LLM, SamplingParams
 from test_pull_connector import (ENGINE_KWARGS, GREEDY, assert_all_blocks_free, consumer_config, producer_config,
                                  record_scheduled_tokens, remote_params, token_ids)
+from test_pull_connector_data_parallel import free_port_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,17 +29,19 @@ def this_tree_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict[str, Any]], seed: int,
-             **extra: Any) -> None:
+             kv_port: int = 0, **extra: Any) -> None:
     """P with `producer_parallel` (over 'mp', the default for several ranks); one D per entry of `consumers` (its parallel knobs) pulls the same
     prompts' KV: greedy tokens equal one engine's; an in-process D computes only each prompt's last token.
-    `extra`: both sides' kv_connector_extra_config."""
+    `kv_port`: P's (its worker rank w serves on kv_port + w; 0: free ports); `extra`: both sides'
+    kv_connector_extra_config."""
     prompts = random_prompts(2, 20, 40, seed=seed)
     reference_engine = LLM(model, **ENGINE_KWARGS)
     expected = token_ids(reference_engine, prompts, GREEDY)
     reference_engine.llm_engine.shutdown()
     # P in the test's process: its worker ranks (spawned processes) serve the blocks from their own threads, and
     # the test steps P (assert_all_blocks_free) for the done notices to free them.
-    producer = LLM(model, kv_transfer_config=producer_config(**extra), **producer_parallel, **ENGINE_KWARGS)
+    producer = LLM(model, kv_transfer_config=producer_config(**extra) | {"kv_port": kv_port}, **producer_parallel,
+                   **ENGINE_KWARGS)
     prefill = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     try:
         for consumer_parallel in consumers:
@@ -48,6 +51,8 @@ def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict
                 # Each P rank reported its own block server port: the worker ranks run this tree's WorkerReady.
                 ports = params[0]["remote_ports"]
                 assert len(ports) == 2 and len(set(ports)) == 2 and 0 not in ports
+                if kv_port:
+                    assert ports == [kv_port, kv_port + 1]
             consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail", **extra), **consumer_parallel,
                            **ENGINE_KWARGS)
             try:
@@ -68,8 +73,9 @@ def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict
 
 def test_tensor_parallel_producer(tiny_model_dir, this_tree_on_pythonpath) -> None:  # type: ignore[no-untyped-def]
     """Unequal TP: P TP=2 -> D TP=1 (each P rank holds one of the two KV heads: D copies both into its pages; P's
-    executor aggregates both ranks' reports before its blocks are freed)."""
-    check_pd(tiny_model_dir("llama"), {"tensor_parallel_size": 2}, [{}], seed=21)
+    executor aggregates both ranks' reports before its blocks are freed). P's kv_port is set: its TP rank r serves
+    on kv_port + r."""
+    check_pd(tiny_model_dir("llama"), {"tensor_parallel_size": 2}, [{}], seed=21, kv_port=free_port_pair())
 
 
 # The consumer's worker ranks add the step metadata's decoding (test_kv_pull_plan.py), the equal-TP plan
