@@ -112,8 +112,11 @@ def test_push_mode_refused_over_several_ranks(tiny_model_dir) -> None:  # type: 
 @pytest.mark.parametrize("kv_transfer_config, engine_kwargs, message", [
     ({"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"mode": "push"}},
      dict(data_parallel_size=2),
-     "kv_transfer_config.kv_connector_extra_config.mode='push' is not supported with data_parallel_size=2 yet (D "
-     "learns P's address before P's coordinator picks a DP rank): use mode 'pull' with data parallelism"),
+     "kv_transfer_config.kv_connector_extra_config.mode='push' is not supported on a producer (kv_role="
+     "'kv_producer') with data_parallel_size=2 yet (D learns P's address before P's coordinator picks a DP rank): "
+     "use mode 'pull', or data_parallel_size 1 on the producer"),
+    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"mode": "push"}},
+     dict(data_parallel_size=2), "mode='push' is not supported on a producer (kv_role='kv_both')"),
     ({"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"connectors": [
         {"kv_connector": "PullConnector"}, {"kv_connector": "PoolConnector",
                                             "kv_connector_extra_config": {"backend": "local"}}]}},

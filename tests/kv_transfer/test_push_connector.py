@@ -14,6 +14,7 @@ from generation_helpers import random_prompts
 from pagedserve import LLM, SamplingParams
 from test_pull_connector import (ENGINE_KWARGS, GREEDY, PrefillProcess, assert_all_blocks_free,
                                  record_scheduled_tokens, token_ids)
+from test_pull_connector_data_parallel import assert_every_rank_free, record_first_steps
 
 PUSH = {"mode": "push"}
 
@@ -171,6 +172,41 @@ def test_push_faults_follow_the_policy(tiny_model_dir, caplog) -> None:  # type:
         producer.close()
         recomputing.llm_engine.shutdown()
         failing.llm_engine.shutdown()
+
+
+def test_push_consumer_with_two_data_parallel_ranks(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """D with data_parallel_size 2 in push mode: each request's D rank (its coordinator's choice) reserves its blocks
+    and sends P its own push order; P (DP=1) streams each request's layers to the rank that ordered it. Greedy
+    tokens equal one engine's, each D rank computes one prompt token per request it got, every block ends free on
+    both D ranks and on P."""
+    model = tiny_model_dir("llama")
+    prompts = random_prompts(4, 30, 50, seed=27)
+    reference_engine = LLM(model, **ENGINE_KWARGS)
+    expected = token_ids(reference_engine, prompts, GREEDY)
+    reference_engine.llm_engine.shutdown()
+    producer, port = start_producer(model)
+    consumer = LLM(model, data_parallel_size=2, kv_transfer_config=consumer_config("fail"), **ENGINE_KWARGS)
+    engine = consumer.llm_engine
+    try:
+        first_steps = record_first_steps(consumer)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"d{index}", {"prompt_token_ids": prompt}, push_params(port, f"p{index}"))
+        engine.step()  # each rank parks its requests and hands their orders to its receiver
+        wait_for_orders(producer, len(prompts))
+        producer.ask(op="submit", requests=[{"request_id": f"p{index}", "prompt": prompt}
+                                            for index, prompt in enumerate(prompts)])
+        finished = run_until_done(consumer)
+        assert [finished[f"d{index}"].outputs[0].token_ids for index in range(len(prompts))] == expected
+        assert engine.engine_core.requests_routed_per_rank == [2, 2]
+        assert [sorted(rank_steps.values()) for rank_steps in first_steps] == [[1, 1], [1, 1]]
+        assert producer.ask(op="push_stats")["num_layer_sends"] > 0
+        assert_every_rank_free(consumer)
+        blocks = producer.ask(op="blocks", wait_s=30)
+        assert blocks["num_held"] == 0
+        assert blocks["num_free_blocks"] == blocks["num_blocks"] - 1
+    finally:
+        producer.close()
+        engine.shutdown()
 
 
 def test_push_consumer_refuses_a_pull_producer(tiny_model_dir, caplog) -> None:  # type: ignore[no-untyped-def]
