@@ -274,22 +274,14 @@ class KVTransferConfig:
 
     @staticmethod
     def _check_data_parallel(parts: list["KVTransferConfig"], data_parallel_size: int) -> None:
-        """data_parallel_size > 1 runs the PullConnector in mode 'pull', and in mode 'push' on a consumer only."""
+        """data_parallel_size > 1 runs the PullConnector (both modes; a push-mode producer routes each request to the
+        DP rank its id names, kv_transfer/push_producer_rank.py), not the pool connector."""
         for part in parts:
             if part.kv_connector == "PoolConnector":
                 # Untested per DP rank (one store connection and one put queue per rank).
                 raise ValueError(f"kv_transfer_config.kv_connector='PoolConnector' is not supported with "
                                  f"data_parallel_size={data_parallel_size} yet: use data_parallel_size 1 with the "
-                                 f"pool (PullConnector in mode 'pull' runs with data parallelism)")
-            if part.kv_connector == "PullConnector" and part.extra("mode") == "push" and part.is_producer:
-                # The push-mode proxy names P's address to D before P's coordinator has chosen the DP rank that
-                # runs the request: D's order would wait on the wrong rank. A consumer's ranks each send their own
-                # orders from the rank that runs the request: that works.
-                raise ValueError(f"kv_transfer_config.kv_connector_extra_config.mode='push' is not supported on a "
-                                 f"producer (kv_role={part.kv_role!r}) with data_parallel_size={data_parallel_size} "
-                                 f"yet (D learns P's address before P's coordinator picks a DP rank): use mode "
-                                 f"'pull', or data_parallel_size 1 on the producer (a push-mode consumer may run "
-                                 f"data parallel ranks)")
+                                 f"pool (PullConnector runs with data parallelism)")
 
     @staticmethod
     def parse(value: "KVTransferConfig | dict[str, Any] | str | None") -> "KVTransferConfig | None":

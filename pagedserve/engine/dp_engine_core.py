@@ -6,7 +6,9 @@ no rank may take now waits here and is offered again each step. Steps run the ra
 other in this process (dense models need no cross-rank collective; MoE expert parallelism across DP
 ranks would need lock-stepped ranks with dummy batches, which this does not build). With a KV connector every rank is its own P or D engine
 (EngineConfig.for_data_parallel_rank): a P rank serves the blocks of the requests it ran and names itself in their
-kv_transfer_params; a D rank pulls the requests the coordinator gave it.
+kv_transfer_params; a D rank pulls the requests the coordinator gave it. A push-mode producer's request goes to the
+rank its id names instead (kv_transfer/push_producer_rank.py: D's push order names that rank before P has the
+request); held requests whose rank may not take one yet wait while later ones go ahead.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pagedserve.core.engine_core_output import EngineCoreOutput, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.distributed.dp_coordinator import DPCoordinator, RankLoad
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.kv_transfer.push_producer_rank import push_producer_rank
 
 
 class DataParallelEngineCore:
@@ -35,6 +38,9 @@ class DataParallelEngineCore:
         self.runtime_info = self.cores[0].runtime_info
         self.coordinator = DPCoordinator(parallel.data_parallel_size, config.scheduler_config.max_num_seqs,
                                          parallel.enable_balance_scheduling, parallel.dyntra_lb_config)
+        # A push-mode producer runs each request on the rank its id names (kv_transfer/push_producer_rank.py): D's
+        # push order reaches that rank before the request does.
+        self.is_routed_by_request_id = _is_push_producer(config)
         self.held: deque[Request] = deque()
         self.owner: dict[str, int] = {}
         self.tokens_served_per_rank = [0] * parallel.data_parallel_size
@@ -55,13 +61,30 @@ class DataParallelEngineCore:
 
     def _dispatch(self) -> None:
         while self.held:
-            rank = self.coordinator.choose_rank(self.rank_loads())
-            if rank is None:
-                return
-            request = self.held.popleft()
+            if self.is_routed_by_request_id:
+                taken = self._next_by_request_id()
+                if taken is None:
+                    return
+                request, rank = taken
+            else:
+                rank = self.coordinator.choose_rank(self.rank_loads())
+                if rank is None:
+                    return
+                request = self.held.popleft()
             self.owner[request.request_id] = rank
             self.requests_routed_per_rank[rank] += 1
             self.cores[rank].add_request(request)
+
+    def _next_by_request_id(self) -> tuple[Request, int] | None:
+        """The first held request whose own rank (push_producer_rank) may take a request now, taken off the queue
+        with that rank; None when no held request's rank may."""
+        admissible = set(self.coordinator.admissible_ranks(self.rank_loads()))
+        for index, request in enumerate(self.held):
+            rank = push_producer_rank(request.request_id, len(self.cores))
+            if rank in admissible:
+                del self.held[index]
+                return request, rank
+        return None
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -128,6 +151,14 @@ def _sum_columns(rows: list[list[int]]) -> list[int]:
         for position, value in enumerate(row):
             total[position] += value
     return total
+
+
+def _is_push_producer(config: EngineConfig) -> bool:
+    """Whether the engine's PD connector is a producer in push mode (its DP ranks are chosen by request id)."""
+    from pagedserve.kv_transfer.kv_transfer_info import pd_connector_config
+
+    part = pd_connector_config(config.kv_transfer_config)
+    return part is not None and part.is_producer and part.extra("mode") == "push"
 
 
 def create_engine_core(config: EngineConfig) -> EngineCore | DataParallelEngineCore:

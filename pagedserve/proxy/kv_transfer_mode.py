@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
+from pagedserve.kv_transfer.push_producer_rank import push_producer_rank
 from pagedserve.proxy.instance_pool import PREFILL
 from pagedserve.server.request_ids import REQUEST_ID_HEADER
 
@@ -59,12 +60,19 @@ def prefill_headers(headers: dict[str, str]) -> dict[str, str]:
 
 
 def push_kv_transfer_params(producer: KVTransferInfo, producer_request_id: str) -> dict[str, Any]:
-    """D's kv_transfer_params in push mode: where P is, and the engine request id P runs the request under."""
-    params: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": producer.engine_id,
-                              "remote_host": producer.host, "remote_port": producer.ports[0],
+    """D's kv_transfer_params in push mode: where P is, and the engine request id P runs the request under. A P with
+    several DP ranks runs the request on the rank its id names (kv_transfer/push_producer_rank.py): that rank's
+    engine id and ports."""
+    engine_id, ports = producer.engine_id, list(producer.ports)
+    if len(producer.data_parallel_ranks) > 1:
+        rank = producer.data_parallel_ranks[push_producer_rank(producer_request_id,
+                                                               len(producer.data_parallel_ranks))]
+        engine_id, ports = rank["engine_id"], list(rank["ports"])
+    params: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": engine_id,
+                              "remote_host": producer.host, "remote_port": ports[0],
                               "remote_block_ids": [], "remote_request_id": producer_request_id}
-    if len(producer.ports) > 1:
-        params["remote_ports"] = list(producer.ports)
+    if len(ports) > 1:
+        params["remote_ports"] = ports
     return params
 
 

@@ -3,7 +3,8 @@
     python prefill_engine_process.py MODEL_DIR 'ENGINE_KWARGS_JSON'
 Commands (one JSON object a line), each answered by one JSON line on stdout:
     {"op": "prefill", "prompts": [[ids...], ...]} -> {"outputs": [{"token_ids": [...], "kv_transfer_params": {...}}]}
-    {"op": "blocks"} -> {"num_free_blocks": n, "num_blocks": m, "num_held": h}
+    {"op": "blocks"} -> {"num_free_blocks": n, "num_blocks": m, "num_held": h} (every DP rank's together: with
+        every block free, num_free_blocks == num_blocks - 1)
     {"op": "submit", "requests": [{"request_id": id, "prompt": [ids...]}, ...]} -> {"submitted": n}: added with
         do_remote_decode and left running (push mode: the consumer names these ids), the loop steps them
     {"op": "push_stats"} -> the push mode's counters: {"num_layer_sends", "num_catch_up_sends", "num_waiting_orders"}
@@ -24,6 +25,7 @@ import time
 
 def main() -> None:
     from pagedserve import LLM, SamplingParams
+    from pagedserve.engine.engine_core_proc import _kv_transfer_ranks
 
     model_dir, engine_kwargs = sys.argv[1], json.loads(sys.argv[2])
     llm = LLM(model_dir, **engine_kwargs)
@@ -31,7 +33,10 @@ def main() -> None:
     core = engine.engine_core
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    print(json.dumps({"ready": True, "port": core.runtime_info.kv_transfer_port}), flush=True)
+    # One engine core per DP rank (data_parallel_size > 1: DataParallelEngineCore); the answers below sum them.
+    cores = list(getattr(core, "cores", None) or [core])
+    print(json.dumps({"ready": True, "port": core.runtime_info.kv_transfer_port,
+                      "data_parallel_ranks": _kv_transfer_ranks(core)}), flush=True)
     # Request id -> wall time its prefill finished (benchmarks compare it with the consumer's first token).
     finished_at: dict[str, float] = {}
     while True:
@@ -67,19 +72,25 @@ def main() -> None:
         elif command["op"] == "finished_at":
             answer = {"finished_at": finished_at.get(command["request_id"])}
         elif command["op"] == "push_stats":
-            connector = core.executor.worker.kv_connector
-            with connector._lock:
-                num_waiting = sum(len(orders) for orders in connector._waiting_orders.values())
-            answer = {"num_layer_sends": connector.num_layer_sends, "num_catch_up_sends": connector.num_catch_up_sends,
-                      "num_waiting_orders": num_waiting}
+            connectors = [rank_core.executor.worker.kv_connector for rank_core in cores]
+            num_waiting = 0
+            for connector in connectors:
+                with connector._lock:
+                    num_waiting += sum(len(orders) for orders in connector._waiting_orders.values())
+            answer = {"num_layer_sends": sum(connector.num_layer_sends for connector in connectors),
+                      "num_catch_up_sends": sum(connector.num_catch_up_sends for connector in connectors),
+                      "num_waiting_orders": num_waiting,
+                      "num_layer_sends_per_rank": [connector.num_layer_sends for connector in connectors]}
         elif command["op"] == "blocks":
             deadline = time.monotonic() + float(command.get("wait_s", 0))
-            while core.scheduler.has_kv_held_requests() and time.monotonic() < deadline:
+            while any(rank_core.scheduler.has_kv_held_requests() for rank_core in cores) \
+                    and time.monotonic() < deadline:
                 engine.step()
                 time.sleep(0.01)
-            answer = {"num_free_blocks": core.kv_cache_manager.num_free_blocks,
-                      "num_blocks": core.runtime_info.num_kv_blocks,
-                      "num_held": len(core.scheduler.kv_held_requests)}
+            # Every rank's blocks together (each rank keeps one block out of use).
+            answer = {"num_free_blocks": sum(rank_core.kv_cache_manager.num_free_blocks for rank_core in cores),
+                      "num_blocks": sum(rank_core.runtime_info.num_kv_blocks - 1 for rank_core in cores) + 1,
+                      "num_held": sum(len(rank_core.scheduler.kv_held_requests) for rank_core in cores)}
         else:
             answer = {"error": f"unknown op {command['op']!r}"}
         print(json.dumps(answer), flush=True)

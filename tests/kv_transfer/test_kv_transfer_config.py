@@ -110,13 +110,6 @@ def test_push_mode_refused_over_several_ranks(tiny_model_dir) -> None:  # type: 
 
 
 @pytest.mark.parametrize("kv_transfer_config, engine_kwargs, message", [
-    ({"kv_connector": "PullConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"mode": "push"}},
-     dict(data_parallel_size=2),
-     "kv_transfer_config.kv_connector_extra_config.mode='push' is not supported on a producer (kv_role="
-     "'kv_producer') with data_parallel_size=2 yet (D learns P's address before P's coordinator picks a DP rank): "
-     "use mode 'pull', or data_parallel_size 1 on the producer"),
-    ({"kv_connector": "PullConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"mode": "push"}},
-     dict(data_parallel_size=2), "mode='push' is not supported on a producer (kv_role='kv_both')"),
     ({"kv_connector": "MultiConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"connectors": [
         {"kv_connector": "PullConnector"}, {"kv_connector": "PoolConnector",
                                             "kv_connector_extra_config": {"backend": "local"}}]}},
@@ -132,7 +125,7 @@ def test_push_mode_refused_over_several_ranks(tiny_model_dir) -> None:  # type: 
      "distributed_executor_backend='ray'"),
 ])
 def test_data_parallel_refusals(tiny_model_dir, kv_transfer_config, engine_kwargs, message) -> None:  # type: ignore[no-untyped-def]
-    """What data_parallel_size > 1 still refuses with a connector: push mode, the pool, Ray, ports past 65535."""
+    """What data_parallel_size > 1 still refuses with a connector: the pool, Ray, ports past 65535."""
     with pytest.raises(ValueError) as error:
         EngineConfig.create(tiny_model_dir("llama"), kv_transfer_config=kv_transfer_config, **engine_kwargs)
     assert message in str(error.value)

@@ -47,6 +47,8 @@ class PrefillProcess:
         ready = self._read()
         assert ready.get("ready"), ready
         self.port = int(ready.get("port") or 0)  # P's block server
+        # Every DP rank's engine id and ports ([{"engine_id", "ports"}]; one entry with data_parallel_size 1).
+        self.data_parallel_ranks: list[dict[str, Any]] = ready.get("data_parallel_ranks") or []
 
     def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None

@@ -12,6 +12,9 @@ import pytest
 
 from generation_helpers import random_prompts
 from pagedserve import LLM, SamplingParams
+from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
+from pagedserve.kv_transfer.push_producer_rank import push_producer_rank
+from pagedserve.proxy.kv_transfer_mode import push_kv_transfer_params
 from test_pull_connector import (ENGINE_KWARGS, GREEDY, PrefillProcess, assert_all_blocks_free,
                                  record_scheduled_tokens, token_ids)
 from test_pull_connector_data_parallel import assert_every_rank_free, record_first_steps
@@ -174,32 +177,48 @@ def test_push_faults_follow_the_policy(tiny_model_dir, caplog) -> None:  # type:
         failing.llm_engine.shutdown()
 
 
-def test_push_consumer_with_two_data_parallel_ranks(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    """D with data_parallel_size 2 in push mode: each request's D rank (its coordinator's choice) reserves its blocks
-    and sends P its own push order; P (DP=1) streams each request's layers to the rank that ordered it. Greedy
-    tokens equal one engine's, each D rank computes one prompt token per request it got, every block ends free on
-    both D ranks and on P."""
+def test_push_with_two_data_parallel_ranks_on_both_sides(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """P and D with data_parallel_size 2 in push mode. P runs each request on the rank its id names
+    (push_producer_rank); D's kv_transfer_params name that rank, as the push-mode proxy builds them; each request's
+    D rank (its coordinator's choice) reserves its blocks and sends that P rank its own push order. Greedy tokens
+    equal one engine's, both P ranks stream layers, each D rank computes one prompt token per request it got,
+    every block ends free on every rank of both sides."""
     model = tiny_model_dir("llama")
     prompts = random_prompts(4, 30, 50, seed=27)
+    # Ranks 0, 0, 1, 1 by id: P's least-loaded routing would give 0, 1, 0, 1 (two orders at the wrong rank).
+    producer_ids = ["p4", "p5", "p6", "p7"]
+    assert [push_producer_rank(request_id, 2) for request_id in producer_ids] == [0, 0, 1, 1]
     reference_engine = LLM(model, **ENGINE_KWARGS)
     expected = token_ids(reference_engine, prompts, GREEDY)
     reference_engine.llm_engine.shutdown()
-    producer, port = start_producer(model)
+    producer = PrefillProcess(model, kv_transfer_config={
+        "kv_connector": "PullConnector", "kv_role": "kv_producer", "engine_id": "prefill",
+        "kv_connector_extra_config": PUSH}, data_parallel_size=2, max_num_batched_tokens=16, **ENGINE_KWARGS)
     consumer = LLM(model, data_parallel_size=2, kv_transfer_config=consumer_config("fail"), **ENGINE_KWARGS)
     engine = consumer.llm_engine
     try:
+        assert [rank["engine_id"] for rank in producer.data_parallel_ranks] == ["prefill_dp0", "prefill_dp1"]
+        info = KVTransferInfo(kv_connector="PullConnector", kv_role="kv_producer", mode="push",
+                              engine_id="prefill_dp0", host="127.0.0.1", ports=producer.data_parallel_ranks[0]["ports"],
+                              data_parallel_ranks=producer.data_parallel_ranks)
         first_steps = record_first_steps(consumer)
         for index, prompt in enumerate(prompts):
-            engine.add_request(f"d{index}", {"prompt_token_ids": prompt}, push_params(port, f"p{index}"))
-        engine.step()  # each rank parks its requests and hands their orders to its receiver
+            params = push_kv_transfer_params(info, producer_ids[index])
+            rank = producer.data_parallel_ranks[push_producer_rank(producer_ids[index], 2)]
+            assert (params["remote_engine_id"], params["remote_port"]) == (rank["engine_id"], rank["ports"][0])
+            engine.add_request(f"d{index}", {"prompt_token_ids": prompt}, SamplingParams(
+                temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                extra_args={"kv_transfer_params": params}))
+        engine.step()  # each D rank parks its requests and hands their orders to its receiver
         wait_for_orders(producer, len(prompts))
-        producer.ask(op="submit", requests=[{"request_id": f"p{index}", "prompt": prompt}
-                                            for index, prompt in enumerate(prompts)])
+        producer.ask(op="submit", requests=[{"request_id": request_id, "prompt": prompt}
+                                            for request_id, prompt in zip(producer_ids, prompts)])
         finished = run_until_done(consumer)
         assert [finished[f"d{index}"].outputs[0].token_ids for index in range(len(prompts))] == expected
         assert engine.engine_core.requests_routed_per_rank == [2, 2]
         assert [sorted(rank_steps.values()) for rank_steps in first_steps] == [[1, 1], [1, 1]]
-        assert producer.ask(op="push_stats")["num_layer_sends"] > 0
+        stats = producer.ask(op="push_stats")
+        assert all(count > 0 for count in stats["num_layer_sends_per_rank"]), stats
         assert_every_rank_free(consumer)
         blocks = producer.ask(op="blocks", wait_s=30)
         assert blocks["num_held"] == 0
