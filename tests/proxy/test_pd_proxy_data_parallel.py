@@ -1,10 +1,11 @@
-"""P and D servers with data_parallel_size 2 behind the pull-mode proxy (slow: two server processes and a proxy;
-tests/kv_transfer/test_pull_connector_data_parallel.py covers the same engines in process, and the ranks the engine
-process reports).
+"""P and D servers with data_parallel_size 2 behind the proxy, pull and push mode (slow: two server processes and a
+proxy each; tests/kv_transfer/test_pull_connector_data_parallel.py and test_push_connector.py cover the same engines
+in process, and the ranks the engine process reports).
 
-P's GET /kv_transfer_info lists both DP ranks (engine ids `<engine_id>_dp<rank>`, their own ports); P's answers to
-concurrent requests name the rank that ran each; D (DP=2) decodes them with one engine's greedy tokens, directly and
-through the proxy; every block ends free on both servers.
+P's GET /kv_transfer_info lists both DP ranks (engine ids `<engine_id>_dp<rank>`, their own ports). Pull: P's
+answers to concurrent requests name the rank that ran each; D (DP=2) decodes them with one engine's greedy tokens,
+directly and through the proxy. Push: through the push proxy, which names the P rank each request's id picks. Every
+block ends free on both servers.
 """
 from __future__ import annotations
 
@@ -31,12 +32,20 @@ PROMPTS = ["hello world", "the quick brown fox jumps over", "one two three four 
 NUM_TOKENS = 8
 
 
+def in_mode(config: dict, mode: str) -> dict:  # type: ignore[type-arg]
+    return config | {"kv_connector_extra_config": config.get("kv_connector_extra_config", {}) | {"mode": mode}}
+
+
 @pytest.mark.slow
-def test_data_parallel_servers_through_the_proxy(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_data_parallel_servers_through_the_proxy(tiny_model_dir, mode) -> None:  # type: ignore[no-untyped-def]
     model = tiny_model_dir("llama")
     args = ENGINE_ARGS + ["--data-parallel-size", "2", "--kv-transfer-config"]
+    # Push: P runs each request under the id the proxy sends (X-Request-Id), the id D's order names.
+    launches = [args + [json.dumps(in_mode(PRODUCER, mode)), "--enable-request-id-headers"],
+                args + [json.dumps(in_mode(CONSUMER, mode))]]
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(ServerProcess, model, args + [json.dumps(role)]) for role in (PRODUCER, CONSUMER)]
+        futures = [pool.submit(ServerProcess, model, launch) for launch in launches]
         servers = [future.result() if future.exception() is None else None for future in futures]
     proxy = None
     try:
@@ -61,17 +70,9 @@ def test_data_parallel_servers_through_the_proxy(tiny_model_dir) -> None:  # typ
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             expected = [answer["choices"][0]["token_ids"] for answer in pool.map(
                 lambda prompt: complete(prefill.base_url, prompt, max_tokens=NUM_TOKENS), PROMPTS)]
-            params = [answer["kv_transfer_params"] for answer in pool.map(
-                lambda prompt: complete(prefill.base_url, prompt, max_tokens=1,
-                                        kv_transfer_params={"do_remote_decode": True}), PROMPTS)]
-            # Concurrent requests land on both P ranks; each answer names the rank that holds its blocks.
-            assert {(item["remote_engine_id"], item["remote_port"]) for item in params} == {
-                (rank["engine_id"], rank["ports"][0]) for rank in ranks}
-            decoded = list(pool.map(lambda pair: complete(decode.base_url, pair[0], max_tokens=NUM_TOKENS,
-                                                          kv_transfer_params=pair[1]), zip(PROMPTS, params)))
-        assert [answer["choices"][0]["token_ids"] for answer in decoded] == expected
-
-        proxy = ProxyProcess([prefill.base_url], [decode.base_url])
+        if mode == "pull":
+            pull_directly(complete, prefill, decode, ranks, expected)
+        proxy = ProxyProcess([prefill.base_url], [decode.base_url], ("--kv-transfer-mode", mode))
         client = openai.OpenAI(base_url=f"{proxy.base_url}/v1", api_key="none", max_retries=0, timeout=120)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             through_proxy = list(pool.map(lambda prompt: client.completions.create(
@@ -85,3 +86,17 @@ def test_data_parallel_servers_through_the_proxy(tiny_model_dir) -> None:  # typ
         for server in servers:
             if server is not None:
                 server.stop(timeout=3)
+
+
+def pull_directly(complete, prefill, decode, ranks, expected) -> None:  # type: ignore[no-untyped-def]
+    """Pull mode without the proxy: concurrent P requests land on both P ranks, each answer names the rank that holds
+    its blocks, D decodes them with one engine's tokens."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        params = [answer["kv_transfer_params"] for answer in pool.map(
+            lambda prompt: complete(prefill.base_url, prompt, max_tokens=1,
+                                    kv_transfer_params={"do_remote_decode": True}), PROMPTS)]
+        assert {(item["remote_engine_id"], item["remote_port"]) for item in params} == {
+            (rank["engine_id"], rank["ports"][0]) for rank in ranks}
+        decoded = list(pool.map(lambda pair: complete(decode.base_url, pair[0], max_tokens=NUM_TOKENS,
+                                                      kv_transfer_params=pair[1]), zip(PROMPTS, params)))
+    assert [answer["choices"][0]["token_ids"] for answer in decoded] == expected
