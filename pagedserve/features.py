@@ -558,18 +558,20 @@ FEATURES: tuple[Feature, ...] = (
                "tests/kv_transfer/test_mooncake_transport.py"),
     ),
     Feature(
-        line="framework", family="PD disaggregation", feature="PullConnector with data parallel P and D (pull "
-                                                              "mode): each DP rank its own connector, engine id "
+        line="framework", family="PD disaggregation", feature="PullConnector with data parallel P and D: each DP "
+                                                              "rank its own connector, engine id "
                                                               "<engine_id>_dp<rank> and ports kv_port + rank offset; "
-                                                              "P's answer names the rank holding the blocks; "
-                                                              "/kv_transfer_info lists every rank",
+                                                              "pull: P's answer names the rank holding the blocks; "
+                                                              "push: P's rank is a hash of the request id the proxy "
+                                                              "names to D; /kv_transfer_info lists every rank",
         modules=("pagedserve.engine.dp_engine_core", "pagedserve.config.kv_transfer",
-                 "pagedserve.kv_transfer.kv_transfer_info"),
+                 "pagedserve.kv_transfer.kv_transfer_info", "pagedserve.kv_transfer.push_producer_rank"),
         knobs=("kv_transfer_config", "data_parallel_size"),
         docs="docs/kv_transfer.md",
         tests=("tests/kv_transfer/test_pull_connector_data_parallel.py",
                "tests/kv_transfer/test_kv_transfer_config.py::test_data_parallel_ranks_derive_engine_ids_and_ports",
-               "tests/kv_transfer/test_kv_transfer_config.py::test_data_parallel_refusals"),
+               "tests/kv_transfer/test_kv_transfer_config.py::test_data_parallel_refusals",
+               "tests/kv_transfer/test_push_connector.py::test_push_with_two_data_parallel_ranks_on_both_sides"),
     ),
     Feature(
         line="framework", family="PD disaggregation", feature="PullConnector layer-wise push mode: D reserves its "

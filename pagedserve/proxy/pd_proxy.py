@@ -8,7 +8,8 @@ one engine runs one request per id). Then, per --kv-transfer-mode (kv_transfer_m
   kv_transfer_params D needs; 2. to the least-loaded live D, with the client's own body plus those kv_transfer_params
   (D pulls the blocks instead of computing the prompt);
 - push: to a D and a P at the same time: D with kv_transfer_params naming P's block server (learnt once from P's
-  GET /kv_transfer_info) and the id P's engine runs the request under, P as in pull mode; D reserves blocks and
+  GET /kv_transfer_info; a P with several DP ranks: the rank the id names, kv_transfer/push_producer_rank.py) and
+  the id P's engine runs the request under, P as in pull mode; D reserves blocks and
   orders the pages, P sends each layer's as its forward writes it. A failure of either call before D's answer is
   whole cancels the other (closing its connection aborts the request there, which frees its blocks).
 D's answer, streamed (SSE) or whole, goes back to the client as it is. Without prefill instances the proxy only
