@@ -3,9 +3,10 @@
 {"kv_connector": "PullConnector" | null, "kv_role": ..., "mode": "pull" | "push", "engine_id": ..., "host": ...,
  "ports": [every worker rank's block-server port], "data_parallel_ranks": [{"engine_id", "ports"} per DP rank]}: the
 PullConnector's settings (a MultiConnector's PullConnector part), and where a producer serves its blocks (with
-data_parallel_size > 1 each DP rank serves its own; "engine_id" and "ports" are DP rank 0's). The push-mode proxy learns a producer's address from it once, then
-names it in the kv_transfer_params it sends the consumer with each request (remote_host, remote_port(s),
-remote_engine_id), so P and D get the request at the same time; both proxies check every instance's role and mode
+data_parallel_size > 1 each DP rank serves its own; "engine_id" and "ports" are DP rank 0's). The push-mode proxy
+learns a producer's address from it once, then names it (the request's DP rank's) in the kv_transfer_params it sends
+the consumer with each request (remote_host, remote_port(s), remote_engine_id), so P and D get the request at the
+same time; both proxies check every instance's role and mode
 with it at start. The engine id and ports come from the engine process (its own engine_id when none was configured,
 its bound ports when kv_port is 0). Pure Python.
 """

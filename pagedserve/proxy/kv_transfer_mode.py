@@ -3,8 +3,9 @@
 pull (PullConnector mode "pull"): P first, with max_tokens 1 and {"do_remote_decode": true}; D then, with the
   kv_transfer_params P's answer returned (P's address and block ids); D pulls the blocks.
 push (PullConnector mode "push"): D and P at the same time, under one request id (the X-Request-Id header of
-  both calls, P's suffixed: `prefill_request_id`). D gets {"do_remote_prefill": true, remote_host / remote_port(s) / remote_engine_id: P's, as P's
-  GET /kv_transfer_info says (a P with several DP ranks: the rank that id names, push_producer_rank), "remote_block_ids": [], "remote_request_id": the id P's engine runs the request
+  both calls, P's suffixed: `prefill_request_id`). D gets {"do_remote_prefill": true, remote_host /
+  remote_port(s) / remote_engine_id: P's, as P's GET /kv_transfer_info says (a P with several DP ranks: the rank that
+  id names, push_producer_rank), "remote_block_ids": [], "remote_request_id": the id P's engine runs the request
   under}; D reserves its blocks and sends P a push order naming that id; P sends each layer's pages as its forward
   writes them (docs/kv_transfer.md).
 In both modes every prefill instance must be a producer and every decode instance a consumer in the proxy's mode;
