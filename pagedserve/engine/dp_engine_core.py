@@ -7,8 +7,9 @@ other in this process (dense models need no cross-rank collective; MoE expert pa
 ranks would need lock-stepped ranks with dummy batches, which this does not build).
 With a KV connector every rank is its own P or D engine (EngineConfig.for_data_parallel_rank): a P rank serves
 the blocks of the requests it ran and names itself in their kv_transfer_params; a D rank pulls the requests the
-coordinator gave it. A push-mode producer's request goes to the rank its id names instead (kv_transfer/push_producer_rank.py: D's push order names that rank before P has the
-request); held requests whose rank may not take one yet wait while later ones go ahead.
+coordinator gave it. A push-mode producer's request goes to the rank its id names instead
+(kv_transfer/push_producer_rank.py: D's push order names that rank before P has the request); held requests whose
+rank may not take one yet wait while later ones go ahead.
 """
 from __future__ import annotations
 
