@@ -11,6 +11,9 @@ token, checks it). The two variants are timed in
 alternating order, `--rounds` times each; the best run of each and their ratio are reported.
 
     python benchmarks/structured_outputs.py --num-requests 8 --rounds 2
+    python benchmarks/structured_outputs.py --hf-folder --dtype bfloat16 --num-requests 16 --rounds 3
+
+(`--hf-folder`: pagedserve alone on the side by side's HF folder below, in `--dtype`.)
 
 Side by side with vLLM CPU (`--vllm-python`, its venv from ../shared/tools/install-vllm-cpu): both engines load one
 HF folder, the default model's weights dequantized to float32 (benchmark_model.default_model_hf_folder; vLLM does
@@ -130,11 +133,15 @@ def compile_times() -> dict[str, object]:
             "cold_total_ms": sum(cold.values()), "cached_total_ms": sum(cached.values())}
 
 
-def throughput(num_requests: int, rounds: int, seed: int, temperature: float) -> dict[str, object]:
+def throughput(num_requests: int, rounds: int, seed: int, temperature: float,
+               hf_dtype: str | None = None) -> dict[str, object]:
+    """pagedserve alone: the default model's GGUF file, or with `hf_dtype` the side by side's HF folder in that
+    dtype."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.structured_output.structured_outputs_params import StructuredOutputsParams
 
-    llm = LLM(max_model_len=1024, seed=seed)
+    llm = LLM(max_model_len=1024, seed=seed) if hf_dtype is None \
+        else LLM(default_model_hf_folder(), dtype=hf_dtype, max_model_len=1024, seed=seed)
     vocab_size = llm.config.model_config.vocab_size
     workload = make_workload(num_requests, seed, vocab_size, (64, 512), (64, 256))
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
@@ -160,7 +167,8 @@ def throughput(num_requests: int, rounds: int, seed: int, temperature: float) ->
             if name == "json_schema" and constrained_fraction is None:
                 constrained_fraction = _constrained_fraction(llm, outputs)
     best = {name: max(values) for name, values in runs.items()}
-    return {"num_requests": num_requests, "temperature": temperature, "num_output_tokens": num_tokens, "tokens_per_s_runs": runs,
+    return {"model": "gguf" if hf_dtype is None else f"hf {hf_dtype}", "num_requests": num_requests,
+            "temperature": temperature, "num_output_tokens": num_tokens, "tokens_per_s_runs": runs,
             "tokens_per_s_best": best, "ratio_json_schema_to_unconstrained": best["json_schema"] / best["unconstrained"],
             "constrained_fraction": constrained_fraction}
 
@@ -285,7 +293,10 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="python of the venv holding vllm-cpu: run the throughput side by side with it")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="both engines' dtype with --vllm-python (alone, pagedserve runs the GGUF file)")
+                        help="both engines' dtype with --vllm-python (alone, pagedserve runs the GGUF file unless "
+                             "--hf-folder)")
+    parser.add_argument("--hf-folder", action="store_true",
+                        help="alone: pagedserve loads the side by side's HF folder in --dtype")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     result: dict[str, object] = {"compile": compile_times()}
@@ -296,7 +307,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in result["side_by_side"].items() if k != "tokens_per_s_runs"}, indent=1),
               flush=True)
     elif not args.skip_throughput:
-        result["throughput"] = throughput(args.num_requests, args.rounds, args.seed, args.temperature)
+        result["throughput"] = throughput(args.num_requests, args.rounds, args.seed, args.temperature,
+                                          args.dtype if args.hf_folder else None)
         print(json.dumps(result["throughput"], indent=1), flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

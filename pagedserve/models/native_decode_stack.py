@@ -414,14 +414,15 @@ class NativeDecodeForward:
             batch.token_ids, batch.num_tokens, batch.num_computed_tokens, batch.block_table, batch.num_blocks))
         self.batch_block_size = batch.block_size
 
-    def greedy_rows(self, rows: list[int]) -> list[int] | None:
+    def greedy_rows(self, rows: list[int], allowed: torch.Tensor | None = None) -> list[int] | None:
         """Decode rows `rows` of the bound batch, each its last token at position num_computed_tokens, sample each
         row's next token greedily (first_argmax of the LM head's logits, the module path's pick bit for bit) and
         append it to the batch: the token ids. None when the step does not take the stack (hooks, the model no
         longer qualifies, the caches not bound), the plan has no head, a float32 step is too large for the one
         region, or a row's next token is not sampled (a one-token prefill chunk); nothing has changed then, and the
         runner builds the step itself. The caller checks that the sampler would take nothing but the argmax
-        (fused_greedy_head.is_plain_greedy)."""
+        (fused_greedy_head.is_plain_greedy). `allowed` (structured outputs): int32 [len(rows), words], each row's
+        grammar bitmask; the pick is then the first argmax of the masked logits (disallowed tokens -inf)."""
         if self.batch_arrays is None or torch.is_grad_enabled():
             return None
         plan = self.current_plan()
@@ -436,7 +437,7 @@ class NativeDecodeForward:
             plan.handle = native.handle()
         # By handle, without the dispatcher (decode_stack.cpp PlanRegistry): `native` lives as long as the plan,
         # which holds it.
-        token_ids = self.decode_rows_greedy(plan.handle, rows, plan.rotary.max_positions)
+        token_ids = self.decode_rows_greedy(plan.handle, rows, plan.rotary.max_positions, allowed)
         if not token_ids:
             return None
         self.num_stack_steps += 1

@@ -29,7 +29,7 @@ from pagedserve.sample.sampling_metadata import SamplingMetadata
 
 
 def _first_argmax_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-                       num_columns: int, products: str = "auto") -> torch.Tensor:
+                       num_columns: int, products: str = "auto", allowed: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
@@ -46,11 +46,14 @@ def fused_op_available() -> bool:
 
 
 def amx_linear_first_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, output_size: int,
-                            num_columns: int, products: str = "auto") -> torch.Tensor:
+                            num_columns: int, products: str = "auto",
+                            allowed: torch.Tensor | None = None) -> torch.Tensor:
     """[M] int64: the first index of each row's maximum of bf16(x @ W^T + b)[:, :num_columns], W [output_size, K]
     packed by `amx_pack`, on the product unit `products` names (layers/amx_linear.py `amx_linear_products`).
-    Requires `fused_op_available()`."""
-    return _fused_op()(x, packed, bias, output_size, num_columns, products)
+    `allowed` (structured outputs): int32 [M, words], each row's grammar bitmask; a disallowed column counts as
+    -inf, as in the masked logits' first argmax (structured_output/logits_mask.py). Requires
+    `fused_op_available()`."""
+    return _fused_op()(x, packed, bias, output_size, num_columns, products, allowed)
 
 
 def is_plain_greedy(metadata: SamplingMetadata) -> bool:
@@ -71,14 +74,15 @@ def greedy_head_arguments(lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tenso
     return packed_weight_of(lm_head), lm_head.bias, lm_head.num_embeddings_per_partition, lm_head.org_vocab_size
 
 
-def head_first_argmax(lm_head: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor | None:
+def head_first_argmax(lm_head: nn.Module, hidden_states: torch.Tensor,
+                      allowed: torch.Tensor | None = None) -> torch.Tensor | None:
     """first_argmax(lm_head.compute_logits(hidden_states, dtype=None)) from the head's kernel, or None when the head
-    or the input is not one the fused op takes."""
+    or the input is not one the fused op takes. `allowed`: each row's grammar bitmask (amx_linear_first_argmax)."""
     if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16 or hidden_states.device.type != "cpu" \
             or hidden_states.stride(-1) != 1 or torch.compiler.is_compiling():
         return None
     arguments = greedy_head_arguments(lm_head)
-    return None if arguments is None else _fused_op()(hidden_states, *arguments)
+    return None if arguments is None else _fused_op()(hidden_states, *arguments, "auto", allowed)
 
 
 class FusedGreedySampler:
@@ -90,12 +94,14 @@ class FusedGreedySampler:
         # reduce_sample computes its own candidates from the vocabulary shards.
         self.is_enabled = not enable_reduce_sample
 
-    def __call__(self, hidden_states: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:
+    def __call__(self, hidden_states: torch.Tensor, metadata: SamplingMetadata,
+                 allowed: torch.Tensor | None = None) -> SamplerOutput | None:
+        """`allowed` (structured outputs): int32 [rows, words], each row's grammar bitmask."""
         if not self.is_enabled or not is_plain_greedy(metadata):
             return None
         # Looked up per call: a model without an LM head here (an earlier pipeline stage) has nothing to fuse.
         lm_head = getattr(self.model, "lm_head", None)
-        token_ids = None if lm_head is None else head_first_argmax(lm_head, hidden_states)
+        token_ids = None if lm_head is None else head_first_argmax(lm_head, hidden_states, allowed)
         return None if token_ids is None else SamplerOutput(sampled_token_ids=token_ids, logprobs=None)
 
 

@@ -2,7 +2,9 @@
 
 `apply_grammar_bitmask` uses xgrammar's CPU kernel; `apply_grammar_bitmask_reference` is the plain-torch
 oracle (unpack the bits, masked_fill) the tests compare it with. Disallowed tokens get -inf; rows of requests
-without a constraint are left as they are.
+without a constraint are left as they are. Greedy steps that take the argmax inside the LM head
+(sample/fused_greedy_head.py, the native decode stack's greedy rows) get the words of `bitmask_of_rows` instead of
+logits to mask: their kernels count a disallowed token as -inf (kernels/cpu/allowed_tokens.h).
 """
 from __future__ import annotations
 
@@ -27,19 +29,27 @@ def constrained_rows(grammar_bitmask: GrammarBitmask, row_request_ids: list[str]
                         for row in logit_rows]
 
 
+def bitmask_of_rows(grammar_bitmask: GrammarBitmask, row_request_ids: list[str],
+                    row_positions: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """(int32 words [len(row_request_ids), num_words], the constrained rows): row i holds the allowed tokens of
+    row_request_ids[i] (at draft position row_positions[i]), every bit set for a request without a constraint."""
+    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids, row_positions)
+    bitmask = torch.full((len(row_request_ids), grammar_bitmask.num_words), -1, dtype=torch.int32)
+    if logit_rows:
+        bitmask[logit_rows] = bitmask_words(grammar_bitmask)[mask_rows]
+    return bitmask, logit_rows
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, grammar_bitmask: GrammarBitmask, row_request_ids: list[str],
                           row_positions: list[int] | None = None) -> None:
     """Mask `logits` [num_rows, vocab] in place: row i belongs to row_request_ids[i] (at draft position
     row_positions[i] with speculative decoding)."""
-    logit_rows, mask_rows = constrained_rows(grammar_bitmask, row_request_ids, row_positions)
+    # xgrammar indexes the logits and the bitmask with the same row numbers: the masks laid out like the logits.
+    bitmask, logit_rows = bitmask_of_rows(grammar_bitmask, row_request_ids, row_positions)
     if not logit_rows:
         return
     import xgrammar  # only steps with constrained rows need it
 
-    words = bitmask_words(grammar_bitmask)
-    # xgrammar indexes the logits and the bitmask with the same row numbers: lay the masks out like the logits.
-    bitmask = torch.full((logits.shape[0], grammar_bitmask.num_words), -1, dtype=torch.int32)
-    bitmask[logit_rows] = words[mask_rows]
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=logit_rows)
 
 

@@ -32,7 +32,7 @@ from pagedserve.sample.logprobs import compute_prompt_logprobs
 from pagedserve.sample.reduce_sample import sample_logits_function
 from pagedserve.sample.sampler import Sampler
 from pagedserve.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata, has_penalty
-from pagedserve.structured_output.logits_mask import apply_grammar_bitmask
+from pagedserve.structured_output.logits_mask import apply_grammar_bitmask, bitmask_of_rows
 from pagedserve.worker.compiled_forward import build_model_forward
 from pagedserve.worker.input_batch import InputBatch, RequestState, StepInputs, as_decode_rows
 from pagedserve.worker.kv_cache_allocation import attention_layers
@@ -84,7 +84,7 @@ class ModelRunner:
         self.forward = build_prefill_context_parallel_forward(config, self.forward)
         # Decode steps that only sample greedily: the native stack reads the batch, runs the model and the LM head's
         # argmax and appends the tokens, in one call (models/native_decode_stack.py).
-        self.greedy_decode: Callable[[list[int]], list[int] | None] | None = None
+        self.greedy_decode: Callable[[list[int], torch.Tensor | None], list[int] | None] | None = None
         if isinstance(self.forward, NativeDecodeForward) and self.fused_greedy_sample.is_enabled \
                 and not config.speculative_config.reads_target_hidden_states:
             self.forward.bind_batch(self.input_batch)
@@ -142,7 +142,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         grammar_bitmask = scheduler_output.grammar_bitmask
-        if self.greedy_decode is not None and grammar_bitmask is None:
+        if self.greedy_decode is not None:
             output = self._greedy_decode_step(scheduler_output)
             if output is not None:
                 return output
@@ -182,8 +182,9 @@ class ModelRunner:
                 states = [requests[step.request_ids[i]] for i in sampled_rows]
                 sampled_states = hidden_states[logits_indices]
             metadata = self._sampling_metadata(states)
-            # Constrained rows need their logits to mask: no argmax inside the LM head then.
-            sampler_output = self.fused_greedy_sample(sampled_states, metadata) if grammar_bitmask is None else None
+            allowed = None if grammar_bitmask is None \
+                else bitmask_of_rows(grammar_bitmask, [s.request_id for s in states])[0]
+            sampler_output = self.fused_greedy_sample(sampled_states, metadata, allowed)
             if sampler_output is None:
                 logits = self.sample_logits(sampled_states, [s.sampling_params for s in states])
                 if grammar_bitmask is not None:  # structured outputs (structured_output/logits_mask.py)
@@ -233,7 +234,9 @@ class ModelRunner:
         states = [requests[request_id] for request_id in num_scheduled]
         if not is_plain_greedy(self._sampling_metadata(states)):
             return None
-        token_ids = self.greedy_decode([state.row for state in states])
+        grammar_bitmask = scheduler_output.grammar_bitmask  # structured outputs: the head picks allowed tokens only
+        allowed = None if grammar_bitmask is None else bitmask_of_rows(grammar_bitmask, list(num_scheduled))[0]
+        token_ids = self.greedy_decode([state.row for state in states], allowed)
         if token_ids is None:
             return None
         return ModelRunnerOutput(request_ids=list(num_scheduled),

@@ -16,6 +16,7 @@ from pagedserve.sample.fused_greedy_head import (
     head_first_argmax,
 )
 from pagedserve.sample.greedy import reference_first_argmax
+from pagedserve.structured_output.logits_mask import allowed_token_mask
 
 pytestmark = pytest.mark.skipif(not (amx_linear_available() and fused_op_available()),
                                 reason="no AMX or AVX512-BF16 here, or the native kernels are not built")
@@ -78,6 +79,68 @@ def test_ties_infinities_and_nan_resolve_as_max_indices() -> None:
     assert amx_linear_first_argmax(x, packed, two_peaks, n, n).tolist() == [7, 7, 7]
     assert torch.equal(amx_linear_first_argmax(x, packed, None, n, n), _unfused(x, packed, None, n, n))
     assert amx_linear_first_argmax(x, packed, two_peaks, n, 7).tolist() == [0, 0, 0]
+
+
+def _random_words(num_rows: int, num_columns: int, allowed_share: float, seed: int) -> torch.Tensor:
+    """int32 bitmask words [num_rows, ceil(num_columns / 32)] allowing about `allowed_share` of the columns."""
+    bits = torch.rand(num_rows, (num_columns + 31) // 32 * 32, generator=torch.Generator().manual_seed(seed))
+    bits = (bits < allowed_share).to(torch.int64).view(num_rows, -1, 32)
+    words = (bits << torch.arange(32)).sum(-1)  # bit j of word w: column 32 w + j
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _masked_unfused(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, num_columns: int,
+                    words: torch.Tensor, products: str = "auto") -> torch.Tensor:
+    """The logits path: amx_linear's logits, disallowed tokens -inf (logits_mask's reference), first_argmax."""
+    logits = amx_linear(x, packed, bias, n, products)[:, :num_columns]
+    return reference_first_argmax(logits.masked_fill(~allowed_token_mask(words, num_columns), float("-inf")))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("allowed_share", [0.002, 0.3, 0.97])
+def test_allowed_tokens_pick_as_the_masked_logits(linear_products: str, num_threads: int,
+                                                  allowed_share: float) -> None:
+    """Structured outputs: with each row's grammar bitmask the pick is the first argmax of the logits with the
+    disallowed tokens set to -inf (xgrammar's mask), whatever rows and threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for n, k, num_columns, has_bias in ((3000, 576, 3000, True), (1024, 64, 1000, False), (200, 40, 130, True)):
+            packed = amx_pack(_random(n, k, seed=n) / 8)
+            bias = _random(n, seed=k) if has_bias else None
+            for m in (1, 3, 16, 64, 300):
+                x = _random(m, k, seed=m)
+                words = _random_words(m, num_columns, allowed_share, seed=m + n)
+                fused = amx_linear_first_argmax(x, packed, bias, n, num_columns, linear_products, words)
+                assert torch.equal(fused, _masked_unfused(x, packed, bias, n, num_columns, words, linear_products))
+                if allowed_share < 0.01:  # the mask moved the pick (a 0.2% chance per row that it would not)
+                    assert not torch.equal(fused, _unfused(x, packed, bias, n, num_columns, linear_products))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_allowed_tokens_edge_cases_and_errors() -> None:
+    n, k = 300, 64
+    x = _random(3, k, seed=1)
+    weight = _random(n, k, seed=2) / 8
+    weight[7] = float("nan")  # a NaN logit in column 7
+    packed = amx_pack(weight)
+    words = torch.zeros(3, (n + 31) // 32, dtype=torch.int32)
+    words[0, 0] = 1 << 7  # row 0: only the NaN column: it wins
+    words[1, 9] = 1 << 3  # row 1: only column 291
+    words[2, :] = -1
+    words[2, 0] &= ~(1 << 7)  # row 2: everything but the NaN
+    picks = amx_linear_first_argmax(x, packed, None, n, n, "auto", words)
+    assert picks[:2].tolist() == [7, 291]
+    assert torch.equal(picks, _masked_unfused(x, packed, None, n, n, words))
+    # No allowed column at all: every logit counts as -inf and the first column wins, as the masked logits' argmax.
+    assert amx_linear_first_argmax(x, packed, None, n, n, "auto", torch.zeros_like(words)).tolist() == [0, 0, 0]
+    with pytest.raises(RuntimeError, match=r"allowed has shape \[3, 9\]; expected 3 rows of at least 10 words"):
+        amx_linear_first_argmax(x, packed, None, n, n, "auto", words[:, :9].contiguous())
+    with pytest.raises(RuntimeError, match="allowed must be a contiguous int32 CPU tensor"):
+        amx_linear_first_argmax(x, packed, None, n, n, "auto", words.long())
+    with pytest.raises(RuntimeError, match=r"expected 3 rows"):
+        amx_linear_first_argmax(x, packed, None, n, n, "auto", words[:2])
 
 
 def test_bad_arguments_raise_clear_errors() -> None:
@@ -147,7 +210,7 @@ def test_engine_greedy_tokens_are_the_same_with_and_without_the_fused_head(tiny_
     results.clear()
     with_logprobs = generate(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1))
     assert results == []
-    monkeypatch.setattr(FusedGreedySampler, "__call__", lambda self, hidden, metadata: None)
+    monkeypatch.setattr(FusedGreedySampler, "__call__", lambda self, *args: None)
     assert generate(greedy) == fused == with_logprobs
 
 

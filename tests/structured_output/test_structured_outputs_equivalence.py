@@ -72,3 +72,23 @@ def test_speculative_decoding_gives_the_same_constrained_outputs(reference):
         assert metrics["vllm:spec_decode_num_accepted_tokens"].value > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_heads_pick_allowed_tokens_as_the_masked_logits(dtype):
+    """Greedy constrained decode steps take the native decode stack's greedy rows, the grammar bitmask going into the
+    LM head's argmax (float32: the GGUF head's logits masked per row; bfloat16, the weights dequantized and tile
+    packed: amx_linear_first_argmax's epilogue where the CPU runs it); the outputs equal those of the logits path
+    (logits, xgrammar's mask, the sampler)."""
+    llm = LLM(**DEFAULT_MODEL_KWARGS, dtype=dtype, gguf_dequantize=dtype == "bfloat16")
+    try:
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        if runner.greedy_decode is None:
+            pytest.skip(f"no native greedy head for {dtype} here ({runner.forward!r})")
+        fused = _constrained_greedy(llm)
+        assert runner.forward.num_greedy_steps > 0
+        runner.greedy_decode = None
+        runner.fused_greedy_sample.is_enabled = False
+        assert _constrained_greedy(llm) == fused
+    finally:
+        llm.llm_engine.shutdown()

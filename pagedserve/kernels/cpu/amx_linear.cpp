@@ -64,6 +64,7 @@
 #include <string>
 #include <vector>
 
+#include "allowed_tokens.h"
 #include "amx_linear.h"
 #include "amx_tiles.h"
 #include "bfloat16_rounding.h"
@@ -1281,7 +1282,8 @@ namespace pagedserve_native {
 // bf16(x @ W^T + b) over columns [0, num_columns) (a NaN counting as larger than everything, the first NaN winning;
 // a row of -inf gives 0): exactly kernels/cpu/first_argmax.cpp on amx_linear's output narrowed to num_columns,
 // without writing the [M, n] logits out and reading them back (at 64 rows and SmolLM2's 49152 columns the logits'
-// write and the argmax pass took ~1.7 of ~7.2 ms).
+// write and the argmax pass took ~1.7 of ~7.2 ms). With `allowed` (structured outputs: each row's grammar bitmask,
+// allowed_tokens.h) the disallowed columns count as -inf, as the masked logits' first argmax has them.
 //
 // Each unit's products are rounded to bf16 as store_row rounds them; every row of a slot keeps 16 lanes of (max,
 // index) and its first NaN (the lowest column). A lane takes a value when it is greater, or equal at a lower column,
@@ -1292,6 +1294,10 @@ struct AmxFirstArgmaxCall::State {
   at::Tensor x_padded, bias_float;
   PackedProduct product;
   int64_t num_columns = 0, num_slots = 0;
+  // Structured outputs: row r's allowed tokens are the words at allowed + r * num_allowed_words (none: all).
+  at::Tensor allowed_tensor;
+  const int32_t* allowed = nullptr;
+  int64_t num_allowed_words = 0;
   // [slot, row, lane] running maxima and their columns, [slot, row] first NaN columns; written by run_units of one
   // slot at a time (const State: shared between threads, each slot one thread's).
   std::vector<float> lane_max;
@@ -1309,7 +1315,8 @@ bool is_better(float value, int32_t column, float maximum, int32_t index) {
 
 AmxFirstArgmaxCall::AmxFirstArgmaxCall(const at::Tensor& x, const at::Tensor& packed,
                                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t num_columns,
-                                       c10::string_view products, int64_t num_slots)
+                                       c10::string_view products, int64_t num_slots,
+                                       const c10::optional<at::Tensor>& allowed)
     : state_(std::make_unique<State>()) {
   constexpr const char* op = "amx_linear_first_argmax";
   State& s = *state_;
@@ -1321,6 +1328,12 @@ AmxFirstArgmaxCall::AmxFirstArgmaxCall(const at::Tensor& x, const at::Tensor& pa
   s.num_columns = num_columns;
   s.num_slots = num_slots;
   const int64_t m = s.product.m;
+  if (allowed.has_value()) {
+    pagedserve_native::check_allowed_tokens(op, *allowed, m, num_columns);
+    s.allowed_tensor = *allowed;
+    s.allowed = allowed->data_ptr<int32_t>();
+    s.num_allowed_words = allowed->size(1);
+  }
   s.lane_max.assign(num_slots * m * kArgmaxLanes, -std::numeric_limits<float>::infinity());
   s.lane_index.assign(num_slots * m * kArgmaxLanes, kNoColumn);
   s.first_nan.assign(num_slots * m, kNoColumn);
@@ -1349,8 +1362,19 @@ void AmxFirstArgmaxCall::run_units(int64_t begin, int64_t end, int64_t slot) con
                   count = std::min(count, num_columns - first_column);
                   for (int64_t row = 0; row < num_rows; ++row) {
                     const int64_t r = first_row + row;
-                    update_lane_maxima(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
-                                       first_column, count, lane_max + r * kArgmaxLanes,
+                    const float* row_values = values + row * kGroupColumns;
+                    const float* row_bias = bias_data ? bias_data + first_column : nullptr;
+                    alignas(64) float masked[kGroupColumns];
+                    if (s.allowed != nullptr) {
+                      // The logits with the bias, disallowed ones -inf (so a bias cannot turn one into a NaN).
+                      for (int64_t column = 0; column < count; ++column)
+                        masked[column] = row_values[column] + (row_bias ? row_bias[column] : 0.0f);
+                      pagedserve_native::mask_disallowed_tokens(masked, first_column, count,
+                                                                s.allowed + r * s.num_allowed_words);
+                      row_values = masked;
+                      row_bias = nullptr;
+                    }
+                    update_lane_maxima(row_values, row_bias, first_column, count, lane_max + r * kArgmaxLanes,
                                        lane_index + r * kArgmaxLanes, first_nan[r]);
                   }
                 });
@@ -1389,9 +1413,10 @@ namespace {
 
 // The op: AmxFirstArgmaxCall's units split by at::parallel_for, each of its calls into a slot of its own.
 at::Tensor amx_linear_first_argmax(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                                   int64_t n, int64_t num_columns, c10::string_view products) {
+                                   int64_t n, int64_t num_columns, c10::string_view products,
+                                   const c10::optional<at::Tensor>& allowed) {
   const int64_t num_slots = std::max(1, at::get_num_threads());
-  const pagedserve_native::AmxFirstArgmaxCall call(x, packed, bias, n, num_columns, products, num_slots);
+  const pagedserve_native::AmxFirstArgmaxCall call(x, packed, bias, n, num_columns, products, num_slots, allowed);
   at::Tensor indices = at::zeros({x.size(0)}, x.options().dtype(at::kLong));
   if (call.num_units() == 0) return indices;
   // parallel_for calls its function at most once per thread (once when it runs inline).
@@ -1491,7 +1516,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("amx_linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, int n, str products=\"auto\") -> "
         "Tensor");
   m.def("amx_linear_first_argmax(Tensor x, Tensor packed, Tensor? bias, int n, int num_columns, "
-        "str products=\"auto\") -> Tensor");
+        "str products=\"auto\", Tensor? allowed=None) -> Tensor");
   // No tensor arguments to dispatch on: a catch-all kernel.
   m.def("is_amx_linear_supported() -> bool", &is_amx_linear_supported);
   m.def("amx_linear_products() -> str[]", &amx_linear_products);

@@ -41,8 +41,11 @@ class AmxFirstArgmaxCall {
  public:
   // Checks the arguments as amx_linear_first_argmax does (raises c10::Error) and keeps `num_slots` slots. x, packed
   // and bias must outlive the call; x is read when the units run, unless copies_x(K): then at construction.
+  // `allowed` (structured outputs; allowed_tokens.h): int32 [M, words], each row's allowed tokens as bitmask words;
+  // a disallowed column counts as -inf. It too must outlive the call.
   AmxFirstArgmaxCall(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
-                     int64_t num_columns, c10::string_view products, int64_t num_slots);
+                     int64_t num_columns, c10::string_view products, int64_t num_slots,
+                     const c10::optional<at::Tensor>& allowed = c10::nullopt);
   ~AmxFirstArgmaxCall();
   AmxFirstArgmaxCall(const AmxFirstArgmaxCall&) = delete;
   AmxFirstArgmaxCall& operator=(const AmxFirstArgmaxCall&) = delete;

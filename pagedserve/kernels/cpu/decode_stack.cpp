@@ -23,7 +23,7 @@
 //       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
-//   decode_rows_greedy(handle, rows, max_positions) -> token ids (the Python binding at the end of this file; the
+//   decode_rows_greedy(handle, rows, max_positions, allowed) -> token ids (the Python binding at the end of this file; the
 //       plan by DecodeStackPlan.handle(), rows and tokens as lists): a decode step of rows `rows` of the runner's
 //       persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
 //       inputs read from the batch and the LM head's greedy pick from the final norm's output (the head set by
@@ -31,7 +31,8 @@
 //       cpu_first_argmax's in float32) appended to it: the runner's whole greedy decode step in one call, the head
 //       inside the step's one region (float32 steps only there: can_sample_greedy). The runner calls it when the
 //       sampler would take nothing else (sample/fused_greedy_head.py is_plain_greedy). Empty when a row's next token
-//       is not sampled (a one-token prefill chunk). A Python binding, not a torch op: it writes the batch, which a
+//       is not sampled (a one-token prefill chunk). `allowed` (None, or int32 [rows, words]: structured outputs' grammar
+//       bitmask of each row, allowed_tokens.h) restricts each row's pick to its allowed tokens. A Python binding, not a torch op: it writes the batch, which a
 //       schema could not say, and the dispatcher's call cost ~130 us of a batch-1 step (PlanRegistry).
 //   linear_kind: 0 plain weights on at::linear, 1 plain float32 weights on small_batch_linear (M <= 16, else
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
@@ -69,6 +70,7 @@
 #include "amx_linear.h"
 #include "elementwise.h"
 #include "small_batch_linear.h"
+#include "allowed_tokens.h"
 #include "first_argmax.h"
 #include "gguf_linear.h"
 #include "int8_linear.h"
@@ -115,7 +117,7 @@ struct Kernels {
       amx_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)> small_batch_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
-                                      c10::string_view)>
+                                      c10::string_view, const OptionalTensor&)>
       first_argmax;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>
       gguf_linear;
@@ -148,7 +150,7 @@ struct Kernels {
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>(),
           find("pagedserve::amx_linear_first_argmax")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
-                                c10::string_view)>(),
+                                c10::string_view, const OptionalTensor&)>(),
           find("pagedserve::gguf_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(),
           find("pagedserve::gguf_dequantize").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
@@ -484,6 +486,8 @@ struct StepInputs {
   const at::Tensor& block_table;
   const at::Tensor& seq_lens;
   const at::Tensor& slot_mapping;
+  // Greedy steps under structured outputs: int32 [M, words], each row's allowed tokens (allowed_tokens.h).
+  OptionalTensor allowed_tokens = c10::nullopt;
 };
 
 // The layers one op at a time, each op with its own parallel region (any linear kind, any number of rows).
@@ -614,11 +618,20 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   std::unique_ptr<SmallBatchLinearCall> head_linear;  // float32: the logits (a GGUF head's call is made per thread
                                                       // in the region: it reads x when made)
   at::Tensor token_ids, logits;
+  const int32_t* allowed_words = nullptr;  // float32 heads: the rows' allowed tokens (StepInputs.allowed_tokens)
+  int64_t num_allowed_words = 0;
+  if (is_greedy && step.allowed_tokens.has_value()) {
+    pagedserve_native::check_allowed_tokens("decode_rows_greedy", *step.allowed_tokens, num_tokens,
+                                            plan.head_num_columns);
+    allowed_words = step.allowed_tokens->data_ptr<int32_t>();
+    num_allowed_words = step.allowed_tokens->size(1);
+  }
   if (is_greedy) {
     token_ids = at::empty({num_tokens}, options.dtype(at::kLong));
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       head = std::make_unique<AmxFirstArgmaxCall>(out, plan.head_weight, plan.head_bias, plan.head_output_size,
-                                                  plan.head_num_columns, "auto", requested_threads);
+                                                  plan.head_num_columns, "auto", requested_threads,
+                                                  step.allowed_tokens);
     } else {
       logits = at::empty({num_tokens, plan.head_output_size}, options);
       if (plan.head_type == 0)
@@ -785,11 +798,15 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
             head_linear->run_units(begin, end);
           }
           if (stage_done()) {
-            const float* const logits_data = logits.data_ptr<float>();
+            float* const logits_data = logits.data_ptr<float>();
             int64_t* const token_data = token_ids.data_ptr<int64_t>();
-            for (int64_t row = first_row; row < end_row; ++row)
-              token_data[row] = pagedserve_native::first_argmax_row(logits_data + row * plan.head_output_size,
-                                                                    plan.head_num_columns);
+            for (int64_t row = first_row; row < end_row; ++row) {
+              float* const row_logits = logits_data + row * plan.head_output_size;
+              if (allowed_words != nullptr)
+                pagedserve_native::mask_disallowed_tokens(row_logits, 0, plan.head_num_columns,
+                                                          allowed_words + row * num_allowed_words);
+              token_data[row] = pagedserve_native::first_argmax_row(row_logits, plan.head_num_columns);
+            }
           }
         }
       }
@@ -844,14 +861,14 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
                                   : run_layers_in_one_region<float>(plan, step, is_greedy_in_region);
     if (is_greedy_in_region || !is_greedy) return result;
     return kernels.first_argmax.call(result, plan.head_weight, plan.head_bias, plan.head_output_size,
-                                     plan.head_num_columns, "auto");
+                                     plan.head_num_columns, "auto", step.allowed_tokens);
   }
   TORCH_CHECK(!is_greedy || plan.is_bfloat16_region(),
               "decode_rows_greedy: a float32 head samples only in the one region (can_sample_greedy)");
   const at::Tensor hidden = run_layers_op_by_op(plan, kernels, step);
   if (!is_greedy) return hidden;
   return kernels.first_argmax.call(hidden, plan.head_weight, plan.head_bias, plan.head_output_size,
-                                   plan.head_num_columns, "auto");
+                                   plan.head_num_columns, "auto", step.allowed_tokens);
 }
 
 at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
@@ -864,7 +881,8 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
 // The runner's greedy decode step of rows `rows` of the bound batch (see the header): each row's inputs are its
 // last token at position num_computed_tokens, the step's token ids come from the head, and each is appended to its
 // row (token_ids[row, num_tokens] = token, num_tokens += 1), as the runner's InputBatch.append_tokens does.
-at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_t num_rows, int64_t max_positions) {
+at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_t num_rows, int64_t max_positions,
+                              const OptionalTensor& allowed) {
   TORCH_CHECK(p.batch_token_ids.defined(), "decode_rows_greedy: no batch bound (DecodeStackPlan.bind_batch)");
   TORCH_CHECK(p.head_weight.defined(),
               "decode_rows_greedy: the plan has no LM head (DecodeStackPlan.set_greedy_head)");
@@ -905,7 +923,8 @@ at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_
     std::memcpy(block_table.data_ptr<int32_t>() + m * max_blocks, table + row_ids[m] * table_columns,
                 max_blocks * sizeof(int32_t));
   const at::Tensor sampled =
-      decode_step(p, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions, true);
+      decode_step(p, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping, allowed}, max_positions,
+                  true);
   const int64_t* sampled_ids = sampled.data_ptr<int64_t>();
   for (int64_t m = 0; m < num_rows; ++m) {
     const int64_t row = row_ids[m];
@@ -917,7 +936,7 @@ at::Tensor decode_rows_greedy(DecodeStackPlan& p, const int64_t* row_ids, int64_
 
 // decode_rows_greedy as the Python binding takes it: the plan by handle, the rows and the token ids as lists.
 std::vector<int64_t> decode_rows_greedy_by_handle(int64_t handle, const std::vector<int64_t>& rows,
-                                                  int64_t max_positions) {
+                                                  int64_t max_positions, const OptionalTensor& allowed) {
   DecodeStackPlan* plan = nullptr;
   {
     PlanRegistry& registry = PlanRegistry::get();
@@ -927,7 +946,7 @@ std::vector<int64_t> decode_rows_greedy_by_handle(int64_t handle, const std::vec
     plan = found->second;
   }
   const at::Tensor sampled =
-      decode_rows_greedy(*plan, rows.data(), static_cast<int64_t>(rows.size()), max_positions);
+      decode_rows_greedy(*plan, rows.data(), static_cast<int64_t>(rows.size()), max_positions, allowed);
   const int64_t* data = sampled.data_ptr<int64_t>();
   return std::vector<int64_t>(data, data + sampled.numel());
 }
@@ -963,13 +982,15 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "decode_rows_greedy",
-      [](int64_t handle, const std::vector<int64_t>& rows, int64_t max_positions) -> std::vector<int64_t> {
+      [](int64_t handle, const std::vector<int64_t>& rows, int64_t max_positions,
+         const OptionalTensor& allowed) -> std::vector<int64_t> {
         HANDLE_TH_ERRORS
-        return decode_rows_greedy_by_handle(handle, rows, max_positions);
+        return decode_rows_greedy_by_handle(handle, rows, max_positions, allowed);
         END_HANDLE_TH_ERRORS_PYBIND
       },
       "The greedy decode step of these batch rows on the plan with this handle (DecodeStackPlan.handle()): the rows' "
-      "token ids, [] "
-      "when a row's next token is not sampled",
-      pybind11::arg("handle"), pybind11::arg("rows"), pybind11::arg("max_positions"));
+      "token ids, [] when a row's next token is not sampled; `allowed` (int32 [rows, words]) restricts each row's "
+      "pick to the tokens its bitmask allows",
+      pybind11::arg("handle"), pybind11::arg("rows"), pybind11::arg("max_positions"),
+      pybind11::arg("allowed") = pybind11::none());
 }
