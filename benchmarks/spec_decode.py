@@ -73,8 +73,13 @@ def compare(engines: dict[str, object], prompts: list[list[int]], max_tokens: in
             if reference is None:
                 reference = outputs
             elif outputs != reference:
-                raise AssertionError(f"{name}: greedy outputs differ from the other engine's (speculation must be "
-                                     f"lossless)")
+                index = next(i for i, (ours, theirs) in enumerate(zip(outputs, reference)) if ours != theirs)
+                position = next((j for j, (ours, theirs) in enumerate(zip(outputs[index], reference[index]))
+                                 if ours != theirs), min(len(outputs[index]), len(reference[index])))
+                raise AssertionError(f"{name} (round {round_index}): greedy outputs differ from {names[0]}'s first "
+                                     f"run's (speculation must be lossless): prompt {index}, token {position}: "
+                                     f"{outputs[index][position:position + 4]} vs "
+                                     f"{reference[index][position:position + 4]}")
             tokens_per_s[name].append(sum(len(o) for o in outputs) / seconds)
     result = {"batch_size": batch_size, "num_requests": len(prompts),
               "num_output_tokens": sum(len(o) for o in reference or []), "tokens_per_s": tokens_per_s,
