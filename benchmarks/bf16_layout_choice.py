@@ -12,7 +12,8 @@ At the avx512 level (AVX-512 without BF16, as on Skylake-SP / Cascade Lake), emu
     PAGEDSERVE_CPU_ISA=avx512 ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE \\
         PYTHONPATH=. python benchmarks/bf16_layout_choice.py
 
-(ONEDNN_MAX_CPU_ISA keeps oneDNN off the AVX512-BF16 and AMX instructions such a CPU lacks.)
+(ONEDNN_MAX_CPU_ISA keeps oneDNN off the AVX512-BF16 and AMX instructions such a CPU lacks.) On a machine other
+processes load, `--threads 1`: with two threads each call waits at its join for a descheduled thread.
 """
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--megabytes", type=int, default=320, help="weight bytes per shape and layout")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads (1 keeps a loaded machine's scheduler out of every call's thread join)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if not amx_linear_available() or not can_prepack_on_cpu(torch.bfloat16):
         raise SystemExit(f"needs both layouts in bfloat16 (amx_packed units: {amx_linear_products()}, "
                          f"prepacked: {can_prepack_on_cpu(torch.bfloat16)})")

@@ -659,15 +659,15 @@ constexpr int64_t kFmaFarPrefetchBytes = 16 * 1024;
 // Blocks of a group one register block of `rows` (<= kFmaRows) rows takes at once (see FmaProducts).
 constexpr int fma_blocks_per_pass(int64_t rows) { return FmaVectors::blocks_per_pass(rows); }
 
-// kRows rows of fp32 x (rows x_stride floats apart, zero-padded to whole steps) against kBlocks consecutive blocks
-// (b_first, step_stride as in group_product), over all K steps: out[i * kGroupColumns + c] for row i and column c of
+// kRows rows of fp32 x in widen_rows' layout (step by step, a step's kRows rows of kStepDepth values one after the
+// other) against kBlocks consecutive blocks (b_first, step_stride as in group_product), over all K steps: out[i * kGroupColumns + c] for row i and column c of
 // the blocks. A step goes K pair by K pair, each pair's row of every block in turn: every accumulator takes two
 // dependent FMAs per pair, so the pair's 2 * kRows * kBlocks * kPieces FMAs must be independent chains to hide the
 // FMA latency (block by block, one row would keep 2 chains in flight: 3.9 GMAC/s on one core of the EPYC VM,
 // L2-resident). Prefetches as group_product; `is_streaming` (one pass over the weights from memory) also prefetches
 // each step's bytes kFmaFarPrefetchBytes further on.
 template <int kRows, int kBlocks>
-inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t step_stride,
+inline void fma_rows(const float* x, const at::BFloat16* b_first, int64_t step_stride,
                      int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines, bool is_streaming) {
   using Vector = FmaVectors::Vector;
   constexpr int kPieces = kBlockColumns / FmaVectors::kLanes;  // vectors per block row
@@ -685,7 +685,7 @@ inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_fir
       for (int64_t line = 0; line < kBlocks * kTileElements * 2 / 64; ++line)
         _mm_prefetch(far + line * 64, _MM_HINT_T2);
     }
-    const float* x_step = x + step * kStepDepth;
+    const float* x_step = x + step * kRows * kStepDepth;  // every broadcast below at a constant offset from it
 #pragma GCC unroll 16
     for (int pair = 0; pair < kStepDepth / 2; ++pair) {
 #pragma GCC unroll 4
@@ -697,8 +697,8 @@ inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_fir
           FmaVectors::widen_pairs(row + piece * 2 * FmaVectors::kLanes, even[piece], odd[piece]);
 #pragma GCC unroll 8
         for (int i = 0; i < kRows; ++i) {
-          const Vector x_even = FmaVectors::broadcast(x_step + i * x_stride + 2 * pair);
-          const Vector x_odd = FmaVectors::broadcast(x_step + i * x_stride + 2 * pair + 1);
+          const Vector x_even = FmaVectors::broadcast(x_step + i * kStepDepth + 2 * pair);
+          const Vector x_odd = FmaVectors::broadcast(x_step + i * kStepDepth + 2 * pair + 1);
 #pragma GCC unroll 2
           for (int piece = 0; piece < kPieces; ++piece) {
             Vector& sum = acc[i][block * kPieces + piece];
@@ -716,42 +716,42 @@ inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_fir
       FmaVectors::store(out + i * kGroupColumns + v * FmaVectors::kLanes, acc[i][v]);
 }
 
-// kRows rows of fp32 x against the num_blocks blocks of a group, fma_blocks_per_pass(kRows) blocks at a time.
+// kRows rows of fp32 x (widen_rows' layout) against the num_blocks blocks of a group, fma_blocks_per_pass(kRows) blocks at a time.
 template <int kRows>
-inline void fma_group(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t num_blocks,
+inline void fma_group(const float* x, const at::BFloat16* b_first, int64_t num_blocks,
                       int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
                       int64_t prefetch_lines, bool is_streaming) {
   constexpr int kBlocks = fma_blocks_per_pass(kRows);
   int64_t block = 0;
   for (; num_blocks - block >= kBlocks; block += kBlocks)
-    fma_rows<kRows, kBlocks>(x, x_stride, b_first + block * kTileElements, step_stride, num_steps,
+    fma_rows<kRows, kBlocks>(x, b_first + block * kTileElements, step_stride, num_steps,
                              out + block * kBlockColumns, prefetch, prefetch_lines, is_streaming);
   const int64_t rest = num_blocks - block;  // < kBlocks <= 4
   if constexpr (kBlocks > 1) {
     const at::BFloat16* b = b_first + block * kTileElements;
     float* rest_out = out + block * kBlockColumns;
     if (rest == 3)
-      fma_rows<kRows, (kBlocks > 3 ? 3 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+      fma_rows<kRows, (kBlocks > 3 ? 3 : 1)>(x, b, step_stride, num_steps, rest_out, prefetch,
                                              prefetch_lines, is_streaming);
     else if (rest == 2)
-      fma_rows<kRows, (kBlocks > 2 ? 2 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+      fma_rows<kRows, (kBlocks > 2 ? 2 : 1)>(x, b, step_stride, num_steps, rest_out, prefetch,
                                              prefetch_lines, is_streaming);
     else if (rest == 1)
-      fma_rows<kRows, 1>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch, prefetch_lines, is_streaming);
+      fma_rows<kRows, 1>(x, b, step_stride, num_steps, rest_out, prefetch, prefetch_lines, is_streaming);
   }
 }
 
 // The last `rows` (< kRows) rows of a product, one register block of that many rows.
 template <int kRows>
-inline void fma_tail(const float* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+inline void fma_tail(const float* x, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
                      int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines,
                      bool is_streaming) {
   if constexpr (kRows > 0) {
     if (rows == kRows)
-      fma_group<kRows>(x, x_stride, b_first, num_blocks, step_stride, num_steps, out, prefetch, prefetch_lines,
+      fma_group<kRows>(x, b_first, num_blocks, step_stride, num_steps, out, prefetch, prefetch_lines,
                        is_streaming);
     else
-      fma_tail<kRows - 1>(x, x_stride, rows, b_first, num_blocks, step_stride, num_steps, out, prefetch,
+      fma_tail<kRows - 1>(x, rows, b_first, num_blocks, step_stride, num_steps, out, prefetch,
                           prefetch_lines, is_streaming);
   }
 }
@@ -781,10 +781,10 @@ struct FmaProducts {
       const float* widened = widen_rows(x + row * x_stride, x_stride, block_rows, depth);
       float* block_out = out + row * kGroupColumns;
       if (block_rows == kFmaRows)
-        fma_group<kFmaRows>(widened, depth, b_first, num_blocks, step_stride, num_steps, block_out, prefetch,
+        fma_group<kFmaRows>(widened, b_first, num_blocks, step_stride, num_steps, block_out, prefetch,
                             prefetch_lines, is_streaming);
       else
-        fma_tail<kFmaRows - 1>(widened, depth, block_rows, b_first, num_blocks, step_stride, num_steps, block_out,
+        fma_tail<kFmaRows - 1>(widened, block_rows, b_first, num_blocks, step_stride, num_steps, block_out,
                                prefetch, prefetch_lines, is_streaming);
     }
   }
@@ -792,8 +792,10 @@ struct FmaProducts {
   void finish() {}
 
  private:
-  // Rows [0, rows) of bf16 x (x_stride apart, `depth` elements each) widened to fp32 into `widened_`, rows `depth`
-  // floats apart. The rows widened last are kept: a product of one row block (decode sizes) widens its rows once for
+  // Rows [0, rows) of bf16 x (x_stride apart, `depth` elements each) widened to fp32 into `widened_`, step by step:
+  // a step's `rows` rows of kStepDepth values one after the other, so that fma_rows finds every x value of a step at
+  // a constant offset from one pointer (with one pointer per row, GCC spilled the row pointers of its unrolled
+  // loop to the stack and reloaded them before the broadcasts). The rows widened last are kept: a product of one row block (decode sizes) widens its rows once for
   // all its groups (x does not change while a unit runs its units).
   const float* widen_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t depth) {
     if (x == widened_x_ && x_stride == widened_stride_ && rows == widened_rows_ && depth == widened_depth_)
@@ -805,9 +807,9 @@ struct FmaProducts {
     widened_depth_ = depth;
     for (int64_t row = 0; row < rows; ++row) {
       const uint16_t* source = reinterpret_cast<const uint16_t*>(x + row * x_stride);
-      float* target = widened_.data() + row * depth;
       for (int64_t k = 0; k < depth; k += 8)
-        pagedserve_native::store8(target + k, pagedserve_native::load8(source + k));
+        pagedserve_native::store8(widened_.data() + (k / kStepDepth * rows + row) * kStepDepth + k % kStepDepth,
+                                  pagedserve_native::load8(source + k));
     }
     return widened_.data();
   }
