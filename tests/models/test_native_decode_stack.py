@@ -68,8 +68,7 @@ CASES = [
     ("llama-tied", "bfloat16", "plain", 4),
     ("qwen2", "float32", "auto", 5),  # q/k/v biases
     ("qwen2-sliding", "float32", "auto", 3),  # a full layer, then a 16-token window
-    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed where a unit runs (AMX,
-    # AVX512-BF16 or AVX2), else prepacked
+    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed (a unit in every build)
     pytest.param("llama", PREPACK_DTYPE, "prepacked", 3, marks=NEEDS_PREPACK),  # oneDNN's packed GEMM
 ]
 
