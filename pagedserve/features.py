@@ -385,8 +385,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="model", family="weight layout", feature="per-platform linear weight layout at load: bf16 weights "
                                                      "and LM head tile-packed for a native kernel on AMX "
-                                                     "tiles or AVX512-BF16 dot products (amx_packed, auto in "
-                                                     "bfloat16 on CPUs with either; "
+                                                     "tiles, AVX512-BF16 dot products, or AVX-512 / AVX2 FMA "
+                                                     "(amx_packed, auto in bfloat16 wherever the native kernels "
+                                                     "are built; "
                                                      "prefill-sized MLPs run gate_up and SiLU-and-mul as one "
                                                      "bitwise-equal pass, and all-greedy steps take the argmax in "
                                                      "the LM head's epilogue without writing logits) or prepacked "

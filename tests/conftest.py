@@ -53,10 +53,11 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
-@pytest.fixture(params=["amx", "avx512_bf16", "avx2"])
+@pytest.fixture(params=["amx", "avx512_bf16", "avx512", "avx2"])
 def linear_products(request: pytest.FixtureRequest) -> str:
     """Each product unit of the tile-packed bf16 linear kernels (kernels/cpu/amx_linear.cpp) that this CPU and
-    process can run (an AVX512-BF16 build: 'amx' and 'avx512_bf16'; an AVX2 build: 'avx2'); the others skip."""
+    process can run (an AVX512-BF16 build: 'amx' and 'avx512_bf16'; an AVX-512 build without BF16: 'avx512'; an
+    AVX2 build: 'avx2'); the others skip."""
     from pagedserve.layers.amx_linear import amx_linear_products
 
     if request.param not in amx_linear_products():

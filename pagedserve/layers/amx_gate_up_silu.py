@@ -39,8 +39,8 @@ def _fused_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def fused_op_available() -> bool:
-    """Whether the native library has the fused op and a product unit this process can run (AMX or AVX512-BF16;
-    loaded at first call)."""
+    """Whether the native library has the fused op and a product unit this process can run (every native build
+    has one: layers/amx_linear.py `amx_linear_products`; loaded at first call)."""
     global _op, _checked
     if not _checked:
         _op = load_amx_op("amx_linear_silu_and_mul", _fused_fake)

@@ -6,8 +6,9 @@ the native kernel (kernels/cpu/amx_linear.cpp) on AMX tiles sustained 25-28 GB/s
 1.3-1.4x at 32 and 1.05-1.2x at 64 (benchmarks/amx_linear.py). Prefill-sized batches run on the same kernel:
 1.1-1.2x oneDNN at 128-512 rows, 0.75-0.85x at 2048.
 
-Without AMX the same layout runs on AVX512-BF16 dot products (VDPBF16PS; `amx_linear_products()` lists the units
-here). Over SmolLM2-135M's 30 layers of linears on an AMD Zen 4 VM, against oneDNN's packed GEMM interleaved:
+Without AMX the same layout runs on AVX512-BF16 dot products (VDPBF16PS), and on CPUs without bf16 instructions on
+fp32 FMA with the weights widened in registers: 16 lanes on AVX-512 (Skylake-SP, Cascade Lake, Ice Lake server), 8
+on AVX2 (`amx_linear_products()` lists the units here; docs/cpu-isa.md which runs at which ISA level). Over SmolLM2-135M's 30 layers of linears on an AMD Zen 4 VM, against oneDNN's packed GEMM interleaved:
 1.36-1.42x at one row (23-24 against 17 GB/s), 1.1-1.15x at 4-64 rows, 1.05x at 256 and 0.98x at 2048; recipe A
 in bf16 ran 1.05x faster end to end than with 'prepacked', and batch-1 decode 1.33-1.4x. A one-row product then
 streams six stretches of a thread's share at once, block by block and interleaved line by line (three stretches
@@ -18,9 +19,10 @@ The packed weight *replaces* the plain one (one copy in memory), as a 1-D tensor
 tiles (zero padded); `restore_plain_layout` unpacks it bit for bit. A tied LM head, whose plain table the
 embedding still reads, gets a packed copy in `packed_weight` (56 MB for SmolLM2-135M), as under 'prepacked'.
 
-Numerics: one output is TDPBF16PS (or VDPBF16PS) over K in order into fp32, + bias, rounded to bf16 once. A row's
-result depends only on K and the weight: batch and thread invariant, not bitwise equal to oneDNN's GEMM; tests
-compare both with a float64 reference and the engine's greedy tokens with the plain layout's.
+Numerics: one output is TDPBF16PS (or VDPBF16PS, or one fp32 FMA chain on the FMA units) over K in order into fp32,
++ bias, rounded to bf16 once. A row's result depends only on K and the weight: batch and thread invariant, not
+bitwise equal to oneDNN's GEMM; tests compare both with a float64 reference and the engine's greedy tokens with the
+plain layout's. The two FMA units give the same bits (the same chain and rounding).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ _linear_op: Any = None
 
 def amx_linear_available() -> bool:
     """True when the native library is loaded (building it at first use) with a product unit this process can
-    run: AMX (compiled in, and Linux granted the tile state) or AVX512-BF16."""
+    run: every native build has one (AMX where compiled in and Linux granted the tile state, AVX512-BF16, AVX-512 or
+    AVX2 FMA)."""
     global _available, _linear_op
     if _available is None:
         _linear_op = load_native_op("amx_linear", "is_amx_linear_supported", _amx_linear_fake)
@@ -73,7 +76,9 @@ def amx_unpack(packed: torch.Tensor, output_size: int, input_size: int) -> torch
 
 def amx_linear_products() -> list[str]:
     """The product units the kernel can run here, preferred first: 'amx' (AMX tiles, where the CPU has them and
-    Linux grants the tile state) and 'avx512_bf16' (VDPBF16PS dot products); [] without the native kernels."""
+    Linux grants the tile state) and 'avx512_bf16' (VDPBF16PS dot products) in an AVX512-BF16 build, 'avx512'
+    (16-lane fp32 FMA) in the avx512 level's, 'avx2' (8-lane fp32 FMA) in an AVX2 build; [] without the native
+    kernels."""
     return list(torch.ops.pagedserve.amx_linear_products()) if amx_linear_available() else []
 
 

@@ -19,13 +19,14 @@ pure layout transform at load time, behind the linear-method seam of layers/line
 - 'plain_native' (CPU, float32): the plain weights, unchanged; decode batches (up to 16 rows on Intel CPUs,
   128 elsewhere) run on a native AVX-512 kernel that streams them faster than MKL's sgemm, larger ones on
   F.linear (MKL) or oneDNN's GEMM off Intel (layers/small_batch_linear.py). The LM head too.
-- 'amx_packed' (CPU with AMX or AVX512-BF16, bfloat16): each weight is replaced by the native kernel's
-  tile-blocked layout and every batch runs on that kernel (layers/amx_linear.py), its products on AMX tiles or,
-  without AMX, on VDPBF16PS dot products: with AMX 1.4-1.5x oneDNN's packed GEMM at decode sizes, where a step
-  streams the weights from DRAM; on AMD Zen 4 (dot products) 1.36-1.42x at 1 row and 1.1-1.15x at 4-64. The LM
-  head too (a tied head gets a packed copy).
-- 'auto': on the CPU in bfloat16, 'amx_packed' where the CPU has AMX or AVX512-BF16 and the native kernels are
-  built, else
+- 'amx_packed' (CPU, bfloat16, the native kernels built): each weight is replaced by the native kernel's
+  tile-blocked layout and every batch runs on that kernel (layers/amx_linear.py), its products on AMX tiles,
+  VDPBF16PS dot products, or float32 FMA with the weights widened in registers (AVX-512 without BF16, AVX2):
+  with AMX 1.4-1.5x oneDNN's packed GEMM at decode sizes, where a step streams the weights from DRAM; on AMD Zen 4
+  (dot products) 1.36-1.42x at 1 row and 1.1-1.15x at 4-64; at the avx512 level 1.8-5x oneDNN's (docs/cpu-isa.md).
+  The LM head too (a tied head gets a packed copy).
+- 'auto': on the CPU in bfloat16, 'amx_packed' where the native kernels are built (every level's build has a
+  unit for it), else
   'prepacked' (1.4-2.3x F.linear per GEMM at M = 1..64 for SmolLM2-135M's shapes: oneDNN with AMX/AVX-512
   otherwise reorders the weight on every F.linear call; benchmarks/weight_loading.py); 'plain_native' on the
   CPU in float32 where the native kernel is built (in float32 the packed GEMM was slower at M = 1, the decode
@@ -62,8 +63,7 @@ _NATIVE_LAYOUTS = {
     PLAIN_NATIVE_LAYOUT: (torch.float32, small_batch_linear_available,
                           "float32 on the CPU with AVX-512 and the native kernels built"),
     AMX_PACKED_LAYOUT: (torch.bfloat16, amx_linear_available,
-                        "bfloat16 on a CPU with AMX (Linux granting the tile state) or AVX512-BF16, and the native "
-                        "kernels built"),
+                        "bfloat16 on an x86-64 CPU with AVX2 or more, and the native kernels built"),
 }
 # PLAIN_NATIVE_LAYOUT ('plain_native') comes from layers/small_batch_linear.py, AMX_PACKED_LAYOUT ('amx_packed')
 # from layers/amx_linear.py.

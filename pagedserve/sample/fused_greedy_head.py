@@ -40,8 +40,8 @@ def _fused_op() -> Any:
 
 
 def fused_op_available() -> bool:
-    """Whether the native library has the fused op and a product unit this process can run (AMX or
-    AVX512-BF16)."""
+    """Whether the native library has the fused op and a product unit this process can run (every native build
+    has one: layers/amx_linear.py `amx_linear_products`)."""
     return _fused_op() is not None
 
 

@@ -15,7 +15,7 @@ from pagedserve.models.llama import LlamaMLP
 
 pytestmark = pytest.mark.skipif(
     not (amx_linear_available() and fused_op_available() and native_elementwise.native_elementwise_available()),
-    reason="no AMX or AVX512-BF16 here, or the native kernels are not built")
+    reason="no product unit of the tile-packed kernel here (CPU without AVX2), or the native kernels are not built")
 
 BF16 = torch.bfloat16
 
@@ -33,8 +33,8 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def test_fused_op_is_bitwise_the_projection_then_silu_and_mul(linear_products: str, m: int, n: int, k: int,
                                                              has_bias: bool) -> None:
     """Panels of group pairs (3072 x 576: 24 pairs, six panels of 4; 384 x 1536: 3 panels of one pair; 256 x 64:
-    one panel of 2), chunks of 32 rows (AMX) or 36 (dot products) with shorter tails, biases, one and all
-    threads, on each product unit."""
+    one panel of 2), chunks of 32 rows (AMX, AVX-512 FMA), 35 (AVX2) or 36 (dot products) with shorter tails,
+    biases, one and all threads, on each product unit."""
     weight, x = _random(n, k, seed=n + k) / k ** 0.5, _random(m, k, seed=m)
     bias = _random(n, seed=3) if has_bias else None
     packed = amx_pack(weight)

@@ -1,7 +1,7 @@
 """weight_layout='amx_packed': the native tile-packed bfloat16 linear, on each product unit this CPU has (AMX tiles,
-AVX512-BF16 dot products, AVX2 FMA), against a float64 reference, batch and thread invariance, the units against each
-other, the AVX2 unit's summation order and subnormals, the pack/unpack round trip, the layout transform on linear
-layers and LM heads, torch.compile, and the engine's logprobs against the plain layout."""
+AVX512-BF16 dot products, AVX-512 FMA, AVX2 FMA), against a float64 reference, batch and thread invariance, the units
+against each other, the FMA units' summation order and subnormals, the pack/unpack round trip, the layout transform
+on linear layers and LM heads, torch.compile, and the engine's logprobs against the plain layout."""
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +23,8 @@ from pagedserve.layers.weight_layout import (apply_weight_layout, resolve_weight
                                              weight_layout_of)
 
 pytestmark = pytest.mark.skipif(not amx_linear_available(),
-                                reason="no product unit here (CPU without AMX tiles, AVX512-BF16 or AVX2, or the "
-                                       "native kernels are not built)")
+                                reason="no product unit here (CPU without AVX2, or the native kernels are not "
+                                       "built)")
 
 BF16 = torch.bfloat16
 
@@ -77,7 +77,8 @@ def test_amx_linear_matches_float64_reference(linear_products: str, m: int, n: i
 
 
 def test_a_row_is_the_same_in_any_batch_and_thread_count(linear_products: str) -> None:
-    """Row blocks (16 rows and pairs of 32 on AMX, 6-12 on the dot products, 1-4 on AVX2), chunks of 256 and the
+    """Row blocks (16 rows and pairs of 32 on AMX, 6-12 on the dot products, 1-8 on AVX-512 FMA, 1-5 on AVX2),
+    chunks of 256 and the
     thread split all leave a row's bits unchanged."""
     n, k = 200, 576
     weight, bias = _random(n, k, seed=3), _random(n, seed=4)
@@ -97,8 +98,8 @@ def test_one_row_streams_equal_the_row_in_a_batch(linear_products: str, n: int) 
     groups at the share's ends one by one: from one group (64; 50 and 120 end inside a whole group's last block) to
     48 and a partial one (3088), on 1-3 threads, its bits are those of the same row in a 7-row batch (register
     blocks, no streams); so are those of 2 and 3 rows (two streams of whole groups) and of 4 rows (one group at a
-    time), which read the weights block by block. (The dot products' case; AVX2 runs 1-4 rows group by group in
-    register blocks of their own size, which must give the same bits too.)"""
+    time), which read the weights block by block. (The dot products' case; the FMA units run 1-4 rows group by group
+    in register blocks of their own size, which must give the same bits too.)"""
     k = 576
     weight, bias = _random(n, k, seed=31), _random(n, seed=32)
     packed = amx_pack(weight)
@@ -134,8 +135,8 @@ def test_few_rows_equal_their_rows_in_a_batch_on_random_shapes(linear_products: 
 
 @pytest.mark.parametrize("n, k", [(3088, 576), (1000, 1536)])
 def test_paneled_prefill_sizes_match_reference_and_small_batches(linear_products: str, n: int, k: int) -> None:
-    """Above 256 rows the kernel cuts the weight into L2-sized panels and x into chunks of 32 rows (AMX, AVX2) or 36
-    (dot products): 3088 x 576 makes six panels of 8 groups and a seventh holding the last, one-block group; 1000 x 1536
+    """Above 256 rows the kernel cuts the weight into L2-sized panels and x into chunks of 32 rows (AMX, AVX-512 FMA),
+    35 (AVX2) or 36 (dot products): 3088 x 576 makes six panels of 8 groups and a seventh holding the last, one-block group; 1000 x 1536
     five of 3 groups and a sixth with the last, three-block group; 600 rows end in a 16- and an 8-row tail (AMX) or
     a 24-row chunk (dot products). Each row equals the reference and, bit for bit, the same row computed in a batch
     of <= 256 rows (one chunk, no panels)."""
@@ -186,17 +187,25 @@ def test_units_agree_where_both_run() -> None:
         assert float((amx.view(torch.int16) != dot.view(torch.int16)).float().mean()) < 0.05
 
 
-def _require_avx2() -> None:
-    if "avx2" not in amx_linear_products():
-        pytest.skip(f"needs the AVX2 unit (available: {amx_linear_products()})")
+FMA_UNITS = ("avx512", "avx2")
 
 
-@pytest.mark.parametrize("m, n, k, has_bias", [(3, 100, 70, True), (1, 200, 576, False), (5, 64, 1536, True)])
-def test_avx2_sums_k_in_order_as_one_float32_chain(m: int, n: int, k: int, has_bias: bool) -> None:
-    """The AVX2 unit's documented numerics, bit for bit: per output one fp32 sum over k in order (a bf16 x bf16
-    product is exact in fp32, so an FMA rounds only the sum, as this loop's add does), + bias in fp32, rounded to bf16
-    once (ties to even)."""
-    _require_avx2()
+@pytest.fixture(params=FMA_UNITS)
+def fma_products(request: pytest.FixtureRequest) -> str:
+    """Each FMA unit (bf16 widened to fp32: AVX-512's 16 lanes, AVX2's 8) this build has; the other skips."""
+    if request.param not in amx_linear_products():
+        pytest.skip(f"needs the {request.param} unit (available: {amx_linear_products()})")
+    return request.param
+
+
+@pytest.mark.parametrize("m, n, k, has_bias", [(3, 100, 70, True), (1, 200, 576, False), (5, 64, 1536, True),
+                                               (13, 300, 96, True), (300, 80, 64, False)])
+def test_fma_units_sum_k_in_order_as_one_float32_chain(fma_products: str, m: int, n: int, k: int,
+                                                       has_bias: bool) -> None:
+    """The FMA units' documented numerics, bit for bit (so the AVX-512 and the AVX2 unit agree bit for bit): per
+    output one fp32 sum over k in order (a bf16 x bf16 product is exact in fp32, so an FMA rounds only the sum, as
+    this loop's add does), + bias in fp32, rounded to bf16 once (ties to even). 13 and 300 rows take every register
+    block size of both units, 300 also the paneled path."""
     weight, x = _random(n, k, seed=k), _random(m, k, seed=m + 1)
     bias = _random(n, seed=5) if has_bias else None
     total = torch.zeros(m, n)
@@ -204,14 +213,13 @@ def test_avx2_sums_k_in_order_as_one_float32_chain(m: int, n: int, k: int, has_b
         total = total + x[:, index:index + 1].float() * weight[:, index].float()
     if bias is not None:
         total = total + bias.float()
-    actual = amx_linear(x, amx_pack(weight), bias, n, "avx2")
+    actual = amx_linear(x, amx_pack(weight), bias, n, fma_products)
     assert torch.equal(actual.view(torch.int16), total.to(BF16).view(torch.int16))
 
 
-def test_avx2_keeps_subnormal_outputs() -> None:
-    """Results below the smallest normal float round to bf16 subnormals as c10::BFloat16 rounds them (the AVX-512
-    units' VCVTNEPS2BF16 flushes them to zero; tests above compare those only against tolerances)."""
-    _require_avx2()
+def test_fma_units_keep_subnormal_outputs(fma_products: str) -> None:
+    """Results below the smallest normal float round to bf16 subnormals as c10::BFloat16 rounds them (the
+    AVX512-BF16 units' VCVTNEPS2BF16 flushes them to zero; tests above compare those only against tolerances)."""
     n, k = 32, 64
     column = torch.arange(n, dtype=torch.float64)
     weight = torch.zeros(n, k, dtype=BF16)
@@ -224,19 +232,20 @@ def test_avx2_keeps_subnormal_outputs() -> None:
     # round down, to even and up. Exact in fp32 (and float64); rounded once to bf16 here.
     expected = (x.double() @ weight.double().T).float().to(BF16)
     assert bool((expected != 0).all()) and bool((expected.float().abs() < torch.finfo(torch.float32).tiny).all())
-    actual = amx_linear(x, amx_pack(weight), None, n, "avx2")
+    actual = amx_linear(x, amx_pack(weight), None, n, fma_products)
     assert torch.equal(actual.view(torch.int16), expected.view(torch.int16))
 
 
 def test_products_argument_is_checked() -> None:
     packed = amx_pack(_random(32, 64, seed=10))
     x = _random(2, 64, seed=11)
-    # One build has the AVX-512 units or the AVX2 one, never both.
-    assert amx_linear_products() in (["amx", "avx512_bf16"], ["avx512_bf16"], ["avx2"])
+    # One build has one unit besides AMX: the dot products, the AVX-512 FMA or the AVX2 FMA.
+    assert amx_linear_products() in (["amx", "avx512_bf16"], ["avx512_bf16"], ["avx512"], ["avx2"])
     assert torch.equal(amx_linear(x, packed, None, 32), amx_linear(x, packed, None, 32, amx_linear_products()[0]))
-    with pytest.raises(RuntimeError, match=r"products must be 'auto', 'amx', 'avx512_bf16' or 'avx2', got 'tiles'"):
+    with pytest.raises(RuntimeError,
+                       match=r"products must be 'auto', 'amx', 'avx512_bf16', 'avx512' or 'avx2', got 'tiles'"):
         amx_linear(x, packed, None, 32, "tiles")
-    for unit in {"amx", "avx512_bf16", "avx2"} - set(amx_linear_products()):
+    for unit in {"amx", "avx512_bf16", "avx512", "avx2"} - set(amx_linear_products()):
         with pytest.raises(RuntimeError, match=rf"products='{unit}' is not available in this build or process"):
             amx_linear(x, packed, None, 32, unit)
 

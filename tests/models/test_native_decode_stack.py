@@ -19,7 +19,6 @@ from hf_reference import hf_greedy_with_logprobs
 from pagedserve import LLM, SamplingParams
 from pagedserve.kernels.cpu_library import is_native_extension_available
 from pagedserve.config.engine import EngineConfig
-from pagedserve.layers.amx_linear import amx_linear_available
 from pagedserve.layers.small_batch_linear import small_batch_linear_available
 from pagedserve.layers.weight_layout import can_prepack_on_cpu
 from pagedserve.models.native_decode_stack import NativeDecodeForward, native_decode_stack_plan
@@ -32,8 +31,6 @@ NUM_STEPS = 40
 # drives is float32's.
 PREPACK_DTYPE = next((dtype for dtype in ("bfloat16", "float32") if can_prepack_on_cpu(getattr(torch, dtype))), "")
 NEEDS_PREPACK = pytest.mark.skipif(PREPACK_DTYPE == "", reason="oneDNN packs neither bf16 nor fp32 weights here")
-NEEDS_AMX_PACKED = pytest.mark.skipif(not amx_linear_available(),
-                                      reason="needs a unit of the amx_packed layout (AMX, AVX512-BF16 or AVX2)")
 
 
 def _skip_without_prepack(dtype: str) -> None:
@@ -71,8 +68,7 @@ CASES = [
     ("llama-tied", "bfloat16", "plain", 4),
     ("qwen2", "float32", "auto", 5),  # q/k/v biases
     ("qwen2-sliding", "float32", "auto", 3),  # a full layer, then a 16-token window
-    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed where a unit runs (AMX,
-    # AVX512-BF16 or AVX2), else prepacked
+    ("mistral", "bfloat16", "auto", 3),  # 16-token window on every layer; amx_packed (a unit in every build)
     pytest.param("llama", PREPACK_DTYPE, "prepacked", 3, marks=NEEDS_PREPACK),  # oneDNN's packed GEMM
 ]
 
@@ -99,7 +95,6 @@ def test_on_off_bitwise_equal(tiny_model_dir, kind: str, dtype: str, weight_layo
     assert results[0] == results[1]
 
 
-@NEEDS_AMX_PACKED
 def test_amx_packed_layout_takes_the_stack(tiny_model_dir) -> None:
     llm = _llm(tiny_model_dir("llama"), dtype="bfloat16", weight_layout="amx_packed")
     prompts = random_prompts(3, 5, 40, seed=7)
@@ -190,7 +185,6 @@ def test_forward_hooks_fire(tiny_model_dir) -> None:
     assert forward.num_stack_steps == 2 * steps_before
 
 
-@NEEDS_AMX_PACKED
 def test_weight_swap_makes_the_plan_again(tiny_model_dir) -> None:
     """restore_plain_layout replaces every packed weight by its plain form and the linear method: the next decode
     step sees it, makes its plan again (plain linears) and keeps producing the same tokens."""
@@ -353,7 +347,7 @@ def test_rebound_kv_caches_make_the_plan_again(tiny_model_dir) -> None:
 
 REGION_LAYOUTS = [
     # (dtype, weight_layout, linear_kind): the kinds whose steps run in one region
-    pytest.param("bfloat16", "amx_packed", 2, marks=NEEDS_AMX_PACKED),
+    pytest.param("bfloat16", "amx_packed", 2),  # every native build has a unit of amx_packed
     pytest.param("float32", "plain_native", None, marks=pytest.mark.skipif(
         not small_batch_linear_available(), reason="needs AVX-512 (the small-batch float32 kernel)")),
 ]
@@ -386,7 +380,6 @@ def test_one_region_equals_op_by_op_and_the_modules(tiny_model_dir, monkeypatch,
     assert results[0] == results[1] == results[2]
 
 
-@NEEDS_AMX_PACKED
 @pytest.mark.parametrize("bad_request", [0, 1])
 @pytest.mark.timeout(120, method="thread")  # a thread left at the barrier hangs the call: exit, not wait
 def test_one_region_raises_and_leaves_no_thread_waiting(tiny_model_dir, bad_request: int) -> None:
@@ -454,7 +447,6 @@ def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_promp
     assert greedy == separate == modules
 
 
-@NEEDS_AMX_PACKED
 @pytest.mark.parametrize("params", [dict(logprobs=1), dict(presence_penalty=0.5),
                                     dict(min_tokens=NUM_STEPS, stop_token_ids=[7])],
                          ids=["logprobs", "penalty", "min-tokens"])
@@ -496,7 +488,6 @@ def test_greedy_head_only_beside_native_layers(tiny_model_dir) -> None:
         forward.decode_rows_greedy(-1, [0], 256)
 
 
-@NEEDS_AMX_PACKED
 def test_greedy_rows_checks_the_batch(tiny_model_dir) -> None:
     """The step reads the runner's batch: a row outside it, or one without the blocks its position needs, is refused
     with the row named, and a row whose next token is not sampled (a one-token prefill chunk) gives an empty result

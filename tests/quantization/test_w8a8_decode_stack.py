@@ -10,8 +10,6 @@ from tiny_models import tiny_corpus
 from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward, random_prompts
 
 from pagedserve import LLM
-from pagedserve.kernels import cpu_isa
-from pagedserve.layers.amx_linear import amx_linear_available
 from pagedserve.layers.quantization.int8_matmul import native_w8a8_linear
 from pagedserve.models.native_decode_stack import W8A8_KIND, NativeDecodeForward
 
@@ -62,9 +60,6 @@ def test_stack_steps_bitwise_equal_the_modules(quantized_folders, monkeypatch, s
 # float32 on small_batch_linear (the quantized layers keep their int8 weights whatever the layout).
 @pytest.mark.parametrize("dtype,weight_layout", [("float32", "plain_native"), ("bfloat16", "amx_packed")])
 def test_greedy_steps_sample_in_the_stack(quantized_folders, dtype: str, weight_layout: str) -> None:
-    if weight_layout == "amx_packed" and not amx_linear_available():
-        pytest.skip(f"weight_layout='amx_packed' needs the tile-packed kernel's AMX, AVX512-BF16 or AVX2 unit; this "
-                    f"build has none ({cpu_isa.describe()})")
     prompts = random_prompts(3, 4, 30, seed=9)
     llm = LLM(quantized_folders["dynamic"], dtype=dtype, max_model_len=256, num_kv_blocks=96,
               weight_layout=weight_layout)

@@ -19,7 +19,8 @@ from pagedserve.sample.greedy import reference_first_argmax
 from pagedserve.structured_output.logits_mask import allowed_token_mask
 
 pytestmark = pytest.mark.skipif(not (amx_linear_available() and fused_op_available()),
-                                reason="no AMX or AVX512-BF16 here, or the native kernels are not built")
+                                reason="no product unit of the tile-packed kernel here (CPU without AVX2), or "
+                                       "the native kernels are not built")
 
 BF16 = torch.bfloat16
 

@@ -1,15 +1,16 @@
-// bfloat16 linear on AMX tiles, AVX512-BF16 dot products or AVX2 FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the
-// weight in a tile-blocked layout.
+// bfloat16 linear on AMX tiles, AVX512-BF16 dot products, AVX-512 FMA or AVX2 FMA: y[M, N] = x[M, K] @ W[N, K]^T
+// (+ bias), the weight in a tile-blocked layout.
 //
 // Python side: layers/amx_linear.py; the fused MLP pass (amx_linear_silu_and_mul) layers/amx_gate_up_silu.py; greedy
 // sampling in the LM head's epilogue (amx_linear_first_argmax) sample/fused_greedy_head.py. amx_linear and
 // amx_linear_first_argmax run the same work units (run_units) and differ only in their epilogue.
 //
-// Ops take `products`: "amx", "avx512_bf16", "avx2" or "auto" (the first of amx_linear_products(), which lists what
-// this build and process can run, preferred first). An AVX512-BF16 build (kernels/cpu_isa.py levels avx512_bf16 and
-// amx) has "amx" (where Linux grants the tile state) and "avx512_bf16"; an AVX2 build has "avx2" alone; the avx512
-// level (AVX-512 without BF16) has none. The units read the same packed tiles and fill the same fp32 unit results;
-// only the inner products differ (AmxProducts, DotProducts, Fma8Products).
+// Ops take `products`: "amx", "avx512_bf16", "avx512", "avx2" or "auto" (the first of amx_linear_products(), which
+// lists what this build and process can run, preferred first). An AVX512-BF16 build (kernels/cpu_isa.py levels
+// avx512_bf16 and amx) has "amx" (where Linux grants the tile state) and "avx512_bf16"; the avx512 level's build
+// (AVX-512 without BF16: Skylake-SP, Cascade Lake, Ice Lake server) has "avx512" alone; an AVX2 build "avx2" alone.
+// The units read the same packed tiles and fill the same fp32 unit results; only the inner products differ
+// (AmxProducts, DotProducts, FmaProducts on 16 or 8 lanes).
 //
 // A decode step streams every weight once; oneDNN's packed bf16 GEMM streamed only 13-19 GB/s at M = 1..16 on an
 // Intel Sapphire Rapids VM. AMX's TDPBF16PS multiplies a [rows x 32] bf16 tile by a [32 x 16] tile into [rows x 16]
@@ -17,8 +18,9 @@
 // loop serves prefill sizes (there oneDNN's blocking is still ahead for some shapes: benchmarks/amx_linear.py).
 // Without AMX (an AMD Zen 4 VM), VDPBF16PS against broadcast x pairs in register blocks of up to 24 accumulators
 // streams the same layout at 23-24 GB/s at one row (oneDNN 17) and keeps up with oneDNN's compute up to prefill sizes
-// (see DotProducts). Without AVX-512 (AVX2 + FMA), the weights are widened to fp32 in registers and multiplied by
-// fp32 FMA (Fma8Products), where torch's own bf16 GEMM runs 4-5x slower than its fp32 one.
+// (see DotProducts). Without bf16 instructions (AVX-512 without BF16, or AVX2 + FMA), the weights are widened to
+// fp32 in registers and multiplied by fp32 FMA (FmaProducts), where torch's own bf16 GEMM on AVX2 runs 4-5x slower
+// than its fp32 one.
 //
 // Packed layout (`amx_pack_weight`): N is cut into blocks of 16 output columns and K into steps of 32 (both
 // zero-padded). A block's step is one B tile: 16 rows of K pairs, each row the 16 columns' (w[n][k], w[n][k+1])
@@ -31,26 +33,28 @@
 //   columns are split evenly between torch's intra-op threads; each thread configures its own tiles.
 // - On AMX, rows of x are taken 32 at a time while 32 are left (two A tiles, each B tile used by both: 2 x 2 C
 //   tiles), then 16 at a time (one A tile against up to four B tiles); the last block uses a tile of fewer rows.
-//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block); AVX2 FMA
-//   in blocks of 5 rows against one block (one row against a whole group, two rows against two blocks).
+//   The dot products take them in register blocks of 6 rows against a whole group (12 against one block); AVX-512
+//   FMA in blocks of 8 rows against two blocks (up to 4 rows against a whole group); AVX2 FMA in blocks of 5 rows
+//   against one block (one row against a whole group, two rows against two blocks).
 //   Beyond one row block the weights are read from L2 again for every row block, so each row block also
 //   prefetches a share of the next group's weights (without it the memory sat idle: 0.7x oneDNN at 64 rows),
 //   into L2: the next group (72 KiB for K = 576) does not fit in L1 beside the current one (prefetched into L1,
 //   the 30 layers' linears ran 1.02-1.10x slower at 24-64 rows, interleaved).
 // - Above 256 rows (prefill chunks) the weight is cut into panels of whole groups, up to kPanelWeightBytes each
 //   (L2-resident), and x into chunks of 32 rows (one row pair, its A tiles in L1; 36 rows, six register blocks,
-//   for the dot products; 35, seven, for AVX2); the units (panel, chunk, block) run panel-major, split evenly
-//   between the threads, and nothing is prefetched (the panel is in L2). A chunk's row pair then reads its A tiles
-//   from L1 and the panel's B tiles from L2 instead of both from L2.
+//   for the dot products; 32, four, for AVX-512 FMA; 35, seven, for AVX2); the units (panel, chunk, block) run
+//   panel-major, split evenly between the threads, and nothing is prefetched (the panel is in L2). A chunk's row
+//   pair then reads its A tiles from L1 and the panel's B tiles from L2 instead of both from L2.
 //   The 30 layers of SmolLM2-135M at 2048 rows, interleaved with the 256-row chunking: 1.01-1.13x (median of
 //   per-round ratios over seven runs, 1.04x); gate_up alone 1.27x in a fast phase. At 257-511 rows the 256-row
 //   chunking also left one thread a short chunk: 320 rows ran 1.33x faster.
 // - One output element: TDPBF16PS (or VDPBF16PS, per lane) over the K steps in order into fp32, + bias in fp32,
-//   rounded to bf16 once. On AVX2 it is one fp32 FMA chain over k in order (each pair's even k, then its odd k),
-//   + bias in fp32, rounded to bf16 once as c10::BFloat16 rounds: ties to even, subnormal results kept (the
-//   AVX-512 units' VCVTNEPS2BF16 flushes them to zero). A row's result depends only on K and the weight: it is the
-//   same whatever M, the other rows or the thread count (batch invariant), though not bitwise equal to oneDNN's
-//   GEMM (another summation order) nor across units.
+//   rounded to bf16 once. On the FMA units (AVX-512, AVX2) it is one fp32 FMA chain over k in order (each pair's
+//   even k, then its odd k), + bias in fp32, rounded to bf16 once as c10::BFloat16 rounds: ties to even, subnormal
+//   results kept (the AVX512-BF16 units' VCVTNEPS2BF16 flushes them to zero); the two FMA units are bitwise equal.
+//   A row's result depends only on K and the weight: it is the same whatever M, the other rows or the thread count
+//   (batch invariant), though not bitwise equal to oneDNN's GEMM (another summation order) nor between AMX, the dot
+//   products and the FMA units.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -82,8 +86,10 @@ constexpr int64_t kTileRows = 16;                                // rows of x pe
 constexpr int64_t kChunkRows = 256;                              // rows of x per task (L2-resident)
 constexpr int64_t kPanelChunkRows = 32;                          // rows of x per task above kChunkRows rows (AMX)
 constexpr int64_t kDotPanelChunkRows = 36;  // the same for the dot-product unit (see panel_chunk_rows)
+constexpr int64_t kFma16PanelChunkRows = 32;  // the same for the AVX-512 FMA unit (see panel_chunk_rows)
 constexpr int64_t kFmaPanelChunkRows = 35;  // the same for the AVX2 unit (see panel_chunk_rows)
-constexpr int64_t kMaxPanelChunkRows = std::max({kPanelChunkRows, kDotPanelChunkRows, kFmaPanelChunkRows});
+constexpr int64_t kMaxPanelChunkRows =
+    std::max({kPanelChunkRows, kDotPanelChunkRows, kFma16PanelChunkRows, kFmaPanelChunkRows});
 constexpr int64_t kPanelWeightBytes = 576 * 1024;                // weight bytes per panel above kChunkRows rows
 constexpr int64_t kArgmaxLanes = 16;  // running maxima per row of amx_linear_first_argmax (16 columns' lanes)
 constexpr int64_t kFarPrefetchBytes = 32 * 1024;                // see group_product (AMX)
@@ -99,17 +105,22 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_DPBF16 1
 #endif
-// The FMA unit's gate is vector_avx2.h's PAGEDSERVE_AVX2 (AVX2 + FMA, no AVX-512), so a build has the AVX-512
-// units or the AVX2 one, never both. PAGEDSERVE_PACKED_LINEAR: some unit exists, and with it the shared unit walk
-// (run_units) and the epilogues, each in the form of its build's vectors.
-#if defined(PAGEDSERVE_DPBF16) || defined(PAGEDSERVE_AVX2)
+// The FMA units' gates: vector_avx2.h's PAGEDSERVE_AVX2 (AVX2 + FMA, no AVX-512) for the 8-lane one, and AVX-512
+// F/BW/VL without AVX512-BF16 (the avx512 level) for the 16-lane one. So a build has one unit besides AMX: the dot
+// products, the 16-lane FMA or the 8-lane FMA. PAGEDSERVE_PACKED_LINEAR: some unit exists, and with it the shared
+// unit walk (run_units) and the epilogues, each in the form of its build's vectors.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(PAGEDSERVE_DPBF16)
+#define PAGEDSERVE_FMA16 1
+#endif
+#if defined(PAGEDSERVE_DPBF16) || defined(PAGEDSERVE_FMA16) || defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_PACKED_LINEAR 1
 #endif
 
 constexpr const char* kAmxProducts = "amx";
 constexpr const char* kDotProducts = "avx512_bf16";
+constexpr const char* kFma16Products = "avx512";
 constexpr const char* kFmaProducts = "avx2";
-constexpr const char* kNoUnitMessage = ": this build has no product unit (AMX, AVX512-BF16 or AVX2)";
+constexpr const char* kNoUnitMessage = ": this build has no product unit (AMX, AVX512-BF16, AVX-512 or AVX2)";
 
 // The product units this build and process can run, preferred first.
 std::vector<std::string> amx_linear_products() {
@@ -117,6 +128,9 @@ std::vector<std::string> amx_linear_products() {
   if (pagedserve_native::is_amx_usable()) units.emplace_back(kAmxProducts);
 #if defined(PAGEDSERVE_DPBF16)
   units.emplace_back(kDotProducts);
+#endif
+#if defined(PAGEDSERVE_FMA16)
+  units.emplace_back(kFma16Products);
 #endif
 #if defined(PAGEDSERVE_AVX2)
   units.emplace_back(kFmaProducts);
@@ -132,8 +146,9 @@ void check_supported(const char* op) {
 
 // The unit `products` names ('auto': the first of amx_linear_products()), checked against what is available.
 std::string resolve_products(const char* op, c10::string_view products) {
-  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts || products == kFmaProducts,
-              op, ": products must be 'auto', 'amx', 'avx512_bf16' or 'avx2', got '", products, "'");
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts ||
+                  products == kFma16Products || products == kFmaProducts,
+              op, ": products must be 'auto', 'amx', 'avx512_bf16', 'avx512' or 'avx2', got '", products, "'");
   const std::vector<std::string> units = amx_linear_products();
   TORCH_CHECK(!units.empty(), op, kNoUnitMessage);
   const std::string unit = products == "auto" ? units.front() : std::string(products);
@@ -144,11 +159,12 @@ std::string resolve_products(const char* op, c10::string_view products) {
 
 // Rows of x per task above kChunkRows rows for the unit `kind`: AMX takes them as one row pair (two A tiles); the
 // dot-product unit as six blocks of 6 rows (with 32 rows its last block of 2 rows ran 1.5x slower per row: over
-// SmolLM2-135M's 30 layers at 2048 rows, 383 against 405 GFLOP/s with 36, oneDNN 413); the AVX2 unit as seven
-// blocks of 5 rows (Fma8Products).
+// SmolLM2-135M's 30 layers at 2048 rows, 383 against 405 GFLOP/s with 36, oneDNN 413); the AVX-512 FMA unit as
+// four blocks of 8 rows, the AVX2 unit as seven blocks of 5 rows (FmaProducts).
 int64_t panel_chunk_rows(const std::string& kind) {
   if (kind == kAmxProducts) return kPanelChunkRows;
-  return kind == kDotProducts ? kDotPanelChunkRows : kFmaPanelChunkRows;
+  if (kind == kDotProducts) return kDotPanelChunkRows;
+  return kind == kFma16Products ? kFma16PanelChunkRows : kFmaPanelChunkRows;
 }
 
 // A partial group streamed beside whole ones (DotProducts::stream_groups at one row): its first `num_blocks` blocks
@@ -578,55 +594,89 @@ struct DotProducts {
 
 #endif  // PAGEDSERVE_DPBF16
 
-#if defined(PAGEDSERVE_AVX2)
+#if defined(PAGEDSERVE_FMA16) || defined(PAGEDSERVE_AVX2)
 
-// The AVX2 unit (AVX2 + FMA, no bf16 instructions): the same packed tiles read as 256-bit vectors and widened to
-// fp32 in registers. A B tile row (one K pair of 16 columns, 64 bytes) is two vectors, each 8 columns' (w[n][k],
-// w[n][k + 1]) pairs with the even k in the low half of each 32-bit lane: `pairs << 16` is the 8 even-k weights as
-// floats, `pairs & 0xFFFF0000` the 8 odd-k ones (both exact: a bf16 is a float's upper half). Each is multiplied by
-// x[k] (or x[k + 1]) broadcast from a row of x widened to fp32 beforehand (widen_rows), FMA'd into one accumulator
-// per row and 8 columns: per lane, the k of the unit in order (a pair's even k, then its odd k), as one chain.
-// A bf16 x bf16 product is exact in fp32 (8-bit significands), so each FMA rounds only the running sum.
+// The FMA units (no bf16 instructions): the same packed tiles read as vectors and widened to fp32 in registers, 16
+// lanes on AVX-512 (the avx512 level: Skylake-SP, Cascade Lake, Ice Lake server) and 8 on AVX2. A B tile row (one
+// K pair of 16 columns, 64 bytes) holds each column's (w[n][k], w[n][k + 1]) pair in one 32-bit lane, the even k in
+// the low half: `pairs << 16` is the even-k weights as floats, `pairs & 0xFFFF0000` the odd-k ones (both exact: a
+// bf16 is a float's upper half). Each is multiplied by x[k] (or x[k + 1]) broadcast from a row of x widened to fp32
+// beforehand (widen_rows), FMA'd into one accumulator per row and FmaVectors::kLanes columns: per lane, the k of
+// the unit in order (a pair's even k, then its odd k), as one chain. A bf16 x bf16 product is exact in fp32 (8-bit
+// significands), so each FMA rounds only the running sum, and both units compute every output bit for bit the same
+// (the same chain, the same epilogue rounding).
 //
 // AVX2 has 16 ymm registers, so a register block holds at most 10 accumulators beside the weights and broadcasts:
-// one row takes a whole group (8 accumulators), two rows two blocks (8), and kFmaRows = 5 rows one block (10
-// accumulators, a block row's two vectors widened to four, and a row's two broadcasts: 16). Every accumulator takes
-// two dependent FMAs per K pair, so 10 of them keep 20 FMAs in flight per 10 cycles of latency: what two FMA pipes
-// of 4-5 cycles' latency (Haswell to Zen 3) need, where 8 would leave them 20% idle. On this AMD EPYC VM (AVX2,
-// about 30 GFLOP/s of fp32 FMA per core) the register blocks of 3-6 rows all ran within 5% of that in L2 (one thread,
-// 216 KiB of weights), one row at 24 and two at 28. A row block reads the group's weights once per set of blocks it
-// takes (a pass, num_passes): from memory for the first row block, from L2 for the others. x is widened to fp32 per
-// row block (L1-resident at the K of small models).
-constexpr int kFmaRows = 5;
+// one row takes a whole group (8 accumulators), two rows two blocks (8), and 5 rows one block (10 accumulators, a
+// block row's two vectors widened to four, and a row's two broadcasts: 16). Every accumulator takes two dependent
+// FMAs per K pair, so 10 of them keep 20 FMAs in flight per 10 cycles of latency: what two FMA pipes of 4-5 cycles'
+// latency (Haswell to Zen 3) need, where 8 would leave them 20% idle. On an AMD EPYC VM (AVX2, about 30 GFLOP/s of
+// fp32 FMA per core) the register blocks of 3-6 rows all ran within 5% of that in L2 (one thread, 216 KiB of
+// weights), one row at 24 and two at 28. AVX-512 has 32 zmm registers and a block row is one vector: up to 4 rows
+// take a whole group (up to 16 accumulators and 8 widened weight vectors), 5-8 rows two blocks (up to 16
+// accumulators, 4 weight vectors, two broadcasts): a block row's two widening instructions serve 2 x 8 FMAs, which
+// share the two vector ports with them on Skylake-SP. A row block reads the group's weights once per set of blocks
+// it takes (a pass, num_passes): from memory for the first row block, from L2 for the others. x is widened to fp32
+// per row block (L1-resident at the K of small models).
+#if defined(PAGEDSERVE_FMA16)
+struct FmaVectors {
+  using Vector = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kMaxRows = 8;  // rows of a register block (see above)
+  static constexpr int blocks_per_pass(int64_t rows) { return rows <= 4 ? 4 : 2; }
+  static Vector zero() { return _mm512_setzero_ps(); }
+  static Vector broadcast(const float* value) { return _mm512_set1_ps(*value); }
+  static Vector fmadd(Vector a, Vector b, Vector sum) { return _mm512_fmadd_ps(a, b, sum); }
+  static void store(float* out, Vector v) { _mm512_storeu_ps(out, v); }
+  // The even-k and odd-k weights of the kLanes columns' pairs at `pairs` (see above).
+  static void widen_pairs(const at::BFloat16* pairs, Vector& even, Vector& odd) {
+    const __m512i bits = _mm512_loadu_si512(pairs);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+};
+#else
+struct FmaVectors {
+  using Vector = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kMaxRows = 5;
+  static constexpr int blocks_per_pass(int64_t rows) { return rows == 1 ? 4 : (rows == 2 ? 2 : 1); }
+  static Vector zero() { return _mm256_setzero_ps(); }
+  static Vector broadcast(const float* value) { return _mm256_broadcast_ss(value); }
+  static Vector fmadd(Vector a, Vector b, Vector sum) { return _mm256_fmadd_ps(a, b, sum); }
+  static void store(float* out, Vector v) { _mm256_storeu_ps(out, v); }
+  static void widen_pairs(const at::BFloat16* pairs, Vector& even, Vector& odd) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  }
+};
+#endif
+constexpr int kFmaRows = FmaVectors::kMaxRows;
 // The far prefetch distance of a one-row pass over the weights (see fma_rows). One thread streaming 128 MiB of
-// weights at one row on this VM: 16 KiB 1.15-1.3x none, 8 KiB slower than none, 32 KiB between.
+// weights at one row on the AMD EPYC VM (AVX2): 16 KiB 1.15-1.3x none, 8 KiB slower than none, 32 KiB between.
 constexpr int64_t kFmaFarPrefetchBytes = 16 * 1024;
 
-// The even-k and odd-k weights of one 256-bit load of a B tile row (see above).
-inline __m256 even_k_weights(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
-inline __m256 odd_k_weights(__m256i pairs) {
-  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-}
+// Blocks of a group one register block of `rows` (<= kFmaRows) rows takes at once (see FmaProducts).
+constexpr int fma_blocks_per_pass(int64_t rows) { return FmaVectors::blocks_per_pass(rows); }
 
-// Blocks of a group one register block of `rows` (<= kFmaRows) rows takes at once (see Fma8Products).
-constexpr int fma_blocks_per_pass(int64_t rows) { return rows == 1 ? 4 : (rows == 2 ? 2 : 1); }
-
-// kRows rows of fp32 x (rows x_stride floats apart, zero-padded to whole steps) against kBlocks consecutive blocks
-// (b_first, step_stride as in group_product), over all K steps: out[i * kGroupColumns + c] for row i and column c of
+// kRows rows of fp32 x in widen_rows' layout (step by step, a step's kRows rows of kStepDepth values one after the
+// other) against kBlocks consecutive blocks (b_first, step_stride as in group_product), over all K steps: out[i * kGroupColumns + c] for row i and column c of
 // the blocks. A step goes K pair by K pair, each pair's row of every block in turn: every accumulator takes two
-// dependent FMAs per pair, so the pair's 2 * kRows * kBlocks FMAs must be independent chains to hide the FMA
-// latency (block by block, one row would keep 2 chains in flight: 3.9 GMAC/s on one core here, L2-resident).
-// Prefetches as group_product; `is_streaming` (one pass over the weights from memory) also prefetches each step's
-// bytes kFmaFarPrefetchBytes further on.
+// dependent FMAs per pair, so the pair's 2 * kRows * kBlocks * kPieces FMAs must be independent chains to hide the
+// FMA latency (block by block, one row would keep 2 chains in flight: 3.9 GMAC/s on one core of the EPYC VM,
+// L2-resident). Prefetches as group_product; `is_streaming` (one pass over the weights from memory) also prefetches
+// each step's bytes kFmaFarPrefetchBytes further on.
 template <int kRows, int kBlocks>
-inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t step_stride,
+inline void fma_rows(const float* x, const at::BFloat16* b_first, int64_t step_stride,
                      int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines, bool is_streaming) {
-  constexpr int kHalves = kBlockColumns / 8;  // 8-column vectors per block
-  __m256 acc[kRows][kBlocks * kHalves];
+  using Vector = FmaVectors::Vector;
+  constexpr int kPieces = kBlockColumns / FmaVectors::kLanes;  // vectors per block row
+  Vector acc[kRows][kBlocks * kPieces];
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < kBlocks * kHalves; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int v = 0; v < kBlocks * kPieces; ++v) acc[i][v] = FmaVectors::zero();
   for (int64_t step = 0; step < num_steps; ++step) {
     const at::BFloat16* b = b_first + step * step_stride;
     for (int64_t line = 0; line < prefetch_lines; ++line) _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
@@ -636,28 +686,25 @@ inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_fir
       for (int64_t line = 0; line < kBlocks * kTileElements * 2 / 64; ++line)
         _mm_prefetch(far + line * 64, _MM_HINT_T2);
     }
-    const float* x_step = x + step * kStepDepth;
+    const float* x_step = x + step * kRows * kStepDepth;  // every broadcast below at a constant offset from it
 #pragma GCC unroll 16
     for (int pair = 0; pair < kStepDepth / 2; ++pair) {
 #pragma GCC unroll 4
       for (int block = 0; block < kBlocks; ++block) {
         const at::BFloat16* row = b + block * kTileElements + pair * 2 * kBlockColumns;
-        __m256 even[kHalves], odd[kHalves];
+        Vector even[kPieces], odd[kPieces];
 #pragma GCC unroll 2
-        for (int half = 0; half < kHalves; ++half) {
-          const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + half * 16));
-          even[half] = even_k_weights(pairs);
-          odd[half] = odd_k_weights(pairs);
-        }
+        for (int piece = 0; piece < kPieces; ++piece)
+          FmaVectors::widen_pairs(row + piece * 2 * FmaVectors::kLanes, even[piece], odd[piece]);
 #pragma GCC unroll 8
         for (int i = 0; i < kRows; ++i) {
-          const __m256 x_even = _mm256_broadcast_ss(x_step + i * x_stride + 2 * pair);
-          const __m256 x_odd = _mm256_broadcast_ss(x_step + i * x_stride + 2 * pair + 1);
+          const Vector x_even = FmaVectors::broadcast(x_step + i * kStepDepth + 2 * pair);
+          const Vector x_odd = FmaVectors::broadcast(x_step + i * kStepDepth + 2 * pair + 1);
 #pragma GCC unroll 2
-          for (int half = 0; half < kHalves; ++half) {
-            __m256& sum = acc[i][block * kHalves + half];
-            sum = _mm256_fmadd_ps(even[half], x_even, sum);
-            sum = _mm256_fmadd_ps(odd[half], x_odd, sum);
+          for (int piece = 0; piece < kPieces; ++piece) {
+            Vector& sum = acc[i][block * kPieces + piece];
+            sum = FmaVectors::fmadd(even[piece], x_even, sum);
+            sum = FmaVectors::fmadd(odd[piece], x_odd, sum);
           }
         }
       }
@@ -666,50 +713,51 @@ inline void fma_rows(const float* x, int64_t x_stride, const at::BFloat16* b_fir
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i)
 #pragma GCC unroll 8
-    for (int v = 0; v < kBlocks * kHalves; ++v) _mm256_storeu_ps(out + i * kGroupColumns + v * 8, acc[i][v]);
+    for (int v = 0; v < kBlocks * kPieces; ++v)
+      FmaVectors::store(out + i * kGroupColumns + v * FmaVectors::kLanes, acc[i][v]);
 }
 
-// kRows rows of fp32 x against the num_blocks blocks of a group, fma_blocks_per_pass(kRows) blocks at a time.
+// kRows rows of fp32 x (widen_rows' layout) against the num_blocks blocks of a group, fma_blocks_per_pass(kRows) blocks at a time.
 template <int kRows>
-inline void fma_group(const float* x, int64_t x_stride, const at::BFloat16* b_first, int64_t num_blocks,
+inline void fma_group(const float* x, const at::BFloat16* b_first, int64_t num_blocks,
                       int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch,
                       int64_t prefetch_lines, bool is_streaming) {
   constexpr int kBlocks = fma_blocks_per_pass(kRows);
   int64_t block = 0;
   for (; num_blocks - block >= kBlocks; block += kBlocks)
-    fma_rows<kRows, kBlocks>(x, x_stride, b_first + block * kTileElements, step_stride, num_steps,
+    fma_rows<kRows, kBlocks>(x, b_first + block * kTileElements, step_stride, num_steps,
                              out + block * kBlockColumns, prefetch, prefetch_lines, is_streaming);
   const int64_t rest = num_blocks - block;  // < kBlocks <= 4
   if constexpr (kBlocks > 1) {
     const at::BFloat16* b = b_first + block * kTileElements;
     float* rest_out = out + block * kBlockColumns;
     if (rest == 3)
-      fma_rows<kRows, (kBlocks > 3 ? 3 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+      fma_rows<kRows, (kBlocks > 3 ? 3 : 1)>(x, b, step_stride, num_steps, rest_out, prefetch,
                                              prefetch_lines, is_streaming);
     else if (rest == 2)
-      fma_rows<kRows, (kBlocks > 2 ? 2 : 1)>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch,
+      fma_rows<kRows, (kBlocks > 2 ? 2 : 1)>(x, b, step_stride, num_steps, rest_out, prefetch,
                                              prefetch_lines, is_streaming);
     else if (rest == 1)
-      fma_rows<kRows, 1>(x, x_stride, b, step_stride, num_steps, rest_out, prefetch, prefetch_lines, is_streaming);
+      fma_rows<kRows, 1>(x, b, step_stride, num_steps, rest_out, prefetch, prefetch_lines, is_streaming);
   }
 }
 
 // The last `rows` (< kRows) rows of a product, one register block of that many rows.
 template <int kRows>
-inline void fma_tail(const float* x, int64_t x_stride, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
+inline void fma_tail(const float* x, int64_t rows, const at::BFloat16* b_first, int64_t num_blocks,
                      int64_t step_stride, int64_t num_steps, float* out, const char*& prefetch, int64_t prefetch_lines,
                      bool is_streaming) {
   if constexpr (kRows > 0) {
     if (rows == kRows)
-      fma_group<kRows>(x, x_stride, b_first, num_blocks, step_stride, num_steps, out, prefetch, prefetch_lines,
+      fma_group<kRows>(x, b_first, num_blocks, step_stride, num_steps, out, prefetch, prefetch_lines,
                        is_streaming);
     else
-      fma_tail<kRows - 1>(x, x_stride, rows, b_first, num_blocks, step_stride, num_steps, out, prefetch,
+      fma_tail<kRows - 1>(x, rows, b_first, num_blocks, step_stride, num_steps, out, prefetch,
                           prefetch_lines, is_streaming);
   }
 }
 
-struct Fma8Products {
+struct FmaProducts {
   // The passes over a unit's weights (see AmxProducts): per register block of rows, one per set of blocks it takes
   // at once (a pass of one block over the steps prefetches a share of the next group per step like a whole one).
   static int64_t num_passes(int64_t rows) {
@@ -734,10 +782,10 @@ struct Fma8Products {
       const float* widened = widen_rows(x + row * x_stride, x_stride, block_rows, depth);
       float* block_out = out + row * kGroupColumns;
       if (block_rows == kFmaRows)
-        fma_group<kFmaRows>(widened, depth, b_first, num_blocks, step_stride, num_steps, block_out, prefetch,
+        fma_group<kFmaRows>(widened, b_first, num_blocks, step_stride, num_steps, block_out, prefetch,
                             prefetch_lines, is_streaming);
       else
-        fma_tail<kFmaRows - 1>(widened, depth, block_rows, b_first, num_blocks, step_stride, num_steps, block_out,
+        fma_tail<kFmaRows - 1>(widened, block_rows, b_first, num_blocks, step_stride, num_steps, block_out,
                                prefetch, prefetch_lines, is_streaming);
     }
   }
@@ -745,8 +793,10 @@ struct Fma8Products {
   void finish() {}
 
  private:
-  // Rows [0, rows) of bf16 x (x_stride apart, `depth` elements each) widened to fp32 into `widened_`, rows `depth`
-  // floats apart. The rows widened last are kept: a product of one row block (decode sizes) widens its rows once for
+  // Rows [0, rows) of bf16 x (x_stride apart, `depth` elements each) widened to fp32 into `widened_`, step by step:
+  // a step's `rows` rows of kStepDepth values one after the other, so that fma_rows finds every x value of a step at
+  // a constant offset from one pointer (with one pointer per row, GCC spilled the row pointers of its unrolled
+  // loop to the stack and reloaded them before the broadcasts). The rows widened last are kept: a product of one row block (decode sizes) widens its rows once for
   // all its groups (x does not change while a unit runs its units).
   const float* widen_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t depth) {
     if (x == widened_x_ && x_stride == widened_stride_ && rows == widened_rows_ && depth == widened_depth_)
@@ -758,9 +808,9 @@ struct Fma8Products {
     widened_depth_ = depth;
     for (int64_t row = 0; row < rows; ++row) {
       const uint16_t* source = reinterpret_cast<const uint16_t*>(x + row * x_stride);
-      float* target = widened_.data() + row * depth;
       for (int64_t k = 0; k < depth; k += 8)
-        pagedserve_native::store8(target + k, pagedserve_native::load8(source + k));
+        pagedserve_native::store8(widened_.data() + (k / kStepDepth * rows + row) * kStepDepth + k % kStepDepth,
+                                  pagedserve_native::load8(source + k));
     }
     return widened_.data();
   }
@@ -770,7 +820,7 @@ struct Fma8Products {
   int64_t widened_stride_ = 0, widened_rows_ = 0, widened_depth_ = 0;
 };
 
-#endif  // PAGEDSERVE_AVX2
+#endif  // PAGEDSERVE_FMA16 || PAGEDSERVE_AVX2
 
 #if defined(PAGEDSERVE_PACKED_LINEAR)
 
@@ -789,29 +839,38 @@ void with_products(const std::string& kind, Body&& body) {
   DotProducts products;
 #else
   (void)kind;
-  Fma8Products products;
+  FmaProducts products;
 #endif
   body(products);
 }
 
 // ---- Epilogues, in the build's vectors: AVX-512 (16 columns at a time) or AVX2 (8).
+#if defined(PAGEDSERVE_DPBF16) || defined(PAGEDSERVE_FMA16)
+
+// The bf16 bit patterns nearest to v's 16 lanes, ties to even. With AVX512-BF16, VCVTNEPS2BF16, which flushes
+// subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude becomes 0 where
+// at::BFloat16 would keep a subnormal. Without it (the avx512 level's FMA unit), c10::BFloat16's rounding
+// (bfloat16_rounding.h: subnormals kept, NaN -> 0x7FC0), as the AVX2 unit rounds.
+inline __m256i bfloat16_of(__m512 v) {
 #if defined(PAGEDSERVE_DPBF16)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  return _mm512_cvtepi32_epi16(pagedserve_native::bfloat16_bits(v));
+#endif
+}
 
 // The lanes of a 16-column piece that hold one of the `remaining` columns left.
 inline __mmask16 columns_mask(int64_t remaining) {
   return remaining >= kBlockColumns ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-// y[0:count] = bf16(values + bias), 16 columns at a time. VCVTNEPS2BF16 rounds to nearest even, as at::BFloat16
-// does, but flushes subnormal values to zero (as TDPBF16PS flushes its own): an output below ~1.2e-38 in magnitude
-// becomes 0 where at::BFloat16 would keep a subnormal.
+// y[0:count] = bf16(values + bias), 16 columns at a time, rounded by bfloat16_of.
 inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
   for (int64_t column = 0; column < count; column += kBlockColumns) {
     const __mmask16 mask = columns_mask(count - column);
     __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
     if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
-    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
-    _mm256_mask_storeu_epi16(y + column, mask, rounded);
+    _mm256_mask_storeu_epi16(y + column, mask, bfloat16_of(value));
   }
 }
 
@@ -828,8 +887,7 @@ inline void update_lane_maxima(const float* values, const float* bias, int64_t f
     __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
     if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
     // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
-    value = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value))), 16));
+    value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bfloat16_of(value)), 16));
     const __m512i column_index =
         _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
     const __mmask16 is_nan = _mm512_mask_cmp_ps_mask(mask, value, value, _CMP_UNORD_Q);
@@ -860,9 +918,8 @@ inline void store_silu_and_mul_row(const float* gate_values, const float* up_val
     }
     // The projection's rounding (store_row's), then the SiLU kernel's table and product, rounded as
     // at::BFloat16 (ties to even, NaN -> 0x7FC0, subnormals kept).
-    const __m512i gate_bits = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(gate)));
-    const __m512 up_rounded = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(up))), 16));
+    const __m512i gate_bits = _mm512_cvtepu16_epi32(bfloat16_of(gate));
+    const __m512 up_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bfloat16_of(up)), 16));
     const __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gate_bits, table, 2), 16));
     const __m512i rounded = pagedserve_native::bfloat16_bits(_mm512_mul_ps(silu, up_rounded));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + column), _mm512_cvtepi32_epi16(rounded));
@@ -875,7 +932,7 @@ inline const uint16_t* silu_table_of_build() { return pagedserve_native::bfloat1
 #else  // PAGEDSERVE_AVX2
 
 // y[0:count] = bf16(values + bias), 8 columns at a time, rounded as c10::BFloat16 rounds (ties to even, NaN ->
-// 0x7FC0, subnormals kept: unlike the AVX-512 form, a result below ~1.2e-38 in magnitude stays a subnormal).
+// 0x7FC0, subnormals kept: unlike the AVX512-BF16 form, a result below ~1.2e-38 in magnitude stays a subnormal).
 inline void store_row(const float* values, const float* bias, int64_t count, at::BFloat16* y) {
   uint16_t* target = reinterpret_cast<uint16_t*>(y);
   for (int64_t column = 0; column < count; column += 8) {
@@ -953,7 +1010,7 @@ inline void store_silu_and_mul_row(const float* gate_values, const float* up_val
 
 inline const uint16_t* silu_table_of_build() { return nullptr; }
 
-#endif  // PAGEDSERVE_DPBF16 / PAGEDSERVE_AVX2
+#endif  // PAGEDSERVE_DPBF16 or PAGEDSERVE_FMA16 / PAGEDSERVE_AVX2
 
 #endif  // PAGEDSERVE_PACKED_LINEAR
 
