@@ -8,19 +8,34 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
 namespace pagedserve_native {
 
-inline bool is_allowed_token(const int32_t* words, int64_t column) {
-  return ((static_cast<uint32_t>(words[column >> 5]) >> (column & 31)) & 1u) != 0;
+// The allowed bits of columns column .. column + 15 (bit i: column + i), column a multiple of 16 (of 8: the low 8
+// bits are those of column .. column + 7).
+inline uint32_t allowed_token_bits(const int32_t* words, int64_t column) {
+  return (static_cast<uint32_t>(words[column >> 5]) >> (column & 31)) & 0xFFFFu;
 }
 
-// values[0:count] (columns first_column ...) set to -inf where `words` disallows the column.
+// values[0:count] (columns first_column ...) set to -inf where `words` disallows the column; a word at a time
+// (grammar masks are mostly whole words allowed or refused).
 inline void mask_disallowed_tokens(float* values, int64_t first_column, int64_t count, const int32_t* words) {
-  for (int64_t column = 0; column < count; ++column)
-    if (!is_allowed_token(words, first_column + column)) values[column] = -std::numeric_limits<float>::infinity();
+  constexpr float kMinusInfinity = -std::numeric_limits<float>::infinity();
+  for (int64_t column = 0; column < count;) {
+    const int64_t token = first_column + column, bit = token & 31;
+    const int64_t span = std::min<int64_t>(32 - bit, count - column);  // columns left in this word
+    const uint32_t word = static_cast<uint32_t>(words[token >> 5]) >> bit;
+    if (word == 0) {
+      std::fill(values + column, values + column + span, kMinusInfinity);
+    } else if (span < 32 || word != 0xFFFFFFFFu) {
+      for (int64_t i = 0; i < span; ++i)
+        if (((word >> i) & 1u) == 0) values[column + i] = kMinusInfinity;
+    }
+    column += span;
+  }
 }
 
 // Checks an op's `allowed` argument: contiguous int32 [num_rows, num_words] covering num_columns tokens. The words

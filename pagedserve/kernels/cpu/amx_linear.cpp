@@ -876,14 +876,19 @@ inline void store_row(const float* values, const float* bias, int64_t count, at:
 
 // amx_linear_first_argmax's running maxima of one row (AmxFirstArgmaxCall::State): the `count` columns of `values`
 // (+ bias), rounded to bf16 as store_row rounds them, folded into `lane_max` / `lane_index` (16 lanes, lane l taking
-// the columns first_column + l + 16 j) and `first_nan`.
+// the columns first_column + l + 16 j) and `first_nan`. With `allowed_words` (the row's grammar bitmask,
+// allowed_tokens.h) a disallowed column takes no part: neither its value nor its NaN (finish gives 0 when nothing
+// above -inf is left, as the -inf-masked logits' first argmax does).
 inline void update_lane_maxima(const float* values, const float* bias, int64_t first_column, int64_t count,
-                               float* lane_max, int32_t* lane_index, int32_t& first_nan) {
+                               float* lane_max, int32_t* lane_index, int32_t& first_nan,
+                               const int32_t* allowed_words) {
   const __m512i lane_offsets = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   __m512 best = _mm512_loadu_ps(lane_max);
   __m512i best_index = _mm512_loadu_si512(lane_index);
   for (int64_t column = 0; column < count; column += kBlockColumns) {
-    const __mmask16 mask = columns_mask(count - column);
+    __mmask16 mask = columns_mask(count - column);
+    if (allowed_words != nullptr)
+      mask &= static_cast<__mmask16>(pagedserve_native::allowed_token_bits(allowed_words, first_column + column));
     __m512 value = _mm512_maskz_loadu_ps(mask, values + column);
     if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, bias + column));
     // The logit amx_linear would store: rounded to bf16 (store_row's instruction), widened exactly.
@@ -947,8 +952,10 @@ inline void store_row(const float* values, const float* bias, int64_t count, at:
 // 16-column piece's first 8 columns go to lanes 0-7, the others to lanes 8-15 (first_column is a multiple of 16).
 // The logits are rounded as this build's store_row rounds them.
 inline void update_lane_maxima(const float* values, const float* bias, int64_t first_column, int64_t count,
-                               float* lane_max, int32_t* lane_index, int32_t& first_nan) {
+                               float* lane_max, int32_t* lane_index, int32_t& first_nan,
+                               const int32_t* allowed_words) {
   const __m256i lane_offsets = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   constexpr int kHalves = kArgmaxLanes / 8;
   __m256 best[kHalves];
   __m256i best_index[kHalves];
@@ -963,7 +970,14 @@ inline void update_lane_maxima(const float* values, const float* bias, int64_t f
       __m256 value = pagedserve_native::load8_first(values + column, left);
       if (bias != nullptr) value = _mm256_add_ps(value, pagedserve_native::load8_first(bias + column, left));
       value = pagedserve_native::round_to_bfloat16(value);  // the logit amx_linear would store
-      const __m256 valid = _mm256_castsi256_ps(pagedserve_native::first_lanes_mask(std::min<int64_t>(left, 8)));
+      __m256 valid = _mm256_castsi256_ps(pagedserve_native::first_lanes_mask(std::min<int64_t>(left, 8)));
+      if (allowed_words != nullptr) {  // lane l of the 8 allowed: bit l of the column's allowed bits
+        const __m256i bits = _mm256_and_si256(
+            _mm256_set1_epi32(static_cast<int32_t>(
+                pagedserve_native::allowed_token_bits(allowed_words, first_column + column) & 0xFFu)),
+            lane_bits);
+        valid = _mm256_and_ps(valid, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane_bits)));
+      }
       const __m256i column_index =
           _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_column + column)), lane_offsets);
       const int is_nan = _mm256_movemask_ps(_mm256_and_ps(valid, _mm256_cmp_ps(value, value, _CMP_UNORD_Q)));
@@ -1419,20 +1433,10 @@ void AmxFirstArgmaxCall::run_units(int64_t begin, int64_t end, int64_t slot) con
                   count = std::min(count, num_columns - first_column);
                   for (int64_t row = 0; row < num_rows; ++row) {
                     const int64_t r = first_row + row;
-                    const float* row_values = values + row * kGroupColumns;
-                    const float* row_bias = bias_data ? bias_data + first_column : nullptr;
-                    alignas(64) float masked[kGroupColumns];
-                    if (s.allowed != nullptr) {
-                      // The logits with the bias, disallowed ones -inf (so a bias cannot turn one into a NaN).
-                      for (int64_t column = 0; column < count; ++column)
-                        masked[column] = row_values[column] + (row_bias ? row_bias[column] : 0.0f);
-                      pagedserve_native::mask_disallowed_tokens(masked, first_column, count,
-                                                                s.allowed + r * s.num_allowed_words);
-                      row_values = masked;
-                      row_bias = nullptr;
-                    }
-                    update_lane_maxima(row_values, row_bias, first_column, count, lane_max + r * kArgmaxLanes,
-                                       lane_index + r * kArgmaxLanes, first_nan[r]);
+                    update_lane_maxima(values + row * kGroupColumns, bias_data ? bias_data + first_column : nullptr,
+                                       first_column, count, lane_max + r * kArgmaxLanes,
+                                       lane_index + r * kArgmaxLanes, first_nan[r],
+                                       s.allowed != nullptr ? s.allowed + r * s.num_allowed_words : nullptr);
                   }
                 });
   });
@@ -1459,8 +1463,10 @@ void AmxFirstArgmaxCall::finish(int64_t* out) const {
         }
       }
     }
-    // Every value -inf: no lane took one, and the first column holds the maximum.
-    out[row] = nan_index != kNoColumn ? nan_index : (index != kNoColumn ? index : 0);
+    // Every value -inf (or, with a grammar bitmask, every allowed one; or none allowed): the first column, as the
+    // first argmax of a row of -inf (the masked row) gives.
+    const bool is_all_minus_infinity = index == kNoColumn || maximum == -std::numeric_limits<float>::infinity();
+    out[row] = nan_index != kNoColumn ? nan_index : (is_all_minus_infinity ? 0 : index);
   }
 }
 
