@@ -23,7 +23,9 @@ at the end.
 
 A prefill chunk is scored a group of query rows at a time, each group key tile by key tile (select_request_tokens):
 the indexer is quadratic in the context in time, as the method is, but holds at most a group's [rows, context]
-scores, never a [chunk, context] tensor.
+scores, never a [chunk, context] tensor. A long row's top-k runs over the keys of its top_k + 1 blocks of highest
+maximum (top_k_by_block_maxima), the same set as torch.topk over the whole row (top_k_by_full_sort, the reference),
+ties included.
 """
 from __future__ import annotations
 
