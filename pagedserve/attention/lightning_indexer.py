@@ -140,6 +140,8 @@ def top_k_by_block_maxima(masked: torch.Tensor, count: int) -> tuple[torch.Tenso
     num_rows, num_keys = masked.shape
     num_blocks = num_keys // SELECTION_BLOCK
     num_kept = count + 1
+    if num_blocks < num_kept:
+        return masked.topk(count, dim=-1, sorted=False)
     whole = masked[:, :num_blocks * SELECTION_BLOCK].unflatten(-1, (num_blocks, SELECTION_BLOCK))
     kept_maxima, kept_blocks = whole.amax(dim=-1).topk(num_kept, dim=-1, sorted=False)
     offsets = torch.arange(SELECTION_BLOCK, device=masked.device)
