@@ -233,10 +233,10 @@ def _same_top_k_sets(fast: tuple[torch.Tensor, torch.Tensor], reference: tuple[t
                                equal_nan=True))
 
 
-@pytest.mark.parametrize("num_keys", [389, 1024])
+@pytest.mark.parametrize("num_keys", [100, 389, 1024])
 def test_top_k_over_block_maxima_equals_the_whole_row_top_k(monkeypatch: pytest.MonkeyPatch, num_keys: int) -> None:
     """Long rows' top-k over the blocks of highest maximum equals torch.topk over the whole row, rows tied at the
-    boundary (ReLU's zeros), holding a NaN, or with fewer visible keys than top_k included (389: a partial tail)."""
+    boundary (ReLU's zeros), holding a NaN, or with fewer visible keys than top_k included (100: fewer whole blocks than top_k + 1; 389: a partial tail)."""
     from pagedserve.attention import lightning_indexer
 
     monkeypatch.setattr(lightning_indexer, "SELECTION_BLOCK", 8)
