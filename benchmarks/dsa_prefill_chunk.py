@@ -92,8 +92,28 @@ def main() -> None:
                         f"{min(cpu_seconds[name]):.2f} s median {statistics.median(cpu_seconds[name]):.2f} s)"
                         for name, times in seconds.items())
     print(f"context {context}, chunk {chunk}, one layer: indexer ({args.repeats} runs each) {indexer}; equal "
-          f"selections: {same}; sparse attention {attention_seconds:.2f} s (CPU {attention_cpu_seconds:.2f} s); load average (1 min) "
-          f"{os.getloadavg()[0]:.2f}")
+          f"selections: {same}; sparse attention {attention_seconds:.2f} s (CPU {attention_cpu_seconds:.2f} s); "
+          f"load average (1 min) {os.getloadavg()[0]:.2f}")
+    print(top_k_alone(query, weights, keys, top_k, index_dim ** -0.5, routes))
+
+
+def top_k_alone(query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, top_k: int, softmax_scale: float,
+                routes: dict) -> str:
+    """The top-k of the chunk's last row group alone (its scores against every earlier key, the causal tail hidden),
+    each route 5 times interleaved: thread CPU milliseconds, best and median."""
+    num_rows = lightning_indexer.prefill_rows_per_group(query.shape[1], keys.shape[0])
+    scores = lightning_indexer.index_scores_tiled(query[-num_rows:].float(), weights[-num_rows:].float(), keys,
+                                                  softmax_scale)
+    hidden = torch.ones(num_rows, num_rows, dtype=torch.bool).triu_(1)
+    scores[:, -num_rows:].masked_fill_(hidden, float("-inf"))
+    milliseconds: dict[str, list[float]] = {name: [] for name in routes}
+    for _ in range(5):
+        for name, route in routes.items():
+            start = time.thread_time()
+            route(scores, top_k)
+            milliseconds[name].append((time.thread_time() - start) * 1e3)
+    return (f"top-k of one {num_rows}-row group over {keys.shape[0]} keys, thread CPU ms: " + ", ".join(
+        f"{name} best {min(times):.1f} median {statistics.median(times):.1f}" for name, times in milliseconds.items()))
 
 
 if __name__ == "__main__":
