@@ -7,7 +7,8 @@ benchmark-model cache. One prompt of `--prompt-len` random token ids is prefille
 `--max-num-batched-tokens`, then `--output-len` greedy tokens are decoded (ignore_eos). Run once all-resident and
 once with `sparse_kv_offload={"num_resident_blocks": N}`, N = `--resident-fraction` (default 10%) of the request's
 KV blocks. Prints prefill seconds, decode tokens/s, the offload counters (block hits, misses, blocks moved in,
-multi-round gathers), the tier file's size, and whether the greedy tokens are identical.
+multi-round gathers), the tier file's size, and whether the greedy tokens are identical; beside the wall times the
+process's CPU seconds (prefill; decode tokens per CPU second) and the load average at each engine's start and end.
 
     python benchmarks/sparse_kv_offload.py --prompt-len 8192 --output-len 64
 """
@@ -61,15 +62,18 @@ def run(folder: str, prompt: list[int], output_len: int, dtype: str, block_size:
     before = engine.engine_core.make_stats().sparse_kv_offload
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     engine.add_request("0", {"prompt_token_ids": prompt}, params)
-    start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    # The engine runs in this process (one torch thread): its CPU seconds are the work, steadier than the wall time
+    # on a machine shared with other jobs.
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokens: list[int] = []
-    first_token_at = None
+    first_token_at = first_token_cpu = None
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens = list(output.outputs[0].token_ids)
         if tokens and first_token_at is None:
-            first_token_at = time.perf_counter()
-    end = time.perf_counter()
+            first_token_at, first_token_cpu = time.perf_counter(), time.process_time()
+    end, cpu_end = time.perf_counter(), time.process_time()
     stats = engine.engine_core.make_stats().sparse_kv_offload
     offload = engine.engine_core.executor.worker.kv_offload
     tier_bytes = offload.tier.num_bytes if offload is not None else 0
@@ -78,7 +82,9 @@ def run(folder: str, prompt: list[int], output_len: int, dtype: str, block_size:
     result = {"offload": sparse_kv_offload, "prompt_len": len(prompt), "output_len": output_len,
               "num_kv_blocks": num_blocks, "prefill_s": first_token_at - start,
               "decode_tokens_per_s": (output_len - 1) / (end - first_token_at), "tier_bytes": tier_bytes,
-              "tokens": tokens}
+              "prefill_cpu_s": first_token_cpu - cpu_start,
+              "decode_tokens_per_cpu_s": (output_len - 1) / (cpu_end - first_token_cpu),
+              "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0], "tokens": tokens}
     if stats is not None:
         counters = {name: getattr(stats, f"num_{name}") - getattr(before, f"num_{name}")
                     for name in ("block_hits", "block_misses", "blocks_moved_in", "blocks_evicted",
@@ -115,8 +121,9 @@ def main() -> None:
     resident, offloaded = results
     for result in results:
         name = "all-resident" if result["offload"] is None else f"offload {num_resident} blocks"
-        line = (f"{name:<20} prefill {result['prefill_s']:7.1f} s  decode {result['decode_tokens_per_s']:6.2f} "
-                f"tok/s")
+        line = (f"{name:<20} prefill {result['prefill_s']:7.1f} s (CPU {result['prefill_cpu_s']:6.1f} s)  decode "
+                f"{result['decode_tokens_per_s']:6.2f} tok/s ({result['decode_tokens_per_cpu_s']:6.2f} per CPU s)  load "
+                f"{result['load_average_1min_start']:.1f} / {result['load_average_1min_end']:.1f}")
         if result["offload"] is not None:
             line += (f"  hits {result['block_hits']} misses {result['block_misses']} moved in "
                      f"{result['blocks_moved_in']} (hit rate {result['hit_rate']:.1%}), multi-round gathers "

@@ -222,3 +222,59 @@ def test_scoring_in_row_groups_selects_the_same(monkeypatch: pytest.MonkeyPatch)
     assert lightning_indexer.prefill_rows_per_group(INDEX_HEADS, 13) < 13
     grouped = select_tokens(step.index_query, step.index_weights, step.key_cache, step.metadata, 5, 0.25)
     assert torch.equal(grouped, whole)
+
+
+def _same_top_k_sets(fast: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Equal (value, position) sets row by row, whatever order each path gives them in."""
+    fast_positions, order = fast[1].sort(dim=-1)
+    reference_positions, reference_order = reference[1].sort(dim=-1)
+    return (torch.equal(fast_positions, reference_positions)
+            and torch.allclose(fast[0].gather(-1, order), reference[0].gather(-1, reference_order), rtol=0, atol=0,
+                               equal_nan=True))
+
+
+@pytest.mark.parametrize("num_keys", [100, 389, 1024])
+def test_top_k_over_block_maxima_equals_the_whole_row_top_k(monkeypatch: pytest.MonkeyPatch, num_keys: int) -> None:
+    """Long rows' top-k over the blocks of highest maximum equals torch.topk over the whole row, rows tied at the
+    boundary (ReLU's zeros), holding a NaN, or with fewer visible keys than top_k included (100: fewer whole blocks than top_k + 1; 389: a partial tail)."""
+    from pagedserve.attention import lightning_indexer
+
+    monkeypatch.setattr(lightning_indexer, "SELECTION_BLOCK", 8)
+    monkeypatch.setattr(lightning_indexer, "BLOCK_SELECTION_MIN_KEYS_PER_CHOICE", 4)
+    generator = torch.Generator().manual_seed(num_keys)
+    count = 16
+    scores = torch.randn(12, num_keys, generator=generator)
+    scores[:, -5:] = float("-inf")  # causal: hidden keys
+    scores[1] = scores[1].clamp(min=0.0)  # half the row ties at zero, the boundary among them
+    scores[2, : num_keys // 2] = 0.0
+    scores[2, num_keys // 2:] = -scores[2, num_keys // 2:].abs()  # the zeros tie far past the boundary
+    scores[3, 7] = float("nan")
+    scores[4, count - 4:] = float("-inf")  # fewer visible keys than count
+    scores[5] = scores[5].round()  # many equal integers: ties at the boundary within the kept blocks
+    scores[6, ::37] = 50.0  # the top all equal, spread over blocks
+    reference = lightning_indexer.top_k_by_full_sort(scores, count)
+    fast = lightning_indexer.top_k_by_block_maxima(scores, count)
+    assert _same_top_k_sets(fast, reference)
+    # The fast path really took its own route on the plain rows: the kept blocks held their top-k.
+    plain = scores[[0, 7, 8, 9, 10, 11]]
+    assert _same_top_k_sets(lightning_indexer.top_k_by_block_maxima(plain, count),
+                            lightning_indexer.top_k_by_full_sort(plain, count))
+
+
+def test_prefill_selection_over_block_maxima_equals_the_whole_row_top_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prefill's selection (select_request_tokens, row groups and key tiles) is the same through the block
+    maxima as through topk over each whole row."""
+    from pagedserve.attention import lightning_indexer
+
+    generator = torch.Generator().manual_seed(3)
+    num_keys, num_rows, top_k = 600, 40, 8
+    query = torch.randn(num_rows, INDEX_HEADS, INDEX_DIM, generator=generator)
+    weights = torch.randn(num_rows, INDEX_HEADS, generator=generator)  # negative weights: zero and negative scores
+    keys = torch.randn(num_keys, INDEX_DIM, generator=generator)
+    args = (query, weights, keys, num_keys - num_rows, top_k, top_k, 0.25)
+    monkeypatch.setattr(lightning_indexer, "top_k_by_block_maxima", lightning_indexer.top_k_by_full_sort)
+    reference = lightning_indexer.select_request_tokens(*args)
+    monkeypatch.undo()
+    monkeypatch.setattr(lightning_indexer, "SELECTION_BLOCK", 8)
+    monkeypatch.setattr(lightning_indexer, "BLOCK_SELECTION_MIN_KEYS_PER_CHOICE", 4)
+    assert torch.equal(lightning_indexer.select_request_tokens(*args), reference)

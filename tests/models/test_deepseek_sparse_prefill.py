@@ -87,3 +87,23 @@ def test_gathered_prefill_equals_masked_reference_with_sparse_kv_offload(
     _assert_equal(*_gathered_and_masked(monkeypatch, tiny_model_dir("glm-moe-dsa"), block_size=4,
                                         sparse_kv_offload=offload))
 
+
+
+@pytest.mark.slow  # ~20 CPU s; tests/attention/test_lightning_indexer.py's block-maxima tests cover the same code
+@pytest.mark.parametrize("kind, kv_cache_dtype", [("deepseek-v32", "auto"), ("glm-moe-dsa", "int8")])
+def test_top_k_over_block_maxima_equals_whole_row_top_k_end_to_end(
+        tiny_model_dir, monkeypatch: pytest.MonkeyPatch, kind: str, kv_cache_dtype: str) -> None:
+    """The indexer's top-k over block maxima (forced onto every row of 18+ keys: blocks of 2) against torch.topk over
+    each whole row: the same selections, so the same greedy tokens and bit-equal log-probabilities; C8's int8 keys
+    make tied scores common."""
+    from pagedserve.attention import lightning_indexer
+
+    folder = tiny_model_dir(kind)
+    with monkeypatch.context() as patch:
+        patch.setattr(lightning_indexer, "SELECTION_BLOCK", 2)
+        patch.setattr(lightning_indexer, "BLOCK_SELECTION_MIN_KEYS_PER_CHOICE", 2)
+        fast = _run_twice(folder, kv_cache_dtype=kv_cache_dtype)
+    with monkeypatch.context() as patch:
+        patch.setattr(lightning_indexer, "top_k_by_block_maxima", lightning_indexer.top_k_by_full_sort)
+        reference = _run_twice(folder, kv_cache_dtype=kv_cache_dtype)
+    assert fast == reference
