@@ -30,6 +30,8 @@ from pagedserve.config.speculative import BLOCK_DRAFT_METHODS
 
 KV_CONNECTORS = ("PullConnector", "PoolConnector", "MultiConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+PRODUCER_ROLES = ("kv_producer", "kv_both")  # roles whose engine serves its blocks to others
+CONSUMER_ROLES = ("kv_consumer", "kv_both")  # roles whose engine loads blocks from others
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 TRANSPORTS = ("zmq", "mooncake")
 # PullConnector modes: "pull" (D reads P's blocks after P's prefill) or "push" (D reserves its blocks and tells P
@@ -150,11 +152,11 @@ class KVTransferConfig:
 
     @property
     def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in CONSUMER_ROLES
 
     @property
     def pool_config(self) -> KVPoolConfig:
@@ -291,4 +293,5 @@ class KVTransferConfig:
         return config_from_dict(KVTransferConfig, "kv_transfer_config", value)
 
 
-__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_TRANSFER_MODES", "PUSH_TRANSPORTS", "KV_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]
+__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_TRANSFER_MODES", "PUSH_TRANSPORTS", "KV_ROLES", "PRODUCER_ROLES",
+           "CONSUMER_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]

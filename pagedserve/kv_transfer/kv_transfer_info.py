@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedserve.config.kv_transfer import KVTransferConfig
+from pagedserve.config.kv_transfer import CONSUMER_ROLES, PRODUCER_ROLES, KVTransferConfig
 
 
 def pd_connector_config(config: KVTransferConfig | None) -> KVTransferConfig | None:
@@ -62,11 +62,11 @@ class KVTransferInfo:
 
     @property
     def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in PRODUCER_ROLES
 
     @property
     def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in CONSUMER_ROLES
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

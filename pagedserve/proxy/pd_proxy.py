@@ -328,7 +328,7 @@ class PDProxy:
         decode_call = self._open_stream if is_stream else self._post
         decode_task = asyncio.ensure_future(decode_call(decode, endpoint, decode_body, headers))
         prefill_task = asyncio.ensure_future(self._post(prefill, endpoint, prefill_body(body),
-                                                              prefill_headers(headers)))
+                                                        prefill_headers(headers)))
         is_relayed = False
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_EXCEPTION)
@@ -359,7 +359,6 @@ class PDProxy:
             prefill.num_in_flight -= 1
             if not is_relayed:
                 decode.num_in_flight -= 1
-
 
     async def _relay(self, instance: Instance, response: httpx.Response) -> AsyncIterator[str]:
         """D's SSE events, one whole event at a time; a broken stream ends with an error event and [DONE]. The

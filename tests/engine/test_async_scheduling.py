@@ -130,7 +130,7 @@ def test_placeholder_position_gets_the_workers_last_sampled_token(folder: str, m
     greedy_decode = runner.greedy_decode
     assert greedy_decode is not None  # float32 plain_native: greedy decode steps read the batch natively
 
-    def checking_greedy_decode(rows):
+    def checking_greedy_decode(rows, allowed=None):
         # The native step's input for each row: the batch's token at the row's computed position.
         batch = runner.input_batch
         request_of_row = {state.row: request_id for request_id, state in batch.requests.items()}
@@ -139,7 +139,7 @@ def test_placeholder_position_gets_the_workers_last_sampled_token(folder: str, m
             if request_id in last_sampled:
                 token_id = int(batch.token_ids[row, batch.num_computed_tokens[row]])
                 checked.append((request_id, token_id, last_sampled[request_id]))
-        return greedy_decode(rows)
+        return greedy_decode(rows, allowed)
 
     def recording_execute_model(scheduler_output):
         output = execute_model(scheduler_output)
