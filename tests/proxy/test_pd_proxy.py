@@ -248,6 +248,15 @@ def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, c
     def served(instance) -> float:
         return proxy_metrics(cluster)[("pagedserve:proxy_requests_total", "decode", instance.base_url)]
 
+    def in_flight(instance) -> float:
+        return proxy_metrics(cluster)[("pagedserve:proxy_requests_in_flight", "decode", instance.base_url)]
+
+    # A stream of an earlier test whose client left is released when the proxy notices: start from both idle (a
+    # count that never returns to 0 is a leak).
+    deadline = time.monotonic() + 30
+    while any(in_flight(instance) for instance in cluster["decode"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [in_flight(instance) for instance in cluster["decode"]] == [0, 0]
     # Least-loaded picks the survivor while it has served fewer (earlier tests may have left any difference):
     # even up, so that the next request goes to `doomed` (the first listed).
     for _ in range(8):
