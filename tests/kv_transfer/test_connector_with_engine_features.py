@@ -24,9 +24,17 @@ from test_pull_connector import (ENGINE_KWARGS, GREEDY, assert_all_blocks_free, 
 # One engine worker, no data or context parallelism (what check_engine reads of the parallel config).
 PARALLEL_1 = SimpleNamespace(data_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
                              tensor_parallel_size=1, pipeline_parallel_size=1, world_size_per_engine=1,
-                             executor_backend="uni",
-                             distributed_executor_backend=None)
+                             executor_backend="uni", distributed_executor_backend=None)
 PREFILL = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+
+
+def one_engine_token_ids(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of a plain engine without a connector: the reference of every test here."""
+    engine = LLM(model, **ENGINE_KWARGS)
+    try:
+        return token_ids(engine, prompts, GREEDY)
+    finally:
+        engine.llm_engine.shutdown()
 
 
 def prefill(producer: LLM, prompts: list[list[int]]) -> list[dict[str, Any]]:
@@ -43,9 +51,7 @@ def test_pd_with_async_scheduling(tiny_model_dir) -> None:  # type: ignore[no-un
     prompt token per request, and every block ends free on both sides."""
     model = tiny_model_dir("llama")
     prompts = random_prompts(4, 30, 60, seed=31)
-    reference_engine = LLM(model, **ENGINE_KWARGS)
-    expected = token_ids(reference_engine, prompts, GREEDY)
-    reference_engine.llm_engine.shutdown()
+    expected = one_engine_token_ids(model, prompts)
     producer = LLM(model, kv_transfer_config=producer_config(), async_scheduling=True, max_num_batched_tokens=16,
                    **ENGINE_KWARGS)
     consumer = LLM(model, kv_transfer_config=consumer_config(policy="fail"), async_scheduling=True,
@@ -87,9 +93,7 @@ def test_pool_with_async_scheduling(tiny_model_dir) -> None:  # type: ignore[no-
     model = tiny_model_dir("llama")
     prefix, suffix_a, suffix_b = random_prompts(3, 20, 30, seed=33)
     prefix = (prefix * 4)[:64]
-    reference_engine = LLM(model, **ENGINE_KWARGS)
-    expected = token_ids(reference_engine, [prefix + suffix_b], GREEDY)
-    reference_engine.llm_engine.shutdown()
+    expected = one_engine_token_ids(model, [prefix + suffix_b])
     pool = {"kv_connector": "PoolConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"backend": "local", "url": "local://async-scheduling-test"}}
     engine_a = LLM(model, kv_transfer_config=pool, async_scheduling=True, **ENGINE_KWARGS)
@@ -117,9 +121,7 @@ def test_speculative_decoding_on_the_consumer(tiny_model_dir) -> None:  # type: 
     model = tiny_model_dir("llama")
     # Repeated runs inside each prompt give ngram matches to draft from.
     prompts = [(prompt * 3)[:50] for prompt in random_prompts(2, 12, 18, seed=35)]
-    reference_engine = LLM(model, **ENGINE_KWARGS)
-    expected = token_ids(reference_engine, prompts, GREEDY)
-    reference_engine.llm_engine.shutdown()
+    expected = one_engine_token_ids(model, prompts)
     producer = LLM(model, kv_transfer_config=producer_config(), **ENGINE_KWARGS)
     speculative_configs = [
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
@@ -153,9 +155,7 @@ def test_pool_with_a_draft_model(tiny_model_dir) -> None:  # type: ignore[no-unt
     model = tiny_model_dir("llama")
     prefix, suffix = random_prompts(2, 20, 30, seed=37)
     prefix = (prefix * 4)[:64]
-    reference_engine = LLM(model, **ENGINE_KWARGS)
-    expected = token_ids(reference_engine, [prefix + suffix], GREEDY)
-    reference_engine.llm_engine.shutdown()
+    expected = one_engine_token_ids(model, [prefix + suffix])
     pool = {"kv_connector": "PoolConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"backend": "local", "url": "local://draft-model-test"}}
     engine_a = LLM(model, kv_transfer_config=pool, **ENGINE_KWARGS)
@@ -223,9 +223,7 @@ def test_hidden_state_drafter_kv_travels_with_the_target_pages(tiny_model_dir, t
 
     model, eagle = hidden_state_drafter(method, tiny_model_dir, str(tmp_path / "drafter"))
     prompts = random_prompts(2, 30, 50, seed=39)
-    reference_engine = LLM(model, **ENGINE_KWARGS)
-    expected = token_ids(reference_engine, prompts, GREEDY)
-    reference_engine.llm_engine.shutdown()
+    expected = one_engine_token_ids(model, prompts)
     eagle_engine = LLM(model, speculative_config=eagle, **ENGINE_KWARGS)
     reference_drafts = recording_drafts(eagle_engine)
     assert token_ids(eagle_engine, prompts, GREEDY) == expected

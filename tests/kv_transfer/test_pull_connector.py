@@ -21,6 +21,7 @@ import zmq
 from generation_helpers import random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.core.request import RequestStatus
+from pagedserve.engine.dp_engine_core import DataParallelEngineCore
 
 ENGINE_KWARGS: dict[str, Any] = dict(max_model_len=256, num_kv_blocks=48, block_size=16, native_decode_stack=False,
                                      num_cpu_threads=1)
@@ -108,16 +109,30 @@ def record_scheduled_tokens(llm: LLM) -> dict[str, list[int]]:
     return seen
 
 
+def cores(llm: LLM) -> list[Any]:
+    """The engine's EngineCores, one per DP rank."""
+    core = llm.llm_engine.engine_core
+    return list(core.cores) if isinstance(core, DataParallelEngineCore) else [core]
+
+
 def assert_all_blocks_free(llm: LLM, timeout_s: float = 10.0) -> None:
-    """Steps the engine until it holds no block for the connector, then checks every block is free."""
+    """Steps the engine until no DP rank holds a block for the connector, then checks every rank's blocks are
+    free."""
     engine = llm.llm_engine
-    core = engine.engine_core
     deadline = time.monotonic() + timeout_s
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         engine.step()
         time.sleep(0.01)
     assert not engine.has_unfinished_requests()
-    assert core.kv_cache_manager.num_free_blocks == core.runtime_info.num_kv_blocks - 1
+    for rank, core in enumerate(cores(llm)):
+        assert core.kv_cache_manager.num_free_blocks == core.runtime_info.num_kv_blocks - 1, f"DP rank {rank}"
+
+
+def assert_producer_blocks_free(producer: PrefillProcess) -> None:
+    """P (a subprocess) holds no block for D any more and every block of its cache is free."""
+    blocks = producer.ask(op="blocks", wait_s=30)
+    assert blocks["num_held"] == 0
+    assert blocks["num_free_blocks"] == blocks["num_blocks"] - 1
 
 
 # MLA pages through P -> D also run in test_pd_int8_kv_pages[deepseek-v3] and the mooncake transport's test.
@@ -157,9 +172,7 @@ def test_pd_greedy_equals_one_engine(model_dir: str) -> None:
         assert sum(sum(steps) for steps in scheduled.values()) == 3 * NUM_DECODE_TOKENS
         assert outputs[0].num_cached_tokens == 32  # the local hit on D
         assert_all_blocks_free(consumer)
-        blocks = producer.ask(op="blocks", wait_s=30)
-        assert blocks["num_held"] == 0
-        assert blocks["num_free_blocks"] == blocks["num_blocks"] - 1
+        assert_producer_blocks_free(producer)
     finally:
         producer.close()
         consumer.llm_engine.shutdown()

@@ -9,13 +9,12 @@ Both engines run in the test's process (DataParallelEngineCore steps its ranks i
 from __future__ import annotations
 
 import socket
-import time
 from typing import Any
 
 from generation_helpers import random_prompts
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.dp_engine_core import DataParallelEngineCore
-from test_pull_connector import ENGINE_KWARGS, GREEDY, consumer_config, remote_params, token_ids
+from test_pull_connector import (ENGINE_KWARGS, GREEDY, assert_all_blocks_free, consumer_config, cores,
+                                 remote_params, token_ids)
 
 NUM_PROMPTS = 4
 PREFILL = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
@@ -37,24 +36,6 @@ def free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def cores(llm: LLM) -> list[Any]:
-    """The engine's EngineCores, one per DP rank."""
-    core = llm.llm_engine.engine_core
-    return list(core.cores) if isinstance(core, DataParallelEngineCore) else [core]
-
-
-def assert_every_rank_free(llm: LLM, timeout_s: float = 30.0) -> None:
-    """Steps the engine until no rank holds a block for the connector, then checks every rank's blocks are free."""
-    engine = llm.llm_engine
-    deadline = time.monotonic() + timeout_s
-    while engine.has_unfinished_requests() and time.monotonic() < deadline:
-        engine.step()
-        time.sleep(0.01)
-    assert not engine.has_unfinished_requests()
-    for rank, core in enumerate(cores(llm)):
-        assert core.kv_cache_manager.num_free_blocks == core.runtime_info.num_kv_blocks - 1, f"DP rank {rank}"
 
 
 def record_first_steps(llm: LLM) -> list[dict[str, int]]:
@@ -111,9 +92,9 @@ def check_pd(model: str, producer_dp: int, consumer_dp: int, seed: int) -> None:
             [[1] * (NUM_PROMPTS // consumer_dp)] * consumer_dp
         if consumer_dp > 1:
             assert decode_engine.llm_engine.engine_core.requests_routed_per_rank == [NUM_PROMPTS // 2] * 2
-        assert_every_rank_free(decode_engine)
+        assert_all_blocks_free(decode_engine, timeout_s=30)
         # D's done notices reached the P rank that held each request's blocks.
-        assert_every_rank_free(prefill_engine)
+        assert_all_blocks_free(prefill_engine, timeout_s=30)
         if producer_dp > 1:
             assert prefill_engine.llm_engine.engine_core.requests_routed_per_rank == [NUM_PROMPTS // 2] * 2
     finally:

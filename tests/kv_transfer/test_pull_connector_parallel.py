@@ -30,10 +30,10 @@ def this_tree_on_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def check_pd(model: str, producer_parallel: dict[str, Any], consumers: list[dict[str, Any]], seed: int,
              kv_port: int = 0, **extra: Any) -> None:
-    """P with `producer_parallel` (over 'mp', the default for several ranks); one D per entry of `consumers` (its parallel knobs) pulls the same
-    prompts' KV: greedy tokens equal one engine's; an in-process D computes only each prompt's last token.
-    `kv_port`: P's (its worker rank w serves on kv_port + w; 0: free ports); `extra`: both sides'
-    kv_connector_extra_config."""
+    """P with `producer_parallel` (over 'mp', the default for several ranks); one D per entry of `consumers` (its
+    parallel knobs) pulls the same prompts' KV: greedy tokens equal one engine's; an in-process D computes only each
+    prompt's last token. `kv_port`: P's (its worker rank w serves on kv_port + w; 0: free ports); `extra`: both
+    sides' kv_connector_extra_config."""
     prompts = random_prompts(2, 20, 40, seed=seed)
     reference_engine = LLM(model, **ENGINE_KWARGS)
     expected = token_ids(reference_engine, prompts, GREEDY)

@@ -16,8 +16,8 @@ from pagedserve.kv_transfer.kv_transfer_info import KVTransferInfo
 from pagedserve.kv_transfer.push_producer_rank import push_producer_rank
 from pagedserve.proxy.kv_transfer_mode import push_kv_transfer_params
 from test_pull_connector import (ENGINE_KWARGS, GREEDY, PrefillProcess, assert_all_blocks_free,
-                                 record_scheduled_tokens, token_ids)
-from test_pull_connector_data_parallel import assert_every_rank_free, record_first_steps
+                                 assert_producer_blocks_free, record_scheduled_tokens, token_ids)
+from test_pull_connector_data_parallel import record_first_steps
 
 PUSH = {"mode": "push"}
 
@@ -110,9 +110,7 @@ def test_push_greedy_equals_one_engine(model_dir: str) -> None:
         stats = producer.ask(op="push_stats")
         assert stats["num_layer_sends"] > 0 and stats["num_catch_up_sends"] > 0, stats
         assert_all_blocks_free(consumer)
-        blocks = producer.ask(op="blocks", wait_s=30)
-        assert blocks["num_held"] == 0
-        assert blocks["num_free_blocks"] == blocks["num_blocks"] - 1
+        assert_producer_blocks_free(producer)
     finally:
         producer.close()
         engine.shutdown()
@@ -219,10 +217,8 @@ def test_push_with_two_data_parallel_ranks_on_both_sides(tiny_model_dir) -> None
         assert [sorted(rank_steps.values()) for rank_steps in first_steps] == [[1, 1], [1, 1]]
         stats = producer.ask(op="push_stats")
         assert all(count > 0 for count in stats["num_layer_sends_per_rank"]), stats
-        assert_every_rank_free(consumer)
-        blocks = producer.ask(op="blocks", wait_s=30)
-        assert blocks["num_held"] == 0
-        assert blocks["num_free_blocks"] == blocks["num_blocks"] - 1
+        assert_all_blocks_free(consumer, timeout_s=30)
+        assert_producer_blocks_free(producer)
     finally:
         producer.close()
         engine.shutdown()
