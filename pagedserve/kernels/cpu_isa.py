@@ -10,8 +10,9 @@ Levels, lowest first (each implies the ones before it):
 - 'avx2': x86-64 with AVX2, FMA and F16C (Intel since Haswell, AMD since Zen 1); bfloat16 is widened to float32
   by a shift and computed with float32 FMA.
 - 'avx512': AVX-512 F/BW/VL/DQ/CD (Intel Skylake-SP and later, AMD Zen 4 and later).
-- 'avx512_bf16': plus AVX512-BF16 dot products (VDPBF16PS: AMD Zen 4, Intel Cooper Lake and Sapphire Rapids).
-- 'amx': plus AMX tiles (TDPBF16PS: Intel Sapphire Rapids and later; Linux must grant the tile state, which the
+- 'avx512_bf16': plus AVX512-BF16 and AVX512-VNNI dot products (VDPBF16PS, VPDPBUSD / VPDPWSSD: AMD Zen 4, Intel
+  Cooper Lake and Sapphire Rapids; every CPU with AVX512-BF16 has VNNI).
+- 'amx': plus AMX tiles (TDPBF16PS, and TDPB*D for int8: Intel Sapphire Rapids and later; Linux must grant the tile state, which the
   kernels ask for at run time and fall back to the dot products without).
 
 `PAGEDSERVE_CPU_ISA` (like oneDNN's ONEDNN_MAX_CPU_ISA) caps the level: the process runs the lower of the cap and
@@ -33,15 +34,15 @@ LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx")
 _REQUIRED_FLAGS = {
     "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
-    "avx512_bf16": ("avx512_bf16",),
-    "amx": ("amx_tile", "amx_bf16"),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8"),
 }
 # GCC/Clang flags each level adds to the previous one's.
 _LEVEL_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mmovbe", "-mpopcnt"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"),
-    "avx512_bf16": ("-mavx512bf16",),
-    "amx": ("-mamx-tile", "-mamx-bf16"),
+    "avx512_bf16": ("-mavx512bf16", "-mavx512vnni"),
+    "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 # The flags the sources are compiled with for aarch64 (the cross-compile check; no aarch64 build runs yet).
 AARCH64_FLAGS = ("-march=armv8-a",)

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.kernels import cpu_isa, cpu_library
 
 ZEN3_FLAGS = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
-ZEN4_FLAGS = ZEN3_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16"}
+ZEN4_FLAGS = ZEN3_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16", "avx512_vnni"}
 SAPPHIRE_RAPIDS_FLAGS = ZEN4_FLAGS | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
@@ -22,6 +22,8 @@ SAPPHIRE_RAPIDS_FLAGS = ZEN4_FLAGS | {"amx_tile", "amx_bf16", "amx_int8"}
     (ZEN4_FLAGS, ("none", "avx2", "avx512", "avx512_bf16")),
     (SAPPHIRE_RAPIDS_FLAGS, ("none", "avx2", "avx512", "avx512_bf16", "amx")),
     (ZEN3_FLAGS | {"avx512_bf16", "amx_tile", "amx_bf16"}, ("none", "avx2")),  # levels are cumulative
+    (ZEN4_FLAGS - {"avx512_vnni"}, ("none", "avx2", "avx512")),  # the bf16 level's int8 kernels need VNNI
+    (SAPPHIRE_RAPIDS_FLAGS - {"amx_int8"}, ("none", "avx2", "avx512", "avx512_bf16")),
 ])
 def test_levels_of_flags(flags: set[str], levels: tuple[str, ...]) -> None:
     assert cpu_isa.levels_of_flags(flags) == levels
@@ -81,9 +83,10 @@ def test_each_level_has_its_own_build_key() -> None:
 # The macros a level's build may and may not see: a build never holds instructions its level's CPUs lack.
 _LEVEL_MACROS = {
     "avx2": ({"__AVX2__", "__FMA__", "__F16C__"}, {"__AVX512F__", "__AVX512BF16__", "__AMX_TILE__"}),
-    "avx512": ({"__AVX2__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__"}, {"__AVX512BF16__", "__AMX_TILE__"}),
-    "avx512_bf16": ({"__AVX512F__", "__AVX512BF16__"}, {"__AMX_TILE__", "__AMX_BF16__"}),
-    "amx": ({"__AVX512BF16__", "__AMX_TILE__", "__AMX_BF16__"}, {"__AVX512FP16__", "__AMX_INT8__"}),
+    "avx512": ({"__AVX2__", "__AVX512F__", "__AVX512BW__", "__AVX512VL__"},
+               {"__AVX512BF16__", "__AVX512VNNI__", "__AMX_TILE__"}),
+    "avx512_bf16": ({"__AVX512F__", "__AVX512BF16__", "__AVX512VNNI__"}, {"__AMX_TILE__", "__AMX_BF16__"}),
+    "amx": ({"__AVX512BF16__", "__AMX_TILE__", "__AMX_BF16__", "__AMX_INT8__"}, {"__AVX512FP16__"}),
 }
 
 
