@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ENGINE_ARGS
+from server_engine_settings import ENGINE_ARGS
 from server_process import ServerProcess, child_pids, pid_exists
 
 MAX_NUM_SEQS = 2

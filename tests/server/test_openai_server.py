@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ENGINE_ARGS, ENGINE_KWARGS, MAX_MODEL_LEN
+from server_engine_settings import ENGINE_ARGS, ENGINE_KWARGS, MAX_MODEL_LEN
 from server_process import ServerProcess, child_pids, pid_exists
 
 API_KEY = "sk-pagedserve-test"

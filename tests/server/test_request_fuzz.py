@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ENGINE_ARGS, MAX_MODEL_LEN
+from server_engine_settings import ENGINE_ARGS, MAX_MODEL_LEN
 from server_process import ServerProcess
 
 # Admission of 4 engine requests in all: the health check asks for n=4, so one slot kept by a rejected

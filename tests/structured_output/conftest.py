@@ -8,8 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# Small enough for 2 CPU cores; room for every request of the schema suite at once.
-DEFAULT_MODEL_KWARGS = dict(max_model_len=1024, num_kv_blocks=512, block_size=16)
+from default_model_prompts import DEFAULT_MODEL_KWARGS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +18,3 @@ def default_llm():
     llm = LLM(**DEFAULT_MODEL_KWARGS)
     yield llm
     llm.llm_engine.shutdown()
-
-
-def chat_prompt(llm, question: str) -> dict:
-    """The default model's chat-templated prompt for one user question."""
-    from pagedserve.engine.input_processor import apply_chat_template
-
-    return {"prompt_token_ids": apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": question}])}

@@ -11,7 +11,7 @@ import re
 
 import jsonschema
 
-from conftest import chat_prompt
+from default_model_prompts import chat_prompt
 from schema_suite import SCHEMA_SUITE
 
 from pagedserve import SamplingParams

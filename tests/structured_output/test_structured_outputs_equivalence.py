@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import DEFAULT_MODEL_KWARGS, chat_prompt
+from default_model_prompts import DEFAULT_MODEL_KWARGS, chat_prompt
 from schema_suite import SCHEMA_SUITE
 
 from pagedserve import LLM, SamplingParams
