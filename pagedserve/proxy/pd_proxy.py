@@ -1,7 +1,8 @@
 """The prefill/decode proxy: an OpenAI-compatible front over P (KV producer) and D (KV consumer) servers.
 
-Each POST /v1/completions or /v1/chat/completions gets one request id: the X-Request-Id header of the proxy's answer
-and of its call to D; P's call carries it suffixed "-prefill" (a kv_both instance may be P and D of one request, and
+Each POST /v1/completions or /v1/chat/completions gets one request id: the caller's (its X-Request-Id header, else
+the body's request_id, checked as the servers check them: server/request_ids.py), else a random one. It is the
+X-Request-Id header of the proxy's answer and of its call to D; P's call carries it suffixed "-prefill" (a kv_both instance may be P and D of one request, and
 one engine runs one request per id). Then, per --kv-transfer-mode (kv_transfer_mode.py):
 - pull: 1. to the least-loaded live P, not streamed, with max_tokens 1 and kv_transfer_params
   {"do_remote_decode": true} (P computes the prompt's KV and keeps its blocks); P's response carries the
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,7 +45,7 @@ from pagedserve.proxy.kv_transfer_mode import (KV_TRANSFER_MODES, instance_error
 from pagedserve.proxy.proxy_metrics import ProxyMetrics
 from pagedserve.server.disconnect import run_until_disconnected
 from pagedserve.server.errors import OpenAIError, error_body, error_response
-from pagedserve.server.request_ids import REQUEST_ID_HEADER, engine_request_id
+from pagedserve.server.request_ids import REQUEST_ID_HEADER, base_request_id, engine_request_id
 from pagedserve.server.streaming import SSE_DONE, SSE_HEADERS, sse_event
 
 logger = logging.getLogger(__name__)
@@ -281,9 +281,14 @@ class PDProxy:
             raise
         return instance
 
-    async def generate(self, endpoint: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        """The whole flow of one completion or chat request (see the module docstring)."""
-        request_id = uuid.uuid4().hex
+    async def generate(self, endpoint: str, body: dict[str, Any], headers: dict[str, str],
+                       caller_request_id: str | None = None) -> Response:
+        """The whole flow of one completion or chat request (see the module docstring); `caller_request_id` is the
+        caller's X-Request-Id header."""
+        body_request_id = body.get("request_id")
+        if body_request_id is not None and not isinstance(body_request_id, str):
+            raise OpenAIError(400, f"request_id={body_request_id!r} must be a string", param="request_id")
+        request_id = base_request_id(caller_request_id, body_request_id)
         headers = {**headers, REQUEST_ID_HEADER: request_id}
         if len(self.prefill) and self.kv_transfer_mode == "push":
             response = await self._generate_push(endpoint, body, headers, request_id)
@@ -462,7 +467,8 @@ def build_proxy_app(proxy: PDProxy) -> FastAPI:
         body = await json_body(request)
         # Until the answer starts, a client that leaves cancels the work (its upstream calls end, which aborts their
         # requests); a relayed stream is then released by RelayResponse when the client leaves.
-        return await run_until_disconnected(request, proxy.generate(endpoint, body, forwarded_headers(request)))
+        return await run_until_disconnected(request, proxy.generate(endpoint, body, forwarded_headers(request),
+                                                                    request.headers.get(REQUEST_ID_HEADER)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -208,6 +208,26 @@ def test_errors_are_openai_errors_naming_the_instance(cluster, client):
     assert decode_error.json()["error"]["message"].startswith("decode instance http://127.0.0.1:")
     not_json = httpx.post(f"{cluster['proxy'].base_url}/v1/completions", content=b"{", timeout=10)
     assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "BadRequestError"
+    for bad_id in ("", 7, "x" * 257):
+        refused = httpx.post(f"{cluster['proxy'].base_url}/v1/completions", timeout=10, json={
+            "model": cluster["model"], "prompt": "x", "max_tokens": 4, "request_id": bad_id})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id", refused.text
+
+
+def test_the_caller_s_request_id_names_the_request_on_every_instance(cluster):
+    """X-Request-Id, else the body's request_id, is the id of the proxy's answer and of the request on D (P runs it
+    suffixed), as a server alone takes it."""
+    base = cluster["proxy"].base_url
+    body = {"model": cluster["model"], "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    by_header = httpx.post(f"{base}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=60)
+    assert by_header.status_code == 200, by_header.text
+    assert by_header.headers["x-request-id"] == "trace-7" and by_header.json()["id"] == "cmpl-trace-7"
+    by_body = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": cluster["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "request_id": "mine-8"})
+    assert by_body.status_code == 200, by_body.text
+    assert by_body.headers["x-request-id"] == "mine-8" and by_body.json()["id"] == "chatcmpl-mine-8"
+    wait_until_every_block_is_free([cluster["prefill"], *cluster["decode"]])
 
 
 def test_metrics_count_per_instance_and_least_loaded_spreads(cluster):

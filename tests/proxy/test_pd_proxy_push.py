@@ -103,6 +103,12 @@ def test_push_through_the_proxy_equals_one_engine(cluster, client):
     # The proxy's request id: its answer's header, and the id D ran the request under.
     request_id = chat.headers["x-request-id"]
     assert len(request_id) == 32 and chat.parse().id == f"chatcmpl-{request_id}"
+    traced = client.chat.completions.with_raw_response.create(model=cluster["model"], messages=MESSAGES,
+                                                              max_tokens=8, temperature=0,
+                                                              extra_headers={"X-Request-Id": "trace-push"},
+                                                              extra_body={"ignore_eos": True})
+    assert traced.headers["x-request-id"] == "trace-push" and traced.parse().id == "chatcmpl-trace-push"
+    assert traced.parse().choices[0].message.content == reference["choices"][0]["message"]["content"]
     streamed = client.chat.completions.create(model=cluster["model"], messages=MESSAGES, max_tokens=8, temperature=0,
                                               stream=True, extra_body={"ignore_eos": True})
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
