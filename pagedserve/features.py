@@ -49,13 +49,15 @@ FEATURES: tuple[Feature, ...] = (
         line="framework", family="kv cache mgmt", feature="int8 KV cache: byte pages of int8 K/V with float32 "
                                                          "per-token-per-head scales in the same page (~2x the "
                                                          "tokens of bf16), read in place by torch_paged and the "
-                                                         "cpu_native decode kernel; MLA latent cache in int8",
+                                                         "cpu_native decode and prefill kernels and the native "
+                                                         "decode stack; MLA latent cache in int8",
         modules=("pagedserve.attention.kv_quantization", "pagedserve.worker.kv_cache_allocation",
                  "pagedserve.attention.cpu_native", "pagedserve.attention.mla_paged"),
         knobs=("kv_cache_dtype",),
         docs="docs/params-01-scheduling.md",
         tests=("tests/e2e/test_int8_kv_cache_engine.py", "tests/attention/test_int8_kv_cache.py",
-               "tests/attention/test_native_int8_kv.py", "tests/moe/test_mla_int8_cache.py"),
+               "tests/attention/test_native_int8_kv.py", "tests/attention/test_native_int8_prefill.py",
+               "tests/models/test_native_decode_stack_int8_kv.py", "tests/moe/test_mla_int8_cache.py"),
     ),
     Feature(
         line="framework", family="kv cache mgmt", feature="multi-component KV pages: a layer's spec lists its "

@@ -11,4 +11,5 @@ NATIVE_KERNEL_TEST_MODULES: tuple[str, ...] = (
     "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",
     "tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_decode_stack.py",
     "tests/quantization/test_w8a8_native_kernel.py", "tests/quantization/test_w8a8_decode_stack.py",
+    "tests/attention/test_native_int8_prefill.py", "tests/models/test_native_decode_stack_int8_kv.py",
 )

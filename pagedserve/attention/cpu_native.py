@@ -14,9 +14,11 @@ multiples of 64, padding rows, validation) is TorchPagedAttentionBackend's code,
 the oracle.
 
 An int8 cache (kv_cache_dtype="int8", attention/kv_quantization.py) takes `pagedserve::reshape_and_cache_int8`
-(quantizing on the way in) and `pagedserve::paged_decode_attention_int8` (the decode kernel reading int8 rows and
-their scales in place); its prefills take torch_paged's path, which dequantizes the gathered blocks only (the
-prefill kernel reads caches of the query's dtype).
+(quantizing on the way in), `pagedserve::paged_decode_attention_int8` (the decode kernel reading int8 rows and
+their scales in place) and, where the prefill kernel runs, `pagedserve::paged_prefill_attention_int8`: the same
+prefill kernel, whose pack phase reads the int8 rows and scales in place through the block table and dequantizes
+them into its working tiles (bitwise the prefill kernel over the cache dequantized to the query's dtype). Where it
+does not run, int8 prefills take torch_paged's path (gather the blocks, dequantize, SDPA): the reference.
 
 The kernels are torch.library ops with fake (meta) implementations, so torch.compile treats them as
 opaque nodes. Each decode's result depends only on that request (fixed context partitions, fixed
@@ -55,6 +57,13 @@ def _register_fake() -> None:
     def _paged_prefill_attention_fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                                       sliding_window: int | None, products: str = "auto") -> torch.Tensor:
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("pagedserve::paged_prefill_attention_int8")
+    def _paged_prefill_attention_int8_fake(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor,
+                                           block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                           query_start_loc: torch.Tensor, scale: float, sliding_window: int | None,
+                                           products: str = "auto") -> torch.Tensor:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("pagedserve::reshape_and_cache")
@@ -106,7 +115,8 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
 
     query [num_tokens, num_heads, head_dim] bfloat16 or float32 (heads contiguous, any row stride; head_dim a
     multiple of 64 up to 256), kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] of the same dtype
-    (contiguous, already holding the new tokens' K/V), block_table [R, max_blocks], seq_lens [R] and
+    (contiguous, already holding the new tokens' K/V) or an int8 cache (the data view of kv_quantization's pages,
+    read in place with its scale view and dequantized to the query's dtype), block_table [R, max_blocks], seq_lens [R] and
     query_start_loc [R + 1] int32 (request r owns query rows query_start_loc[r]:query_start_loc[r + 1], its last
     tokens). Returns [num_tokens, num_heads, head_dim] in the query's dtype. `products`: the unit for both
     products, 'amx' or 'avx512_bf16' (bfloat16), 'avx512_fp32' (float32) or 'auto' (float32: 'avx512_fp32';
@@ -116,6 +126,10 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if not _fake_registered:
         load_native_extension()
         _register_fake()
+    if is_int8_kv_cache(kv_cache):
+        return torch.ops.pagedserve.paged_prefill_attention_int8(query, kv_cache, kv_cache_scales(kv_cache),
+                                                                 block_table, seq_lens, query_start_loc, scale,
+                                                                 sliding_window, products)
     return torch.ops.pagedserve.paged_prefill_attention(query, kv_cache, block_table, seq_lens, query_start_loc,
                                                         scale, sliding_window, products)
 
@@ -144,10 +158,11 @@ def prefill_kernel_dtypes() -> frozenset[torch.dtype]:
 
 
 def can_use_prefill_kernel(query: torch.Tensor, kv_cache: torch.Tensor, dtypes: frozenset[torch.dtype]) -> bool:
-    """Whether paged_prefill_attention takes these tensors (query and cache of one dtype in `dtypes`, from
-    prefill_kernel_dtypes(); head_dim a multiple of 64 up to 256, heads contiguous)."""
+    """Whether paged_prefill_attention takes these tensors (a query of a dtype in `dtypes`, from
+    prefill_kernel_dtypes(), and a cache of its dtype or int8; head_dim a multiple of 64 up to 256, heads
+    contiguous)."""
     head_dim = query.shape[-1]
-    return (query.dtype in dtypes and kv_cache.dtype == query.dtype and head_dim % 64 == 0
+    return (query.dtype in dtypes and kv_cache.dtype in (query.dtype, torch.int8) and head_dim % 64 == 0
             and head_dim <= 256 and query.stride(-1) == 1 and query.stride(-2) == head_dim)
 
 
@@ -177,7 +192,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 class CpuNativeAttentionBackend(TorchPagedAttentionBackend):
     """torch_paged with the K/V write, the decodes and (AMX or AVX512-BF16) the prefills done by the native
-    kernels (CPU tensors only)."""
+    kernels (CPU tensors only; model-dtype or int8 caches)."""
 
     name = "cpu_native"
 

@@ -28,6 +28,11 @@ attention backend is cpu_native, every linear of the layers has one of the plain
 mode the native loop would bypass). Anything else keeps the modules; `native_decode_stack_plan` says why in its
 `reason`.
 
+The KV caches may be of the model's dtype or int8 pages (kv_cache_dtype="int8", attention/kv_quantization.py): with
+int8 the plan also holds each layer's scale view (DecodeStackPlan.set_kv_scales) and the stack writes each new row
+with reshape_and_cache_int8's quantizing code and attends with paged_decode_attention_int8's, as cpu_native does, so
+the results stay bitwise the modules' (tests/models/test_native_decode_stack_int8_kv.py).
+
 The stack skips the modules, so a step takes the modules instead while any forward hook or pre-hook is registered
 (on one of the model's modules, or globally): hooks fire as they would without the stack (ForwardHookCheck looks
 at the hook dicts only when a hook handle was made since it last found none). The plan holds the
@@ -48,6 +53,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS, CpuNativeAttentionBackend, decode_inputs
+from pagedserve.attention.kv_quantization import is_int8_kv_cache, kv_cache_scales
 from pagedserve.kernels.cpu_library import is_native_extension_available, native_module
 from pagedserve.attention.forward_context import get_forward_context
 from pagedserve.kernels import elementwise as native_elementwise
@@ -85,6 +91,9 @@ SMALL_BATCH_ONEDNN_KIND = 4
 # product. On the Zen 4 VM, alternating with op by op in one process: bfloat16 1.094x at 1 row, 1.084x at 2, 1.039x
 # at 16, 1.047x at 64; float32 1.038x at 1 row, 1.017x at 64. Larger steps, and the other linear kinds, run op by op.
 ONE_REGION_MAX_ROWS = 256
+# The kv_cache_dtype values whose caches the stack writes and reads: the model's dtype, and int8 pages with their
+# scales (the K/V write quantizes as reshape_and_cache_int8, the attention is paged_decode_attention_int8's code).
+STACK_KV_CACHE_DTYPES = ("auto", "int8")
 # The kinds whose method computes with packed_weight_of(layer).
 _PACKED_KINDS = (LINEAR_KINDS[AmxPackedLinearMethod], LINEAR_KINDS[OneDnnPrepackedLinearMethod])
 
@@ -154,6 +163,9 @@ class NativeDecodeStackPlan:
                 self.native.set_w8a8_scales(list(self.weight_scales), list(self.input_scales))
             if self.greedy_head is not None:
                 self.native.set_greedy_head(*self.greedy_head)
+            if is_int8_kv_cache(kv_caches[0]):
+                # int8 pages (kv_cache_dtype="int8"): the stack writes and reads each layer's scales in place too.
+                self.native.set_kv_scales([kv_cache_scales(cache) for cache in kv_caches])
             self.block_size = kv_caches[0].shape[2]
         return self.native
 
@@ -456,8 +468,7 @@ def build_native_decode_forward(model: nn.Module, engine_config: Any, forward: C
         return forward  # compilation_config asked for the compiled graph on every step it covers
     dtype = engine_config.model_config.dtype
     plan = native_decode_stack_plan(model, dtype)
-    if plan.is_usable and engine_config.cache_config.kv_cache_dtype != "auto":
-        # The stack's attention reads caches of the model's dtype only; the modules read int8 pages in place.
+    if plan.is_usable and engine_config.cache_config.kv_cache_dtype not in STACK_KV_CACHE_DTYPES:
         plan = NativeDecodeStackPlan(reason=f"kv_cache_dtype={engine_config.cache_config.kv_cache_dtype!r}")
     if not plan.is_usable:
         logger.info("native decode stack: not used (%s)", plan.reason)

@@ -137,19 +137,6 @@ def test_int8_with_batch_invariance_gives_a_request_the_same_tokens_in_any_batch
     assert together == alone
 
 
-@pytest.mark.skipif(not is_native_extension_available(), reason="the native kernels are not built")
-def test_native_decode_stack_declines_int8(folder: str, caplog) -> None:
-    """The stack's attention reads model-dtype caches only: with int8 the decode steps take the modules (whose
-    cpu_native kernel reads the int8 pages), and the start-up log says why."""
-    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
-        LLM(folder, max_model_len=256, num_kv_blocks=64, kv_cache_dtype="int8")
-    assert "native decode stack: not used (kv_cache_dtype='int8')" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pagedserve.models.native_decode_stack"):
-        LLM(folder, max_model_len=256, num_kv_blocks=64)
-    assert "native decode stack: decode-only steps run" in caplog.text
-
-
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "bfloat16", "float16"])
 def test_unsupported_kv_cache_dtype_names_the_value_and_the_supported_ones(folder: str, value: str) -> None:
     with pytest.raises(ValueError, match=rf"kv_cache_dtype='{value}' is not supported; supported: \['auto', 'int8'\]"):

@@ -8,6 +8,9 @@
 //   per layer: [add +] RMSNorm -> qkv linear -> split -> neox RoPE (q, k) -> K/V write -> paged decode attention
 //              -> o linear -> add + RMSNorm -> gate_up linear -> SiLU-and-mul -> down linear
 //   then the final add + RMSNorm.
+// With int8 KV pages (DecodeStackPlan.set_kv_scales: each layer's scale view) the K/V write is
+// reshape_and_cache_int8 and the attention paged_decode_attention_int8 (in one region: their row quantizer,
+// quantize_int8_row, and DecodeAttentionCall over the int8 pages and that layer's scales).
 // The results are therefore bitwise those of the module path (tests/models/test_native_decode_stack.py).
 // It also looks the tokens up in the embedding table (at::embedding, as VocabParallelEmbedding on one rank) and
 // range-checks the positions against the rotary table first (ValueError, as RotaryEmbedding.check_positions): each
@@ -126,6 +129,11 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                                       const OptionalTensor&, std::optional<at::ScalarType>)>
       w8a8_linear;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
+      reshape_and_cache_int8;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, double, std::optional<int64_t>, int64_t)>
+      decode_attention_int8;
 
   static const Kernels& get() {
     static const Kernels kernels = [] {
@@ -159,6 +167,11 @@ struct Kernels {
           find("pagedserve::w8a8_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                                 const OptionalTensor&, std::optional<at::ScalarType>)>(),
+          find("pagedserve::reshape_and_cache_int8")
+              .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(),
+          find("pagedserve::paged_decode_attention_int8")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, double, std::optional<int64_t>, int64_t)>(),
       };
     }();
     return kernels;
@@ -229,6 +242,9 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;  // 6 per layer: input norm, qkv, o, post-attention norm, gate_up, down
   std::vector<OptionalTensor> biases;  // 4 per layer: qkv, o, gate_up, down
   std::vector<at::Tensor> kv_caches;  // one per layer, written
+  // int8 caches (kv_cache_dtype="int8"): each layer's float32 scale view [2, num_blocks, block_size, num_kv_heads]
+  // of the same pages (set_kv_scales; empty: caches of the model's dtype).
+  std::vector<at::Tensor> kv_scales;
   at::Tensor embedding, final_norm, cos_sin_cache;
   std::vector<int64_t> output_sizes, sliding_windows;
   int64_t num_heads, num_kv_heads, head_dim;
@@ -351,6 +367,29 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     is_one_region_capable = one_region_capable();
   }
 
+  // int8 KV caches: each layer's scale view (kv_quantization.kv_cache_scales of its cache), written with the cache.
+  void set_kv_scales(std::vector<at::Tensor> scales) {
+    TORCH_CHECK(scales.size() == kv_caches.size(), "DecodeStackPlan.set_kv_scales: one scale view per layer (",
+                kv_caches.size(), ") expected, got ", scales.size());
+    for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
+      const at::Tensor& cache = kv_caches[layer];
+      const at::Tensor& layer_scales = scales[layer];
+      TORCH_CHECK(cache.scalar_type() == at::kChar && cache.dim() == 5 && cache.stride(4) == 1 &&
+                      cache.stride(3) == cache.size(4) && cache.stride(2) == cache.size(3) * cache.size(4) &&
+                      cache.strides() == kv_caches[0].strides(),
+                  "DecodeStackPlan.set_kv_scales: layer ", layer, "'s KV cache is not an int8 page view like layer 0's");
+      TORCH_CHECK(layer_scales.scalar_type() == at::kFloat && layer_scales.dim() == 4 &&
+                      layer_scales.sizes() == cache.sizes().slice(0, 4) && layer_scales.stride(3) == 1 &&
+                      layer_scales.strides() == scales[0].strides(),
+                  "DecodeStackPlan.set_kv_scales: layer ", layer, "'s scales must be a float32 [2, num_blocks, "
+                  "block_size, num_kv_heads] view like layer 0's, got ", layer_scales.sizes());
+    }
+    kv_scales = std::move(scales);
+    is_one_region_capable = one_region_capable();
+  }
+
+  bool is_int8_cache() const { return !kv_scales.empty(); }
+
   // The block type (kind 5) or scales (kind 6) of layer `layer`'s linear `part` (qkv, o, gate_up, down).
   LinearQuantization quantization_of(int64_t layer, int64_t part) const {
     const int64_t index = layer * kBiasesPerLayer + part;
@@ -403,7 +442,9 @@ struct DecodeStackPlan : torch::CustomClassHolder {
       return false;
     for (size_t layer = 0; layer < kv_caches.size(); ++layer) {
       const at::Tensor& cache = kv_caches[layer];
-      if (!is_of_dtype(cache) || cache.dim() != 5 || cache.size(0) != 2 || cache.size(3) != num_kv_heads ||
+      // int8 pages: set_kv_scales checked their layout.
+      const bool is_cache_readable = is_int8_cache() ? cache.scalar_type() == at::kChar : is_of_dtype(cache);
+      if (!is_cache_readable || cache.dim() != 5 || cache.size(0) != 2 || cache.size(3) != num_kv_heads ||
           cache.size(4) != head_dim || cache.sizes() != kv_caches[0].sizes())
         return false;
       for (const int64_t norm : {int64_t{0}, int64_t{3}}) {
@@ -525,11 +566,18 @@ at::Tensor run_layers_op_by_op(const DecodeStackPlan& plan, const Kernels& kerne
     key = key.view({num_tokens, num_kv_heads, head_dim});
     const at::Tensor value = parts[2].view({num_tokens, num_kv_heads, head_dim});
     at::Tensor kv_cache = plan.kv_caches[layer];
-    kernels.reshape_and_cache.call(key, value, kv_cache, step.slot_mapping);
-    const at::Tensor attended = kernels.decode_attention
-                                    .call(query, kv_cache, step.block_table, step.seq_lens, plan.scale,
-                                          sliding_window(plan, layer), plan.partition_size)
-                                    .reshape({num_tokens, q_size});
+    at::Tensor attended;
+    if (plan.is_int8_cache()) {
+      at::Tensor kv_scales = plan.kv_scales[layer];
+      kernels.reshape_and_cache_int8.call(key, value, kv_cache, kv_scales, step.slot_mapping);
+      attended = kernels.decode_attention_int8.call(query, kv_cache, kv_scales, step.block_table, step.seq_lens,
+                                                    plan.scale, sliding_window(plan, layer), plan.partition_size);
+    } else {
+      kernels.reshape_and_cache.call(key, value, kv_cache, step.slot_mapping);
+      attended = kernels.decode_attention.call(query, kv_cache, step.block_table, step.seq_lens, plan.scale,
+                                               sliding_window(plan, layer), plan.partition_size);
+    }
+    attended = attended.reshape({num_tokens, q_size});
     const at::Tensor projected =
         linear(kernels, plan.linear_kind, attended, w[2], layer_biases[1], plan.output_sizes[1], quantization_of(layer, 1));
     // The post-attention norm and LlamaMLP.
@@ -647,8 +695,10 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
     for (int64_t earlier = 0; earlier < layer && attention[layer] == nullptr; ++earlier)
       if (plan.sliding_windows[earlier] == plan.sliding_windows[layer]) attention[layer] = attention[earlier];
     if (attention[layer] != nullptr) continue;
-    attention_plans.push_back(std::make_unique<DecodeAttentionCall>(query, plan.kv_caches[layer], step.block_table,
-                                                                    step.seq_lens, plan.scale,
+    const std::optional<at::Tensor> layer_scales =
+        plan.is_int8_cache() ? std::optional<at::Tensor>(plan.kv_scales[layer]) : std::nullopt;
+    attention_plans.push_back(std::make_unique<DecodeAttentionCall>(query, plan.kv_caches[layer], layer_scales,
+                                                                    step.block_table, step.seq_lens, plan.scale,
                                                                     sliding_window(plan, layer), plan.partition_size,
                                                                     attended));
     attention[layer] = attention_plans.back().get();
@@ -671,6 +721,22 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   const int64_t* const positions = step.positions.data_ptr<int64_t>();
   const int64_t cache_token_elements = kv_size;  // one slot of one plane
   const int64_t value_plane = num_slots * cache_token_elements;
+  // int8 caches: every layer's pages (int8 views of one layout; strides in bytes) and scale views (floats).
+  const bool is_int8 = plan.is_int8_cache();
+  std::vector<int8_t*> layer_pages;
+  std::vector<float*> scale_pages;
+  int64_t int8_strides[3] = {0, 0, 0}, scale_strides[3] = {0, 0, 0};
+  const int64_t block_size = first_cache.size(2);
+  if (is_int8) {
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+      layer_pages.push_back(plan.kv_caches[layer].data_ptr<int8_t>());
+      scale_pages.push_back(plan.kv_scales[layer].data_ptr<float>());
+    }
+    for (int dim = 0; dim < 3; ++dim) {
+      int8_strides[dim] = first_cache.stride(dim);
+      scale_strides[dim] = plan.kv_scales[0].stride(dim);
+    }
+  }
 
   pagedserve_native::SpinBarrier barrier;
   std::exception_ptr error;
@@ -738,8 +804,9 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
         product(normed, w[1], layer_biases[0], qkv_size, qkv, quantization_of(0));
         if (!stage_done()) break;
         {
-          // RoPE on q and k, then the K/V write into the layer's cache.
-          scalar_t* const cache = data(plan.kv_caches[layer]);
+          // RoPE on q and k, then the K/V write into the layer's cache: the rows copied (a cache of the model's
+          // dtype), or each KV head's row quantized as reshape_and_cache_int8 does (int8 pages and their scales).
+          const at::Tensor& layer_cache = plan.kv_caches[layer];
           for (int64_t row = first_row; row < end_row; ++row) {
             const scalar_t* const qkv_row = qkv_data + row * qkv_size;
             scalar_t* const key_row = key_data + row * kv_size;
@@ -748,16 +815,32 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
                                             head_dim, num_kv_heads, key_row, head_dim);
             const int64_t slot = slots[row * slot_stride];
             if (slot < 0) continue;  // padding
-            scalar_t* const key_slot = cache + slot * cache_token_elements;
+            const scalar_t* const value_row = qkv_row + q_size + kv_size;
+            if (is_int8) {
+              const int64_t block_id = slot / block_size, in_block = slot % block_size;
+              int8_t* const key_slot = layer_pages[layer] + block_id * int8_strides[1] + in_block * int8_strides[2];
+              float* const key_scales = scale_pages[layer] + block_id * scale_strides[1] + in_block * scale_strides[2];
+              for (int64_t head = 0; head < num_kv_heads; ++head) {
+                key_scales[head] = pagedserve_native::quantize_int8_row(key_row + head * head_dim, head_dim,
+                                                                        key_slot + head * head_dim);
+                key_scales[scale_strides[0] + head] = pagedserve_native::quantize_int8_row(
+                    value_row + head * head_dim, head_dim, key_slot + int8_strides[0] + head * head_dim);
+              }
+              continue;
+            }
+            scalar_t* const key_slot = data(layer_cache) + slot * cache_token_elements;
             std::memcpy(key_slot, key_row, kv_size * sizeof(scalar_t));
-            std::memcpy(key_slot + value_plane, qkv_row + q_size + kv_size, kv_size * sizeof(scalar_t));
+            std::memcpy(key_slot + value_plane, value_row, kv_size * sizeof(scalar_t));
           }
         }
         if (!stage_done()) break;
         const DecodeAttentionCall& layer_attention = *attention[layer];
         {
           const auto [begin, end] = thread_share(layer_attention.num_items(), thread, num_threads);
-          layer_attention.run_items_on(plan.kv_caches[layer], begin, end);
+          if (plan.is_int8_cache())
+            layer_attention.run_items_on(plan.kv_caches[layer], plan.kv_scales[layer], begin, end);
+          else
+            layer_attention.run_items_on(plan.kv_caches[layer], begin, end);
         }
         if (!stage_done()) break;
         if (layer_attention.num_merges() > 0) {
@@ -963,6 +1046,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
       .def("set_gguf_types", &DecodeStackPlan::set_gguf_types)
       .def("set_w8a8_scales", &DecodeStackPlan::set_w8a8_scales)
+      .def("set_kv_scales", &DecodeStackPlan::set_kv_scales)
       .def("bind_batch", &DecodeStackPlan::bind_batch)
       .def("handle", &DecodeStackPlan::handle)
       .def("has_greedy_head",

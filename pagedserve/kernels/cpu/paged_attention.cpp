@@ -814,7 +814,8 @@ struct DecodeAttentionCall::State {
   std::vector<int64_t> merge_items;  // the first item of every (request, kv_head) with several partitions
   std::vector<float> partials;       // [item, group, head_dim + 2]: acc, then max and sum
   float scale = 0.f;
-  void (*run_items)(const State&, const void*, int64_t, int64_t) = nullptr;  // the cache's data
+  // The cache's data and (int8) its scales' data (nullptr: the plan's).
+  void (*run_items)(const State&, const void*, const float*, int64_t, int64_t) = nullptr;
   void (*merge)(const State&, int64_t, int64_t) = nullptr;
 };
 
@@ -826,8 +827,9 @@ using DecodeState = pagedserve_native::DecodeAttentionCall::State;
 
 // Items [begin, end) of a call: each writes its own output rows (one partition) or its own partial results.
 template <typename query_t, typename cache_t>
-void run_items(const DecodeState& s, const void* cache, int64_t begin, int64_t end) {
-  const Geometry& g = s.g;
+void run_items(const DecodeState& s, const void* cache, const float* scales, int64_t begin, int64_t end) {
+  Geometry g = s.g;
+  if (scales != nullptr) g.scales = scales;
   const query_t* query_data = s.query.data_ptr<query_t>();
   const cache_t* cache_data = static_cast<const cache_t*>(cache);
   const int32_t* table_data = s.block_table.data_ptr<int32_t>();
@@ -1037,11 +1039,17 @@ int64_t DecodeAttentionCall::num_items() const { return static_cast<int64_t>(sta
 int64_t DecodeAttentionCall::num_merges() const { return static_cast<int64_t>(state_->merge_items.size()); }
 
 void DecodeAttentionCall::run_items(int64_t begin, int64_t end) const {
-  state_->run_items(*state_, state_->kv_cache.data_ptr(), begin, end);
+  state_->run_items(*state_, state_->kv_cache.data_ptr(), nullptr, begin, end);
 }
 
 void DecodeAttentionCall::run_items_on(const at::Tensor& kv_cache, int64_t begin, int64_t end) const {
-  state_->run_items(*state_, kv_cache.data_ptr(), begin, end);
+  state_->run_items(*state_, kv_cache.data_ptr(), nullptr, begin, end);
+}
+
+void DecodeAttentionCall::run_items_on(const at::Tensor& kv_cache, const at::Tensor& kv_scales, int64_t begin,
+                                       int64_t end) const {
+  TORCH_CHECK(state_->g.scales != nullptr, "DecodeAttentionCall.run_items_on: scales given to a plan of a float cache");
+  state_->run_items(*state_, kv_cache.data_ptr(), kv_scales.data_ptr<float>(), begin, end);
 }
 
 void DecodeAttentionCall::merge(int64_t begin, int64_t end) const { state_->merge(*state_, begin, end); }
@@ -1309,6 +1317,18 @@ void reshape_and_cache_int8(const at::Tensor& key, const at::Tensor& value, at::
 }
 
 }  // namespace
+
+namespace pagedserve_native {
+
+float quantize_int8_row(const float* source, int64_t head_dim, int8_t* destination) {
+  return quantize_row(source, 1, head_dim, destination);
+}
+
+float quantize_int8_row(const c10::BFloat16* source, int64_t head_dim, int8_t* destination) {
+  return quantize_row(source, 1, head_dim, destination);
+}
+
+}  // namespace pagedserve_native
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, float scale, "

@@ -38,6 +38,8 @@ class DecodeAttentionCall {
   // The same items over another cache of the planned cache's sizes, dtype and layout (unchecked): the calls of
   // layers that differ only in their caches share one plan. Not for int8 caches (their scales are the plan's).
   void run_items_on(const at::Tensor& kv_cache, int64_t begin, int64_t end) const;
+  // The same over another int8 cache and its scale view (an int8 plan: the layers of an int8 model share one plan).
+  void run_items_on(const at::Tensor& kv_cache, const at::Tensor& kv_scales, int64_t begin, int64_t end) const;
   // Merges [begin, end), once every item has run; disjoint ranges may run at once.
   void merge(int64_t begin, int64_t end) const;
 
@@ -46,5 +48,10 @@ class DecodeAttentionCall {
  private:
   std::unique_ptr<State> state_;
 };
+
+// One K or V row of head_dim contiguous values quantized into `destination` as reshape_and_cache_int8 does it (the
+// same code): returns the row's scale (max|x| / 127, 0 for a zero row).
+float quantize_int8_row(const float* source, int64_t head_dim, int8_t* destination);
+float quantize_int8_row(const c10::BFloat16* source, int64_t head_dim, int8_t* destination);
 
 }  // namespace pagedserve_native

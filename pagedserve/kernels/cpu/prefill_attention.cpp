@@ -9,6 +9,12 @@
 // `products` picks the unit: "amx" or "avx512_bf16" (bf16), "avx512_fp32" (fp32), or "auto" (fp32: avx512_fp32;
 // bf16: AMX where the process may use it, else AVX512-BF16). The float32 unit is built with the bf16 ones (an
 // AVX512-BF16 build). Op: pagedserve::prefill_attention_products() -> the units this build and process can use.
+// Op: pagedserve::paged_prefill_attention_int8(query, kv_cache (int8 view of kv_cache_dtype="int8" pages), kv_scales
+//       (their float32 scale view [2, num_blocks, block_size, num_kv_heads]), block_table, seq_lens, query_start_loc,
+//       scale, sliding_window?, products = "auto"): the same kernel; phase 1 below reads the int8 rows and their
+//       scales in place and dequantizes them into the packed tiles (Int8Rows), so the result is bitwise the op's on
+//       the cache dequantized to the query's dtype. The packed tiles are the working buffers either way: nothing is
+//       gathered first.
 //
 // Request r owns query rows [query_start_loc[r], query_start_loc[r + 1]): its last q_len tokens, at positions
 // seq_len - q_len .. seq_len - 1, whose K/V are already in the cache (the step writes K/V first). Query position p
@@ -57,6 +63,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bfloat16_rounding.h"
 
 namespace {
 
@@ -117,15 +124,104 @@ struct Item {
   int64_t cost;  // chunks read, for ordering
 };
 
+// Where the pack phase reads one KV head's context rows (head_dim values each), by block id and offset in the block.
+// PlainRows: the cache's own rows (the query's dtype). Int8Rows: int8 rows of kv_cache_dtype="int8" pages with their
+// per-token-per-head float32 scales, dequantized into `scratch` on the way: q * scale in float32, then (bf16) rounded
+// to nearest even as c10::BFloat16 does, so the packed values are bitwise kv_quantization.dequantize(..., dtype)'s and
+// the kernel's result is bitwise its result on that dequantized cache. Each raises on a block id outside the cache.
+template <typename Element>
+struct PlainRows {
+  const Element* keys;    // K plane, at the KV head's first element
+  const Element* values;  // V plane, likewise
+  int64_t block_stride;   // elements between blocks
+  int64_t token_stride;   // elements between a block's tokens
+  int64_t num_blocks;
+  int64_t head_dim;
+
+  PlainRows at_head(int64_t kv_head) const {
+    PlainRows rows = *this;
+    rows.keys += kv_head * head_dim;
+    rows.values += kv_head * head_dim;
+    return rows;
+  }
+  int64_t row(int64_t block, int64_t in_block) const {
+    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: block id ", block, " is outside the cache "
+                "(", num_blocks, " blocks)");
+    return block * block_stride + in_block * token_stride;
+  }
+  const Element* key(int64_t block, int64_t in_block, Element*) const { return keys + row(block, in_block); }
+  const Element* value(int64_t block, int64_t in_block, Element*) const { return values + row(block, in_block); }
+};
+
+// 16 int8 values times `scale`, in float32 (exact widening, one rounding: the reference's q.float() * scale).
+inline __m512 dequantize_lanes(const int8_t* pointer, __m512 scale) {
+  return _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pointer)))), scale);
+}
+
+inline void dequantize_row(const int8_t* row, float scale, int64_t head_dim, float* out) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t dim = 0; dim < head_dim; dim += 16) _mm512_storeu_ps(out + dim, dequantize_lanes(row + dim, factor));
+}
+
+inline void dequantize_row(const int8_t* row, float scale, int64_t head_dim, bf16* out) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int64_t dim = 0; dim < head_dim; dim += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + dim),
+                        _mm512_cvtepi32_epi16(pagedserve_native::bfloat16_bits(dequantize_lanes(row + dim, factor))));
+}
+
+template <typename Element>
+struct Int8Rows {
+  const int8_t* keys;  // K plane of the int8 view, at the KV head's first value
+  const int8_t* values;
+  const float* key_scales;  // K scales, at the KV head's scale
+  const float* value_scales;
+  int64_t block_stride;  // bytes between pages
+  int64_t token_stride;  // bytes between a block's tokens
+  int64_t scale_block_stride;  // floats between pages
+  int64_t scale_token_stride;  // floats between a block's tokens
+  int64_t num_blocks;
+  int64_t head_dim;
+
+  Int8Rows at_head(int64_t kv_head) const {
+    Int8Rows rows = *this;
+    rows.keys += kv_head * head_dim;
+    rows.values += kv_head * head_dim;
+    rows.key_scales += kv_head;
+    rows.value_scales += kv_head;
+    return rows;
+  }
+  void check(int64_t block) const {
+    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention_int8: block id ", block,
+                " is outside the cache (", num_blocks, " blocks)");
+  }
+  const Element* key(int64_t block, int64_t in_block, Element* scratch) const {
+    check(block);
+    dequantize_row(keys + block * block_stride + in_block * token_stride,
+                   key_scales[block * scale_block_stride + in_block * scale_token_stride], head_dim, scratch);
+    return scratch;
+  }
+  const Element* value(int64_t block, int64_t in_block, Element* scratch) const {
+    check(block);
+    dequantize_row(values + block * block_stride + in_block * token_stride,
+                   value_scales[block * scale_block_stride + in_block * scale_token_stride], head_dim, scratch);
+    return scratch;
+  }
+};
+
 // Packs keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head) as B tiles (see the
 // header): K tile (chunk, key block, dim step) and V tile (chunk, key step, dim block), each chunk's tiles in that
-// order.
-void pack_span(const Span<bf16>& span, const bf16* cache_keys, const bf16* cache_values, const int32_t* block_row,
-               int64_t seq_len, int64_t block_size, int64_t token_stride, int64_t head_dim) {
+// order. `rows` is at the KV head (PlainRows or Int8Rows).
+template <typename Rows>
+void pack_span(const Span<bf16>& span, const Rows& rows, const int32_t* block_row, int64_t seq_len, int64_t block_size,
+               int64_t head_dim) {
   const int64_t dim_steps = head_dim / kStep, dim_blocks = head_dim / kKeyBlock;
   const int64_t num_keys = span.num_chunks * kChunkKeys;
   uint32_t* key_tiles = reinterpret_cast<uint32_t*>(span.keys);
   uint16_t* value_tiles = reinterpret_cast<uint16_t*>(span.values);
+  alignas(64) bf16 key_scratch[kMaxHeadDim];
+  alignas(64) bf16 value_scratch[kMaxHeadDim];
   for (int64_t key = 0; key < num_keys; ++key) {
     const int64_t chunk = key / kChunkKeys, in_chunk = key % kChunkKeys;
     const int64_t position = span.first_key + key;
@@ -134,16 +230,18 @@ void pack_span(const Span<bf16>& span, const bf16* cache_keys, const bf16* cache
     const int64_t value_step = in_chunk / kStep, pair_row = (in_chunk % kStep) / 2, parity = in_chunk % 2;
     uint16_t* value_base = value_tiles + (chunk * kChunkKeySteps + value_step) * dim_blocks * kTileValues +
                            pair_row * 32 + parity;
-    const bool is_padding = position >= seq_len;  // zero (finite) and masked out of the softmax
-    const int64_t slot =
-        is_padding ? 0 : static_cast<int64_t>(block_row[position / block_size]) * block_size + position % block_size;
-    const uint32_t* key_row = reinterpret_cast<const uint32_t*>(cache_keys + slot * token_stride);
-    const uint16_t* value_row = reinterpret_cast<const uint16_t*>(cache_values + slot * token_stride);
+    if (position >= seq_len) {  // zero (finite) and masked out of the softmax
+      for (int64_t pair = 0; pair < head_dim / 2; ++pair) key_base[(pair / 16) * (kTileValues / 2) + (pair % 16) * 16] = 0u;
+      for (int64_t dim = 0; dim < head_dim; ++dim) value_base[(dim / 16) * kTileValues + (dim % 16) * 2] = 0;
+      continue;
+    }
+    const int64_t block = block_row[position / block_size], in_block = position % block_size;
+    const uint32_t* key_row = reinterpret_cast<const uint32_t*>(rows.key(block, in_block, key_scratch));
+    const uint16_t* value_row = reinterpret_cast<const uint16_t*>(rows.value(block, in_block, value_scratch));
     // K tile row = a pair of dims, column = the key; V tile row = a pair of keys, column = the dim.
     for (int64_t pair = 0; pair < head_dim / 2; ++pair)
-      key_base[(pair / 16) * (kTileValues / 2) + (pair % 16) * 16] = is_padding ? 0u : key_row[pair];
-    for (int64_t dim = 0; dim < head_dim; ++dim)
-      value_base[(dim / 16) * kTileValues + (dim % 16) * 2] = is_padding ? uint16_t{0} : value_row[dim];
+      key_base[(pair / 16) * (kTileValues / 2) + (pair % 16) * 16] = key_row[pair];
+    for (int64_t dim = 0; dim < head_dim; ++dim) value_base[(dim / 16) * kTileValues + (dim % 16) * 2] = value_row[dim];
   }
 }
 
@@ -209,7 +307,11 @@ inline void chunk_values(const bf16* probabilities, const bf16* value_chunk, int
 // The AMX unit: tiles 0 A (query or P rows), 2-5 C (S blocks, or 4 dim blocks of P V), 6-7 B.
 struct AmxProducts {
   using Element = bf16;
-  static constexpr auto pack = pack_span;
+  template <typename Rows>
+  static void pack(const Span<bf16>& span, const Rows& rows, const int32_t* block_row, int64_t seq_len,
+                   int64_t block_size, int64_t head_dim) {
+    pack_span(span, rows, block_row, seq_len, block_size, head_dim);
+  }
   static void begin_thread() { pagedserve_native::configure_tile_rows({16, 16, 16, 16, 16, 16, 16, 16}); }
   static void end_thread() { _tile_release(); }
   static void scores(const bf16* query_tile, const bf16* key_chunk, int64_t head_dim, int64_t num_keys,
@@ -269,7 +371,11 @@ inline void store_accumulator(const RegisterBlock& sums, int64_t first_row, int6
 // accumulators in registers, 8 loads (4 of them broadcasts) per 16 VDPBF16PS.
 struct DotProducts {
   using Element = bf16;
-  static constexpr auto pack = pack_span;
+  template <typename Rows>
+  static void pack(const Span<bf16>& span, const Rows& rows, const int32_t* block_row, int64_t seq_len,
+                   int64_t block_size, int64_t head_dim) {
+    pack_span(span, rows, block_row, seq_len, block_size, head_dim);
+  }
   static constexpr int kRows = kBlockRows;
   static constexpr int kVectors = kBlockVectors;
   static void begin_thread() {}
@@ -344,11 +450,13 @@ struct FloatProducts {
   static void end_thread() {}
 
   // Keys [first_key, first_key + kChunkKeys * num_chunks) of one (request, KV head): K block (chunk, key block) =
-  // head_dim x 16 keys, V = the keys' rows in order. Keys past the context are zero (finite) and masked.
-  static void pack(const Span<float>& span, const float* cache_keys, const float* cache_values,
-                   const int32_t* block_row, int64_t seq_len, int64_t block_size, int64_t token_stride,
-                   int64_t head_dim) {
+  // head_dim x 16 keys, V = the keys' rows in order. Keys past the context are zero (finite) and masked. `rows` is
+  // at the KV head (PlainRows or Int8Rows).
+  template <typename Rows>
+  static void pack(const Span<float>& span, const Rows& rows, const int32_t* block_row, int64_t seq_len,
+                   int64_t block_size, int64_t head_dim) {
     const int64_t num_keys = span.num_chunks * kChunkKeys;
+    alignas(64) float key_scratch[kMaxHeadDim];
     for (int64_t key = 0; key < num_keys; ++key) {
       const int64_t position = span.first_key + key;
       float* key_base = span.keys + (key / kKeyBlock) * head_dim * kKeyBlock + key % kKeyBlock;
@@ -358,10 +466,12 @@ struct FloatProducts {
         std::memset(value_row, 0, head_dim * sizeof(float));
         continue;
       }
-      const int64_t slot = static_cast<int64_t>(block_row[position / block_size]) * block_size + position % block_size;
-      const float* key_row = cache_keys + slot * token_stride;
+      const int64_t block = block_row[position / block_size], in_block = position % block_size;
+      const float* key_row = rows.key(block, in_block, key_scratch);
       for (int64_t dim = 0; dim < head_dim; ++dim) key_base[dim * kKeyBlock] = key_row[dim];
-      std::memcpy(value_row, cache_values + slot * token_stride, head_dim * sizeof(float));
+      // An int8 row is dequantized straight into its packed place.
+      const float* source = rows.value(block, in_block, value_row);
+      if (source != value_row) std::memcpy(value_row, source, head_dim * sizeof(float));
     }
   }
 
@@ -566,17 +676,18 @@ void attend_tile(const Span<typename Products::Element>& span, const typename Pr
 }
 
 // Phases 1 and 2 (see the header) on one product unit; the arguments are validated by the op.
-template <typename Products>
-void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+// `rows` reads the cache (PlainRows over kv_cache, or Int8Rows over its int8 pages and scales).
+template <typename Products, typename Rows>
+void attend_prefills(const at::Tensor& query, const Rows& rows, int64_t block_size, int64_t num_kv_heads,
+                     const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                      std::optional<int64_t> sliding_window, at::Tensor& out) {
   using Element = typename Products::Element;
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t num_requests = seq_lens.size(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int64_t num_blocks = kv_cache.size(1), max_blocks = block_table.size(1);
+  const int64_t max_blocks = block_table.size(1);
   TORCH_CHECK(starts[0] == 0 && starts[num_requests] <= num_tokens, "paged_prefill_attention: query_start_loc "
               "must start at 0 and end at most at num_tokens=", num_tokens);
   // Spans and their packed tiles.
@@ -616,16 +727,11 @@ void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const 
     span.values = cursor;
     cursor += span.num_chunks * value_tile_values;
   }
-  const Element* cache = kv_cache.data_ptr<Element>();
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const Element* cache_values = cache + num_blocks * block_size * token_stride;
   at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const Span<Element>& span = spans[index];
-      const int64_t offset = span.kv_head * head_dim;
-      Products::pack(span, cache + offset, cache_values + offset,
-                     block_table.data_ptr<int32_t>() + span.request * max_blocks, lens[span.request], block_size,
-                     token_stride, head_dim);
+      Products::pack(span, rows.at_head(span.kv_head), block_table.data_ptr<int32_t>() + span.request * max_blocks,
+                     lens[span.request], block_size, head_dim);
     }
   });
   // Longest items first, taken from a shared counter: causal tiles differ in cost by up to the context length.
@@ -668,26 +774,26 @@ void attend_prefills(const at::Tensor& query, const at::Tensor& kv_cache, const 
 
 #endif  // PAGEDSERVE_DPBF16
 
-at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   std::optional<int64_t> sliding_window, const std::string& products) {
-  TORCH_CHECK(is_prefill_attention_supported(), "paged_prefill_attention: this build or process has neither AMX "
-              "nor AVX512-BF16 (is_prefill_attention_supported() is False here)");
+// The checks both ops share (the query, the step's int32 inputs, the window, the unit) for a cache of
+// [2, num_blocks, block_size, num_kv_heads, head_dim]; returns the unit that runs. `op` names the op in messages.
+std::string check_prefill_inputs(const char* op, const at::Tensor& query, const at::Tensor& kv_cache,
+                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, std::optional<int64_t> sliding_window,
+                                 const std::string& products) {
+  TORCH_CHECK(is_prefill_attention_supported(), op, ": this build or process has neither AMX nor AVX512-BF16 "
+              "(is_prefill_attention_supported() is False here)");
   const bool is_float = query.scalar_type() == at::kFloat;
   TORCH_CHECK(query.dim() == 3 && (query.scalar_type() == at::kBFloat16 || is_float) && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
-              "paged_prefill_attention: query [num_tokens, num_heads, head_dim] bfloat16 or float32 with contiguous "
-              "heads expected, got ", query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, "paged_prefill_attention: head_dim=", head_dim,
+              op, ": query [num_tokens, num_heads, head_dim] bfloat16 or float32 with contiguous heads expected, got ",
+              query.sizes(), " ", query.scalar_type(), " strides ", query.strides());
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(head_dim % 64 == 0 && head_dim <= kMaxHeadDim, op, ": head_dim=", head_dim,
               " must be a multiple of 64 up to ", kMaxHeadDim);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim &&
-                  kv_cache.scalar_type() == query.scalar_type() && kv_cache.is_contiguous(),
-              "paged_prefill_attention: a contiguous kv_cache [2, num_blocks, block_size, num_kv_heads, ", head_dim,
-              "] of the query's dtype (", query.scalar_type(), ") expected, got ", kv_cache.sizes(), " ",
-              kv_cache.scalar_type());
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_prefill_attention: num_heads=", num_heads,
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(4) == head_dim, op,
+              ": kv_cache [2, num_blocks, block_size, num_kv_heads, ", head_dim, "] expected, got ", kv_cache.sizes());
+  const int64_t num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, op, ": num_heads=", num_heads,
               " must be a multiple of num_kv_heads=", num_kv_heads);
   const int64_t num_requests = seq_lens.size(0);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
@@ -695,35 +801,109 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
                   query_start_loc.is_contiguous() && query_start_loc.size(0) == num_requests + 1 &&
                   block_table.dim() == 2 && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
                   block_table.size(0) == num_requests,
-              "paged_prefill_attention: int32 seq_lens [R], query_start_loc [R + 1] and block_table [R, *] "
-              "expected, got ", seq_lens.sizes(), ", ", query_start_loc.sizes(), ", ", block_table.sizes());
-  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, "paged_prefill_attention: sliding_window=",
-              *sliding_window, " must be >= 1");
-  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, query.options());
+              op, ": int32 seq_lens [R], query_start_loc [R + 1] and block_table [R, *] expected, got ",
+              seq_lens.sizes(), ", ", query_start_loc.sizes(), ", ", block_table.sizes());
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window >= 1, op, ": sliding_window=", *sliding_window,
+              " must be >= 1");
   const std::vector<std::string> units = prefill_attention_products();
   TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kDotProducts || products == kFloatProducts,
-              "paged_prefill_attention: products must be 'auto', 'amx', 'avx512_bf16' or 'avx512_fp32', got '",
-              products, "'");
+              op, ": products must be 'auto', 'amx', 'avx512_bf16' or 'avx512_fp32', got '", products, "'");
   const std::string unit = products != "auto" ? products : (is_float ? kFloatProducts : units.front());
-  TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), "paged_prefill_attention: products='",
-              products, "' is not available in this build or process (prefill_attention_products() lists what is)");
-  TORCH_CHECK(is_float == (unit == kFloatProducts), "paged_prefill_attention: products='", unit, "' takes ",
+  TORCH_CHECK(std::find(units.begin(), units.end(), unit) != units.end(), op, ": products='", products,
+              "' is not available in this build or process (prefill_attention_products() lists what is)");
+  TORCH_CHECK(is_float == (unit == kFloatProducts), op, ": products='", unit, "' takes ",
               is_float ? "bfloat16" : "float32", " inputs, got ", query.scalar_type(), " (float32 runs on '",
               kFloatProducts, "', bfloat16 on 'amx' or 'avx512_bf16')");
+  return unit;
+}
+
+#if defined(PAGEDSERVE_DPBF16)
+// Runs the unit `unit` over the cache rows that make_rows(element tag) gives.
+template <typename MakeRows>
+at::Tensor run_unit(const std::string& unit, const at::Tensor& query, MakeRows make_rows, int64_t block_size,
+                    int64_t num_kv_heads, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                    const at::Tensor& query_start_loc, double scale, std::optional<int64_t> sliding_window) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
 #if defined(PAGEDSERVE_AMX)
   if (unit == kAmxProducts) {
-    attend_prefills<AmxProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
+    attend_prefills<AmxProducts>(query, make_rows(bf16{}), block_size, num_kv_heads, block_table, seq_lens,
+                                 query_start_loc, scale, sliding_window, out);
     return out;
   }
 #endif
-#if defined(PAGEDSERVE_DPBF16)
-  if (is_float)
-    attend_prefills<FloatProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window,
-                                   out);
+  if (unit == kFloatProducts)
+    attend_prefills<FloatProducts>(query, make_rows(float{}), block_size, num_kv_heads, block_table, seq_lens,
+                                   query_start_loc, scale, sliding_window, out);
   else
-    attend_prefills<DotProducts>(query, kv_cache, block_table, seq_lens, query_start_loc, scale, sliding_window, out);
-#endif
+    attend_prefills<DotProducts>(query, make_rows(bf16{}), block_size, num_kv_heads, block_table, seq_lens,
+                                 query_start_loc, scale, sliding_window, out);
   return out;
+}
+#endif  // PAGEDSERVE_DPBF16
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                   std::optional<int64_t> sliding_window, const std::string& products) {
+  const char* op = "paged_prefill_attention";
+  const std::string unit =
+      check_prefill_inputs(op, query, kv_cache, block_table, seq_lens, query_start_loc, sliding_window, products);
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() && kv_cache.is_contiguous(), op,
+              ": a contiguous kv_cache [2, num_blocks, block_size, num_kv_heads, ", query.size(2),
+              "] of the query's dtype (", query.scalar_type(), ") expected, got ", kv_cache.sizes(), " ",
+              kv_cache.scalar_type());
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t head_dim = kv_cache.size(4), token_stride = num_kv_heads * head_dim;
+#if defined(PAGEDSERVE_DPBF16)
+  const auto make_rows = [&](auto element) {
+    using Element = decltype(element);
+    const Element* cache = kv_cache.data_ptr<Element>();
+    return PlainRows<Element>{cache, cache + kv_cache.stride(0), kv_cache.stride(1), token_stride, num_blocks,
+                              head_dim};
+  };
+  return run_unit(unit, query, make_rows, block_size, num_kv_heads, block_table, seq_lens, query_start_loc, scale,
+                  sliding_window);
+#else
+  return at::Tensor();  // unreachable: check_prefill_inputs raised
+#endif
+}
+
+// The same attention over an int8 cache (kv_cache_dtype="int8": kv_quantization.py's pages): kv_cache the int8 view
+// [2, num_blocks, block_size, num_kv_heads, head_dim] (rows contiguous within a page, pages and planes at any
+// stride), kv_scales the float32 view [2, num_blocks, block_size, num_kv_heads] of the same pages. The pack phase
+// reads the rows and their scales in place and dequantizes them into the unit's working buffers (Int8Rows); the
+// rest is the kernel above, so the result is bitwise paged_prefill_attention's on the cache dequantized to the
+// query's dtype (kv_quantization.dequantize_kv_cache).
+at::Tensor paged_prefill_attention_int8(const at::Tensor& query, const at::Tensor& kv_cache,
+                                        const at::Tensor& kv_scales, const at::Tensor& block_table,
+                                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                        std::optional<int64_t> sliding_window, const std::string& products) {
+  const char* op = "paged_prefill_attention_int8";
+  const std::string unit =
+      check_prefill_inputs(op, query, kv_cache, block_table, seq_lens, query_start_loc, sliding_window, products);
+  TORCH_CHECK(kv_cache.scalar_type() == at::kChar && kv_cache.stride(4) == 1 &&
+                  kv_cache.stride(3) == kv_cache.size(4) && kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4),
+              op, ": kv_cache must be an int8 [2, num_blocks, block_size, num_kv_heads, head_dim] view with "
+              "contiguous blocks, got ", kv_cache.scalar_type(), " strides ", kv_cache.strides());
+  TORCH_CHECK(kv_scales.scalar_type() == at::kFloat && kv_scales.dim() == 4 &&
+                  kv_scales.sizes() == kv_cache.sizes().slice(0, 4) && kv_scales.stride(3) == 1,
+              op, ": kv_scales must be a float32 [2, num_blocks, block_size, num_kv_heads] view with contiguous heads, "
+              "got ", kv_scales.scalar_type(), " ", kv_scales.sizes());
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t head_dim = kv_cache.size(4);
+#if defined(PAGEDSERVE_DPBF16)
+  const auto make_rows = [&](auto element) {
+    using Element = decltype(element);
+    const int8_t* data = kv_cache.data_ptr<int8_t>();
+    const float* scales = kv_scales.data_ptr<float>();
+    return Int8Rows<Element>{data, data + kv_cache.stride(0), scales, scales + kv_scales.stride(0),
+                             kv_cache.stride(1), kv_cache.stride(2), kv_scales.stride(1), kv_scales.stride(2),
+                             num_blocks, head_dim};
+  };
+  return run_unit(unit, query, make_rows, block_size, num_kv_heads, block_table, seq_lens, query_start_loc, scale,
+                  sliding_window);
+#else
+  return at::Tensor();  // unreachable: check_prefill_inputs raised
+#endif
 }
 
 }  // namespace
@@ -731,8 +911,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor query_start_loc, float scale, int? sliding_window, str products=\"auto\") -> Tensor");
+  m.def("paged_prefill_attention_int8(Tensor query, Tensor kv_cache, Tensor kv_scales, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, float scale, int? sliding_window, str products=\"auto\") -> Tensor");
   m.def("is_prefill_attention_supported() -> bool", &is_prefill_attention_supported);
   m.def("prefill_attention_products() -> str[]", &prefill_attention_products);
 }
 
-TORCH_LIBRARY_IMPL(pagedserve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_attention_int8", &paged_prefill_attention_int8);
+}
