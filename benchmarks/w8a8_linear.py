@@ -7,7 +7,10 @@ int8 unit this build runs (`w8a8_linear_products()`: amx, avx512_vnni, int16) an
 are timed interleaved with bf16 `amx_linear` (weight_layout='amx_packed', this CPU's bf16 path), best of --repeats;
 reported: microseconds per pass over the layers and bf16 time / int8 time.
 
-    PYTHONPATH=. python benchmarks/w8a8_linear.py [--rows 1 16 512] [--repeats 20]
+    PYTHONPATH=. python benchmarks/w8a8_linear.py [--rows 1 16 512] [--repeats 20] [--cpu-time]
+
+--cpu-time: one thread, timed by the thread's CPU time (time.thread_time) instead of the wall clock: the kernels'
+own cost, much less moved by other jobs on a shared machine (their cache and memory traffic still count).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 DECODE_LAYERS, PREFILL_LAYERS = 30, 4
 
 
-def measure(rows: int, repeats: int) -> dict[str, float]:
+def measure(rows: int, repeats: int, clock=time.perf_counter) -> dict[str, float]:
     """Best seconds per pass over the layers for 'bf16' and each int8 unit."""
     num_layers = DECODE_LAYERS if rows <= 64 else PREFILL_LAYERS
     generator = torch.Generator().manual_seed(0)
@@ -40,14 +43,14 @@ def measure(rows: int, repeats: int) -> dict[str, float]:
     units = ["auto", *torch.ops.pagedserve.w8a8_linear_products()]
 
     def run(kind: str) -> float:
-        start = time.perf_counter()
+        start = clock()
         if kind == "bf16":
             for packed, n, k in bf16_layers:
                 amx_linear(inputs[k], packed, None, n)
         else:
             for weight, scale in int8_layers:
                 kernel(inputs[weight.shape[1]], weight, scale, None, None, None, kind)
-        return time.perf_counter() - start
+        return clock() - start
 
     kinds = ["bf16", *units]
     best = {kind: float("inf") for kind in kinds}
@@ -61,13 +64,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 512])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, its CPU time (see above)")
     args = parser.parse_args()
+    clock = time.perf_counter
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.thread_time
     if native_w8a8_linear() is None or not amx_linear_available():
         raise SystemExit("needs the native library with w8a8_linear and amx_linear")
-    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}, int8 units "
+    print(f"threads {torch.get_num_threads()}{' (CPU time)' if args.cpu_time else ''}, load average {os.getloadavg()[0]:.2f}, int8 units "
           f"{', '.join(torch.ops.pagedserve.w8a8_linear_products())}")
     for rows in args.rows:
-        best = measure(rows, args.repeats)
+        best = measure(rows, args.repeats, clock)
         cells = ", ".join(f"{kind} {seconds * 1e6:.0f} us ({best['bf16'] / seconds:.2f}x)"
                           for kind, seconds in best.items() if kind != "bf16")
         print(f"{rows} rows: bf16 {best['bf16'] * 1e6:.0f} us; int8 {cells}")

@@ -45,6 +45,8 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bfloat16_rounding.h"
+#include "int8_avx512.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -64,7 +66,9 @@ namespace {
 constexpr int64_t kColumnsPerUnit = 8;  // output columns per work unit of the register units (a multiple of every
                                         // tile's kColumns)
 constexpr int64_t kAmxColumnsPerUnit = 32;  // AMX: two A tiles of 16 output columns
-constexpr int64_t kAmxMinRows = 16;     // 'auto' takes AMX from this many rows (one full B tile)
+// 'auto' takes AMX from this many rows where it runs: even at one row (15 of the B tile's 16 rows zero) it beat
+// the VNNI unit on Emerald Rapids (SmolLM2's shapes, one thread's CPU time: benchmarks/w8a8_linear.py --cpu-time).
+constexpr int64_t kAmxMinRows = 1;
 constexpr int64_t kTileRows = 16;       // rows of every AMX tile here; 64 bytes per row
 constexpr int64_t kTileDepth = 64;      // K values per AMX step (and per VNNI vector)
 constexpr int64_t kLanes = 16;          // int16 values per vector
@@ -108,6 +112,9 @@ inline float to_float(T value) {
 }
 
 // One row of x quantized as the PyTorch forms do: q = clamp(round_half_even(x / scale), low, 127).
+inline const float* as_vector_input(const float* x) { return x; }
+inline const uint16_t* as_vector_input(const c10::BFloat16* x) { return reinterpret_cast<const uint16_t*>(x); }
+
 template <class T, class Quant>
 void quantize_row(const T* x, int64_t k, float scale, float low, Quant* quants) {
   for (int64_t i = 0; i < k; ++i) {
@@ -116,16 +123,20 @@ void quantize_row(const T* x, int64_t k, float scale, float low, Quant* quants) 
   }
 }
 
-// The byte units' row: quants at x_bytes (zero past K as allocated), their sum, and the row in the B tiles.
-void finish_byte_row(Int8LinearCall::State& s, int64_t row) {
+// The byte units' row: quants at x_bytes (zero past K as allocated) with their sum `sum`, copied into the B tiles.
+void finish_byte_row(Int8LinearCall::State& s, int64_t row, int32_t sum) {
   const int8_t* quants = s.x_bytes.data() + row * s.x_stride;
-  int32_t sum = 0;
-  for (int64_t i = 0; i < s.k; ++i) sum += quants[i];
   s.x_sums[row] = sum;
   if (s.products != Products::kAmx) return;
   const int64_t groups = s.k / 4, block = row / kTileRows, lane = row % kTileRows;
   int8_t* tiles = s.x_tiles.data() + (block * groups * kTileRows + lane) * 4;
   for (int64_t group = 0; group < groups; ++group) std::memcpy(tiles + group * kTileRows * 4, quants + group * 4, 4);
+}
+
+int32_t sum_of(const int8_t* quants, int64_t k) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += quants[i];
+  return sum;
 }
 
 template <class T>
@@ -134,8 +145,14 @@ void quantize_row_into(Int8LinearCall::State& s, int64_t row, const T* values, f
     quantize_row(values, s.k, scale, low, s.x_quants.data() + row * s.k);
     return;
   }
-  quantize_row(values, s.k, scale, low, s.x_bytes.data() + row * s.x_stride);
-  finish_byte_row(s, row);
+  int8_t* quants = s.x_bytes.data() + row * s.x_stride;
+#if defined(PAGEDSERVE_INT8_VNNI)
+  // The byte units exist only in AVX-512 builds: the vector form, the same bits (int8_avx512.h).
+  finish_byte_row(s, row, pagedserve_native::quantize_row_avx512(as_vector_input(values), s.k, scale, low, quants));
+#else
+  quantize_row(values, s.k, scale, low, quants);
+  finish_byte_row(s, row, sum_of(quants, s.k));
+#endif
 }
 
 template <class T>
@@ -159,7 +176,14 @@ void quantize_rows(const at::Tensor& x, const at::Tensor& input_scale, Int8Linea
         quantize_row_into(s, row, values, static_scale, -128.0f);
       } else {
         // scale = absmax / 127; an all-zero row keeps scale 0 and divides by 1 (its quants are 0).
-        const float scale = row_absmax(values, s.k) / kDynamicMax;
+#if defined(PAGEDSERVE_INT8_VNNI)
+        const float absmax = s.products == Products::kInt16
+                                 ? row_absmax(values, s.k)
+                                 : pagedserve_native::row_absmax_avx512(as_vector_input(values), s.k);
+#else
+        const float absmax = row_absmax(values, s.k);
+#endif
+        const float scale = absmax / kDynamicMax;
         s.x_scales[row] = scale;
         quantize_row_into(s, row, values, scale == 0.0f ? 1.0f : scale, -kDynamicMax);
       }
@@ -180,7 +204,7 @@ void widen_quantized_rows(const at::Tensor& x_q, const at::Tensor& input_scale, 
       for (int64_t i = 0; i < s.k; ++i) s.x_quants[row * s.k + i] = values[i];
     } else {
       std::memcpy(s.x_bytes.data() + row * s.x_stride, values, s.k);
-      finish_byte_row(s, row);
+      finish_byte_row(s, row, sum_of(values, s.k));
     }
   }
 }
@@ -271,7 +295,19 @@ void run_tile_vnni(const Int8LinearCall::State& s, int64_t input, int64_t column
   if (i < k) step(i, (__mmask64{1} << (k - i)) - 1);
   for (int r = 0; r < kInputs; ++r) {
     const int32_t correction = 128 * s.x_sums[input + r];
-    for (int c = 0; c < kColumns; ++c) store(s, input + r, column + c, _mm512_reduce_add_epi32(acc[r][c]) - correction);
+    if constexpr (kColumns % 4 == 0) {
+      for (int c = 0; c < kColumns; c += 4) {
+        alignas(16) int32_t dots[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(dots),
+                        _mm_sub_epi32(pagedserve_native::sum_lanes_4(acc[r][c], acc[r][c + 1], acc[r][c + 2],
+                                                                     acc[r][c + 3]),
+                                      _mm_set1_epi32(correction)));
+        for (int j = 0; j < 4; ++j) store(s, input + r, column + c + j, dots[j]);
+      }
+    } else {
+      for (int c = 0; c < kColumns; ++c)
+        store(s, input + r, column + c, _mm512_reduce_add_epi32(acc[r][c]) - correction);
+    }
   }
 }
 
@@ -297,6 +333,31 @@ void run_rows_vnni(const Int8LinearCall::State& s, int64_t first, int64_t last) 
 #endif  // PAGEDSERVE_INT8_VNNI
 
 #if defined(PAGEDSERVE_INT8_AMX)
+// `sums` is C[16 output columns][16 input rows] (64-byte aligned): y's rows [first_input, first_input + num_inputs)
+// x columns [column, column + 16), with store()'s epilogue (the same float32 operations in the same order, then
+// c10::BFloat16's rounding) 16 columns at a time.
+void store_transposed(const Int8LinearCall::State& s, const int32_t* sums, int64_t first_input, int64_t num_inputs,
+                      int64_t column) {
+  __m512i rows[kTileRows];
+  for (int64_t n = 0; n < kTileRows; ++n) rows[n] = _mm512_load_si512(sums + n * kTileRows);
+  pagedserve_native::transpose_16x16(rows);  // rows[input] lane n: column + n
+  const __m512 weight_scale = _mm512_loadu_ps(s.weight_scale + column);
+  const __m512 bias = s.bias != nullptr ? _mm512_loadu_ps(s.bias + column) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < num_inputs; ++r) {
+    const int64_t input = first_input + r;
+    __m512 value = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(rows[r]), _mm512_set1_ps(s.x_scales[input])),
+                                 weight_scale);
+    if (s.bias != nullptr) value = _mm512_add_ps(value, bias);
+    const int64_t index = input * s.n + column;
+    if (s.y_float != nullptr) {
+      _mm512_storeu_ps(s.y_float + index, value);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.y_bfloat16 + index),
+                          _mm512_cvtepi32_epi16(pagedserve_native::bfloat16_bits(value)));
+    }
+  }
+}
+
 // Tiles 0-3: C, 16 output columns x 16 input rows of int32 (C0: A0 B0, C1: A0 B1, C2: A1 B0, C3: A1 B1); 4-5: A,
 // the weight's rows (16 columns x 64 K values); 6-7: B, x_tiles (16 groups of 4 K values x 16 input rows).
 // Columns [column, column + 16 * kColumnBlocks) x input rows [16 * block, 16 * (block + kRowBlocks)).
@@ -332,11 +393,8 @@ void run_amx_block(const Int8LinearCall::State& s, int64_t column, int64_t block
   for (int rows = 0; rows < kRowBlocks; ++rows) {
     const int64_t first_input = (block + rows) * kTileRows;
     const int64_t num_inputs = std::min<int64_t>(kTileRows, s.m - first_input);
-    for (int64_t r = 0; r < num_inputs; ++r)
-      for (int columns = 0; columns < kColumnBlocks; ++columns) {
-        const int32_t* c = sums[columns * 2 + rows];  // C[output column][input row]
-        for (int64_t n = 0; n < kTileRows; ++n) store(s, first_input + r, column + columns * kTileRows + n, c[n * kTileRows + r]);
-      }
+    for (int columns = 0; columns < kColumnBlocks; ++columns)
+      store_transposed(s, sums[columns * 2 + rows], first_input, num_inputs, column + columns * kTileRows);
   }
 }
 
