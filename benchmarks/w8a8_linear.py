@@ -72,7 +72,8 @@ def main() -> None:
         clock = time.thread_time
     if native_w8a8_linear() is None or not amx_linear_available():
         raise SystemExit("needs the native library with w8a8_linear and amx_linear")
-    print(f"threads {torch.get_num_threads()}{' (CPU time)' if args.cpu_time else ''}, load average {os.getloadavg()[0]:.2f}, int8 units "
+    clock_name = " (CPU time)" if args.cpu_time else ""
+    print(f"threads {torch.get_num_threads()}{clock_name}, load average {os.getloadavg()[0]:.2f}, int8 units "
           f"{', '.join(torch.ops.pagedserve.w8a8_linear_products())}")
     for rows in args.rows:
         best = measure(rows, args.repeats, clock)

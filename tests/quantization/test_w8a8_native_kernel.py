@@ -97,7 +97,8 @@ def test_extreme_products_are_exact(input_size: int) -> None:
     num_rows, output_size = 17, 35
     x_q = torch.full((num_rows, input_size), -128, dtype=torch.int8)
     weight = torch.full((output_size, input_size), -128, dtype=torch.int8)
-    mixed = torch.randint(-128, 128, (num_rows, input_size), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    mixed = torch.randint(-128, 128, (num_rows, input_size), dtype=torch.int8,
+                          generator=torch.Generator().manual_seed(3))
     for products in _units_for((num_rows, output_size, input_size)):
         output = native_w8a8_linear()(x_q, weight, torch.ones(output_size), torch.ones(1), None, torch.float32,
                                       products)
