@@ -54,7 +54,7 @@ SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "s
 # Headers the sources include: part of the build's key like the sources.
 HEADERS = ("paged_decode_attention.h", "amx_linear.h", "amx_tiles.h", "bfloat16_rounding.h", "bfloat16_silu_table.h",
            "elementwise.h", "exp_polynomial.h", "float_vector.h", "small_batch_linear.h", "spin_barrier.h",
-           "first_argmax.h", "vector_avx2.h", "gguf_linear.h", "int8_linear.h")
+           "first_argmax.h", "vector_avx2.h", "gguf_linear.h", "int8_linear.h", "int8_avx512.h")
 # Flags of every level's build; cpu_isa.compile_flags(level) adds the level's instruction sets.
 BASE_COMPILE_FLAGS = ("-O3", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)

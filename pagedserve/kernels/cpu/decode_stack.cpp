@@ -43,7 +43,8 @@
 //   on the plain weight above (small_batch_linear.py off Intel), 5 GGUF blocks kept quantized (float32 models;
 //   layers/gguf_linear.py: gguf_linear up to 8 rows, the dequantized weight on at::linear above; the block types
 //   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types), 6 W8A8 int8 weights on
-//   w8a8_linear (float32 or bfloat16 models; layers/quantization/w8a8_int8.py: every M; the scales by
+//   w8a8_linear (float32 or bfloat16 models; layers/quantization/w8a8_int8.py: every M, its product unit chosen per
+//   call as the op chooses it ('auto': AMX-INT8, AVX512-VNNI or int16); the scales by
 //   DecodeStackPlan.set_w8a8_scales). Every M row is one decoding request.
 // Steps on kinds 2 (bfloat16), 6 (either dtype) and 1 / 4 / 5 (float32, while small_batch_linear or gguf_linear takes
 // the rows) of up to one_region_max_rows rows run every layer inside one parallel region (run_layers_in_one_region);
@@ -127,7 +128,7 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t)> gguf_dequantize;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)> gguf_embedding;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                      const OptionalTensor&, std::optional<at::ScalarType>)>
+                                      const OptionalTensor&, std::optional<at::ScalarType>, c10::string_view)>
       w8a8_linear;
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
       reshape_and_cache_int8;
@@ -166,7 +167,7 @@ struct Kernels {
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)>(),
           find("pagedserve::w8a8_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensor&,
-                                const OptionalTensor&, std::optional<at::ScalarType>)>(),
+                                const OptionalTensor&, std::optional<at::ScalarType>, c10::string_view)>(),
           find("pagedserve::reshape_and_cache_int8")
               .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(),
           find("pagedserve::paged_decode_attention_int8")
@@ -203,7 +204,7 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
                   const OptionalTensor& bias, int64_t output_size, const LinearQuantization& quantization) {
   if (kind == kW8A8)
     return kernels.w8a8_linear.call(x, weight, *quantization.weight_scale, *quantization.input_scale, bias,
-                                    std::nullopt);
+                                    std::nullopt, "auto");
   const int64_t ggml_type = quantization.ggml_type;
   if (kind == kGguf) {
     if (x.size(0) <= kGgufKernelMaxRows) return kernels.gguf_linear.call(x, weight, ggml_type, bias);

@@ -38,7 +38,7 @@ _native_op: Any = None
 
 def _w8a8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, products: str = "auto") -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
 
 
@@ -46,7 +46,8 @@ def native_w8a8_linear() -> Any:
     """`pagedserve::w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)` where the native library
     runs (building it at first use), else None. x [M, K] float32/bfloat16 is quantized inside (per token when
     input_scale is None, else with the static one-value scale); an int8 x is already quantized and input_scale
-    holds its scales ([M, 1] or one value)."""
+    holds its scales ([M, 1] or one value). `products` ('auto') names the product unit, one of
+    `torch.ops.pagedserve.w8a8_linear_products()` (amx, avx512_vnni, int16): every unit gives the same bits."""
     global _native_op
     if _native_op is None:
         _native_op = load_native_op("w8a8_linear", "is_w8a8_linear_supported", _w8a8_linear_fake) or False
