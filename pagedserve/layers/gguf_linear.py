@@ -8,9 +8,12 @@ permutations and tensor-parallel row splits move whole rows), and `ggml_type` na
 
 Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
 - decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp). Q8_0,
-  Q4_0 and Q4_1 quantize x per 32-value block to int16 and take integer dot products with the weight's quants
-  (a product moves by at most sum over blocks of absmax(x) / 65534 * sum |w|); the other types decode each block
-  with ggml's reference arithmetic and multiply it into every row in float32;
+  Q4_0 and Q4_1 quantize x per 32-value block to int16 and take exact int32 dot products with the weight's quants
+  (AVX2: one block at a time; AVX-512: four blocks per vector, VPDPWSSD where the level has VNNI; a product moves
+  by at most sum over blocks of absmax(x) / 65534 * sum |w|); the other types decode each block with ggml's
+  reference arithmetic and multiply it into every row in float32. Up to 8 rows (4 at AVX2) share each decoded
+  block; a row's result does not depend on the other rows or the thread count (its float summation order depends
+  on the ISA level);
 - larger batches (prefill chunks): the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time
   (the same values, bitwise, as the file dequantized at load) and multiplied with F.linear.
 Embedding tables look up their rows the same way (`quantized_rows`).
@@ -36,7 +39,7 @@ KERNEL_TYPES: dict[int, str] = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "
 BLOCK_FORMATS: dict[int, tuple[int, int]] = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
                                              12: (256, 144), 13: (256, 176), 14: (256, 210)}
 # Batches of up to this many rows take the kernel; larger ones dequantize tiles for F.linear (the kernel's rows
-# reuse each decoded block only four at a time, a GEMM reuses it across the whole batch).
+# reuse each decoded block only 8 (AVX2: 4) at a time, a GEMM reuses it across the whole batch).
 KERNEL_MAX_ROWS = 8
 # Values of the float32 tile a large batch dequantizes at once (16 MiB): bounds the memory a prefill chunk takes
 # for a vocabulary-sized LM head.

@@ -5,7 +5,11 @@ synthetic blocks and on every tensor of the SmolLM2 file:
   product on the dequantized weight;
 - products of Q8_0, Q4_0 and Q4_1 (x quantized to int16 per 32-value block, integer dot products) equal to an exact
   integer reference of that arithmetic within float32 rounding, and within the activation quantization's bound,
-  sum over blocks of absmax(x) / 65534 * sum |w|, of the float64 product on the dequantized weight."""
+  sum over blocks of absmax(x) / 65534 * sum |w|, of the float64 product on the dequantized weight; and bitwise
+  equal to an int64 reference where every value, scale and partial sum is an integer float32 holds exactly (the
+  integer sums are exact whatever the ISA level's lane layout or summation order).
+Every test runs once more at each other ISA level the machine has (tests/kernels/test_isa_levels.py): the AVX2 and
+AVX-512 kernels lay blocks out in lanes differently and must each pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -133,10 +137,11 @@ def test_product_matches_float64_on_the_dequantized_weight(type_name: str, num_r
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("num_rows", [1, 3, 6])
-def test_integer_products_equal_the_exact_integer_reference(type_name: str, num_rows: int) -> None:
+@pytest.mark.parametrize("num_rows", [1, 3, 6, 8])
+@pytest.mark.parametrize("k", [32, 96, 1024, 1120])  # 1, 3, 32 and 35 blocks: the AVX-512 kernel's four-block groups
+def test_integer_products_equal_the_exact_integer_reference(type_name: str, num_rows: int, k: int) -> None:
     ggml_type = GGMLQuantizationType[type_name].value
-    k, n = 1024, 21
+    n = 21
     blocks = blocks_of(type_name, n, k, seed=7 * num_rows)
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)) * 3
     x[0, :32] = 0  # an all-zero block: d = 0
@@ -144,6 +149,52 @@ def test_integer_products_equal_the_exact_integer_reference(type_name: str, num_
     expected = integer_product_reference(x, blocks, ggml_type)
     scale = x.double().abs() @ reference_values(blocks, ggml_type, k).double().abs().T
     assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
+
+
+def integer_blocks(type_name: str, quants: np.ndarray, d: float, m: float = 0.0) -> torch.Tensor:
+    """uint8 [rows, bytes per row] of `type_name` blocks holding `quants` [rows, K] (int8 for Q8_0, 0 .. 15 for the
+    Q4 types) with scale d (and Q4_1's m) in every block."""
+    rows, k = quants.shape
+    blocks = quants.reshape(rows, k // 32, 32)
+    d_bytes = np.broadcast_to(np.array([d], np.float16).view(np.uint8), (rows, k // 32, 2))
+    if type_name == "Q8_0":
+        payload = blocks.astype(np.int8).view(np.uint8)
+        header = d_bytes
+    else:
+        payload = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)
+        header = d_bytes
+        if type_name == "Q4_1":
+            header = np.concatenate((d_bytes, np.broadcast_to(np.array([m], np.float16).view(np.uint8),
+                                                              (rows, k // 32, 2))), axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate((header, payload), axis=-1)).reshape(rows, -1))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [64, 96, 576, 1056])
+def test_integer_sums_are_exact(type_name: str, k: int) -> None:
+    """Scales of 1 (and Q4_1's m = 2), x integers whose block absmax is 32767 (so x's d is 1 and its quants are x):
+    every product, partial sum and scale is an integer below 2^24, so any exact integer arithmetic gives the int64
+    reference's bits. The 32767 of each block meets a zero weight, which keeps the sums below 2^24."""
+    rng = np.random.default_rng(k)
+    n, num_rows, num_blocks = 19, 5, k // 32
+    x = rng.integers(-100, 101, size=(num_rows, num_blocks, 32))
+    peaks = rng.integers(0, 32, size=(num_rows, num_blocks))
+    np.put_along_axis(x, peaks[..., None], rng.choice([-32767, 32767], size=(num_rows, num_blocks, 1)), axis=-1)
+    if type_name == "Q8_0":
+        quants, zero, offset = rng.integers(-128, 128, size=(n, num_blocks, 32)), 0, 0
+    else:
+        quants = rng.integers(0, 16, size=(n, num_blocks, 32))
+        zero, offset = (8, -8) if type_name == "Q4_0" else (0, 2)
+    for row in range(num_rows):  # the peak's weight is zero in every weight row (Q4_1: its m, 2, remains)
+        quants[:, np.arange(num_blocks), peaks[row]] = zero
+    blocks = integer_blocks(type_name, quants.reshape(n, k), 1.0, 2.0)
+    weight = torch.from_numpy(quants.reshape(n, k) + offset)
+    expected = torch.from_numpy(x.reshape(num_rows, k)) @ weight.T  # int64
+    assert int(expected.abs().max()) < 2 ** 24
+    x_float = torch.from_numpy(x.reshape(num_rows, k)).float()
+    assert torch.equal(reference_values(blocks, GGMLQuantizationType[type_name].value, k), weight.float())
+    output = quantized_linear(x_float, blocks, GGMLQuantizationType[type_name].value, k, None)
+    assert torch.equal(output, expected.float())
 
 
 def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch) -> None:
@@ -158,9 +209,11 @@ def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch) -> None:
     torch.testing.assert_close(quantized_linear(x, blocks, ggml_type, k, None), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count() -> None:
-    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 576, 300
-    blocks = blocks_of("Q4_1", n, k)
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q6_K"])
+def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count(type_name: str) -> None:
+    ggml_type = GGMLQuantizationType[type_name].value
+    k, n = (768 if BLOCK_FORMATS[ggml_type][0] == 256 else 576), 300  # 576: 18 blocks, a short last group of 4
+    blocks = blocks_of(type_name, n, k)
     x = torch.randn(KERNEL_MAX_ROWS, k)
     batch = quantized_linear(x, blocks, ggml_type, k, None)
     threads = torch.get_num_threads()

@@ -10,10 +10,14 @@
 // - Dequantization is ggml's reference arithmetic operation for operation (dequantize_row_* in ggml-quants.c:
 //   d * q + m as a product then a sum, never a fused multiply-add; this file is compiled with fp-contract off), so
 //   `gguf_dequantize` is bitwise the values model_loader/gguf_dequant.py (and llama.cpp's reference) produce.
-// - One output element = one 8-lane float32 accumulator over K in order (one FMA per lane), then a horizontal sum,
-//   then + bias. The order depends only on K: a row's result does not depend on M, the other rows or the thread
-//   count, but it is not bitwise F.linear on the dequantized weight (another summation order); tests compare them
-//   within a float tolerance.
+// - One output element = one float32 accumulator of 8 lanes (16 at the 'avx512' level and up) over K in order (one
+//   FMA per lane), then a horizontal sum, then + bias. The order depends only on K and the ISA level: a row's result
+//   does not depend on M, the other rows or the thread count, but it is not bitwise F.linear on the dequantized
+//   weight (another summation order), nor the same bits at another ISA level; tests compare them within a float
+//   tolerance, at every level the machine has (tests/kernels/test_isa_levels.py).
+// - Up to kMaxGroupInputs input rows (4 at AVX2, 8 at AVX-512) share each decoded block.
+// - Q8_0 / Q4_0 / Q4_1 multiply int16 quants of x with the weight's quants in exact int32 sums: run_integer_columns
+//   (AVX2 and the reference build, one block at a time) and run_group_columns (AVX-512, four blocks per vector).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 #endif
@@ -36,6 +40,14 @@
 #include <immintrin.h>
 #define PAGEDSERVE_GGUF_AVX2 1
 #endif
+// The 'avx512' level and up: 16 float lanes, the integer products four blocks per vector (run_group_columns).
+#if defined(PAGEDSERVE_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_GGUF_AVX512 1
+#endif
+// 'avx512_bf16' and up: VPDPWSSD (int16 pairs into int32) in place of VPMADDWD + VPADDD.
+#if defined(PAGEDSERVE_GGUF_AVX512) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_GGUF_VNNI 1
+#endif
 
 namespace pagedserve_native {
 
@@ -44,6 +56,13 @@ namespace {
 constexpr int64_t kRows = 4;          // weight rows per work unit
 constexpr int64_t kMaxInputs = 64;    // largest M the op accepts (larger batches dequantize tiles: Python side)
 constexpr int64_t kMaxBlockValues = 256;
+// Input rows that share each decoded block (their accumulators stay in registers: 32 vector registers at AVX-512
+// hold eight rows' accumulators beside the decoded weights, AVX2's 16 hold four).
+#if defined(PAGEDSERVE_GGUF_AVX512)
+constexpr int kMaxGroupInputs = 8;
+#else
+constexpr int kMaxGroupInputs = 4;
+#endif
 
 inline float half_to_float(const uint8_t* bytes) {
   uint16_t bits;
@@ -287,8 +306,16 @@ BlockDecoder block_decoder(int64_t ggml_type) {
   return nullptr;
 }
 
-// The 8-lane accumulator of one output element.
-#if defined(PAGEDSERVE_GGUF_AVX2)
+// The accumulator of one output element: 16 float lanes at AVX-512, 8 below.
+#if defined(PAGEDSERVE_GGUF_AVX512)
+constexpr int kLanes = 16;
+using Lanes = __m512;
+inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
+inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum_lanes(__m512 v) { return _mm512_reduce_add_ps(v); }
+#elif defined(PAGEDSERVE_GGUF_AVX2)
+constexpr int kLanes = 8;
 using Lanes = __m256;
 inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
 inline Lanes load_lanes(const float* p) { return _mm256_loadu_ps(p); }
@@ -299,6 +326,7 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 #else
+constexpr int kLanes = 8;
 struct Lanes {
   float lane[8];
 };
@@ -359,9 +387,38 @@ struct GgufLinearCall::State {
   bool is_integer_product = false;
   std::vector<int16_t> x_quants;
   std::vector<float> x_scales, x_sums;
+  // The same quants in the AVX-512 products' order (group_layout_of_x): per group of four blocks and row (the rows
+  // of a group side by side, so a group's rows sit at fixed offsets), 128 quants, 16 scales (each block's d four
+  // times) and 4 sums; a last group short of four blocks is padded with 0.
+  int64_t num_groups = 0;
+  std::vector<int16_t> x_group_quants;
+  std::vector<float> x_group_scales, x_group_sums;
 };
 
 namespace {
+
+#if defined(PAGEDSERVE_GGUF_AVX512)
+// x's quants in the order group_weights decodes a weight's: per group of four blocks (block 4g + j) four vectors of
+// 32 int16, vector i's 128-bit quarter j holding values 8i .. 8i + 7 of block j; beside them each block's d four
+// times (quarter j's lanes) and its d * sum(q).
+void group_layout_of_x(GgufLinearCall::State& s) {
+  const int64_t num_blocks = s.k / kQuantBlock;
+  s.num_groups = (num_blocks + 3) / 4;
+  s.x_group_quants.assign(s.m * s.num_groups * 128, 0);
+  s.x_group_scales.assign(s.m * s.num_groups * 16, 0.0f);
+  s.x_group_sums.assign(s.m * s.num_groups * 4, 0.0f);
+  for (int64_t r = 0; r < s.m; ++r) {
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int64_t group = block / 4 * s.m + r, j = block % 4;  // the rows of a group side by side
+      const int16_t* quants = s.x_quants.data() + (r * num_blocks + block) * kQuantBlock;
+      for (int i = 0; i < 4; ++i)
+        std::memcpy(s.x_group_quants.data() + group * 128 + i * 32 + j * 8, quants + 8 * i, 8 * sizeof(int16_t));
+      for (int lane = 0; lane < 4; ++lane) s.x_group_scales[group * 16 + j * 4 + lane] = s.x_scales[r * num_blocks + block];
+      s.x_group_sums[group * 4 + j] = s.x_sums[r * num_blocks + block];
+    }
+  }
+}
+#endif
 
 // Checks `weight` holds [N, K / values * bytes] blocks of `ggml_type` and returns the format.
 GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int64_t k, const char* op) {
@@ -413,6 +470,9 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     for (int64_t r = 0; r < s.m; ++r)
       quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
                         s.x_sums.data() + r * num_blocks);
+#if defined(PAGEDSERVE_GGUF_AVX512)
+    group_layout_of_x(s);
+#endif
   }
 }
 
@@ -442,7 +502,7 @@ void run_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t e
     for (int64_t block = 0; block < num_blocks; ++block) {
       BlockDecoder::decode(row + block * block_bytes, values);
       const float* x_block = x + block * kValues;
-      for (int i = 0; i < kValues; i += 8) {
+      for (int i = 0; i < kValues; i += kLanes) {
         const Lanes w = load_lanes(values + i);
         for (int r = 0; r < kInputs; ++r) acc[r] = multiply_add(w, load_lanes(x_block + r * s.x_stride + i), acc[r]);
       }
@@ -540,13 +600,158 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
   }
 }
 
-// Every input row, up to four at a time against each column range: `run(std::integral_constant<int, R>, input)`
-// computes rows [input, input + R) with R's accumulators in registers.
+#if defined(PAGEDSERVE_GGUF_AVX512)
+// The AVX-512 integer products: four consecutive blocks of a weight row per vector, so one int32 vector holds four
+// blocks' dot products (four lanes each) and the per-block scales apply as vectors, with no horizontal sum per block:
+// per input row and group of four blocks, four VPDPWSSD (VPMADDWD + VPADDD at 'avx512') on x's quants in the same
+// order (group_layout_of_x), one conversion, one product of scales, one FMA (and one 4-lane FMA for Q4_1's m_w s_x).
+// The weight's decoding (nibbles or bytes to int16, scales from float16) is shared by every input row of the group.
+//
+// VPDPWSSD rather than VPDPBUSD: int16 x splits into a signed high byte and an unsigned low byte (x = 256 hi + lo),
+// and u8 x s8 needs the low byte signed too, so a 32-value block takes two VPDPBUSD and a shift per row where
+// VPDPWSSD takes one (the byte form saves only the weight's widening, which every row of the group shares).
+//
+// Per lane: eight products of |q_w| <= 128 and |q_x| <= 32767 sum to < 2^26 in int32 (exact); Q4_0's quants are
+// q - 8, so its product is d_w d_x sum((q_w - 8) q_x) with no offset term. A lane's int32 converts to float exactly
+// below 2^24 (every Q4 lane; Q8_0 lanes past it round by the last bit). Float order per output: 16 lane
+// accumulators (lane 4j + t: block 4g + j's pair sums), each adding its block's float(dot) * (d_w * d_x) per group,
+// then _mm512_reduce_add_ps, then + the 4-lane m_w s_x sum (Q4_1), then + bias: it depends on K only.
+//
+// A group of four blocks of `kType` as four int16 vectors (quarter j of vector i: values 8i .. 8i + 7 of block j),
+// the blocks' d_w each four times (quarter j's lanes) and for Q4_1 their m_w. Blocks past `num_valid` read as 0.
+template <int64_t kType>
+__attribute__((always_inline)) inline void group_weights(const uint8_t* group, int num_valid, __m512i weight[4], __m512* d, __m128* m) {
+  constexpr int64_t kBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+  const auto valid_bytes = [num_valid](int64_t offset) -> __mmask64 {
+    const int64_t count = std::max<int64_t>(0, std::min<int64_t>(64, num_valid * kBytes - offset));
+    return count == 64 ? ~__mmask64{0} : ((__mmask64{1} << count) - 1);
+  };
+  if constexpr (kType == kGgmlQ8_0) {
+    __m512i widened[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bytes = _mm256_maskz_loadu_epi8(j < num_valid ? ~__mmask32{0} : 0, group + j * kBytes + 2);
+      widened[j] = _mm512_cvtepi8_epi16(bytes);
+    }
+    // A 4 x 4 transpose of 128-bit quarters: vector i takes quarter i of each block.
+    const __m512i t0 = _mm512_shuffle_i64x2(widened[0], widened[1], 0x44);
+    const __m512i t1 = _mm512_shuffle_i64x2(widened[0], widened[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(widened[2], widened[3], 0x44);
+    const __m512i t3 = _mm512_shuffle_i64x2(widened[2], widened[3], 0xEE);
+    weight[0] = _mm512_shuffle_i64x2(t0, t2, 0x88);
+    weight[1] = _mm512_shuffle_i64x2(t0, t2, 0xDD);
+    weight[2] = _mm512_shuffle_i64x2(t1, t3, 0x88);
+    weight[3] = _mm512_shuffle_i64x2(t1, t3, 0xDD);
+    // d of block j is the float16 at byte 34 j: words 0, 17, 34, 51 of the group's first 128 bytes.
+    const __m512i low = _mm512_maskz_loadu_epi8(valid_bytes(0), group);
+    const __m512i high = _mm512_maskz_loadu_epi8(valid_bytes(64), group + 64);
+    const __m512i index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 51, 51, 51, 51, 34, 34, 34,
+                                           34, 17, 17, 17, 17, 0, 0, 0, 0);
+    *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(low, index, high)));
+  } else {
+    constexpr int64_t kQuantOffset = kType == kGgmlQ4_1 ? 4 : 2;
+    __m512i packed = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(num_valid > 0 ? 0xFFFF : 0, group + kQuantOffset));
+    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 1 ? 0xFFFF : 0, group + kBytes + kQuantOffset), 1);
+    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 2 ? 0xFFFF : 0, group + 2 * kBytes + kQuantOffset), 2);
+    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 3 ? 0xFFFF : 0, group + 3 * kBytes + kQuantOffset), 3);
+    const __m512i mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i low = _mm512_and_si512(packed, mask);                         // values 0 .. 15 of each block
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);  // values 16 .. 31
+    weight[0] = _mm512_unpacklo_epi8(low, zero);
+    weight[1] = _mm512_unpackhi_epi8(low, zero);
+    weight[2] = _mm512_unpacklo_epi8(high, zero);
+    weight[3] = _mm512_unpackhi_epi8(high, zero);
+    if constexpr (kType == kGgmlQ4_0) {
+      const __m512i eight = _mm512_set1_epi16(8);
+      for (int i = 0; i < 4; ++i) weight[i] = _mm512_sub_epi16(weight[i], eight);
+    }
+    // d (and m) of block j are the float16 words at byte kBytes j (and + 2): all four in the group's first 64 bytes.
+    const __m512i header = _mm512_maskz_loadu_epi8(valid_bytes(0), group);
+    constexpr short kWords = kBytes / 2;
+    const __m512i d_index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 * kWords, 3 * kWords,
+                                             3 * kWords, 3 * kWords, 2 * kWords, 2 * kWords, 2 * kWords, 2 * kWords,
+                                             kWords, kWords, kWords, kWords, 0, 0, 0, 0);
+    *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_index, header)));
+    if constexpr (kType == kGgmlQ4_1) {
+      const __m512i m_index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0, 0, 3 * kWords + 1, 2 * kWords + 1, kWords + 1, 1);
+      *m = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(m_index, header)));
+    }
+  }
+}
+
+// sum(q_w q_x) of a group's four blocks for one input row: quarter j of the result holds block j's four lanes.
+__attribute__((always_inline)) inline __m512i group_dot(const __m512i weight[4], const int16_t* x_quants) {
+  const auto x = [x_quants](int i) { return _mm512_loadu_si512(x_quants + 32 * i); };
+#if defined(PAGEDSERVE_GGUF_VNNI)
+  __m512i sum = _mm512_madd_epi16(weight[0], x(0));
+  sum = _mm512_dpwssd_epi32(sum, weight[1], x(1));
+  sum = _mm512_dpwssd_epi32(sum, weight[2], x(2));
+  return _mm512_dpwssd_epi32(sum, weight[3], x(3));
+#else
+  const __m512i first = _mm512_add_epi32(_mm512_madd_epi16(weight[0], x(0)), _mm512_madd_epi16(weight[1], x(1)));
+  const __m512i second = _mm512_add_epi32(_mm512_madd_epi16(weight[2], x(2)), _mm512_madd_epi16(weight[3], x(3)));
+  return _mm512_add_epi32(first, second);
+#endif
+}
+
+template <int64_t kType, int kInputs>
+void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
+  const int64_t num_blocks = s.k / kQuantBlock, block_bytes = s.format.bytes, num_groups = s.num_groups;
+  // Locals, so the stores to y do not make the compiler reload them; group g's row r is at index g * M + r.
+  const int64_t m = s.m;
+  const int16_t* const x_quants = s.x_group_quants.data() + first_input * 128;
+  const float* const x_scales = s.x_group_scales.data() + first_input * 16;
+  const float* const x_sums = s.x_group_sums.data() + first_input * 4;
+  for (int64_t column = first_column; column < end_column; ++column) {
+    const uint8_t* row = s.weight + column * s.row_bytes;
+    __m512 acc[kInputs];
+    __m128 offsets[kInputs];
+    for (int r = 0; r < kInputs; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      offsets[r] = _mm_setzero_ps();
+    }
+    for (int64_t group = 0; group < num_groups; ++group) {
+      const int num_valid = static_cast<int>(std::min<int64_t>(4, num_blocks - 4 * group));
+      __m512i weight[4];
+      __m512 d;
+      __m128 mins = _mm_setzero_ps();
+      group_weights<kType>(row + 4 * group * block_bytes, num_valid, weight, &d, &mins);
+      const int16_t* const group_quants = x_quants + group * m * 128;
+      const float* const group_scales = x_scales + group * m * 16;
+      const float* const group_sums = x_sums + group * m * 4;
+      for (int r = 0; r < kInputs; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(group_dot(weight, group_quants + r * 128));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(group_scales + r * 16)), acc[r]);
+        if constexpr (kType == kGgmlQ4_1) offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(group_sums + r * 4), offsets[r]);
+      }
+    }
+    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+    for (int r = 0; r < kInputs; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[r]);
+      if constexpr (kType == kGgmlQ4_1) {
+        const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
+        sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+      }
+      s.y[(first_input + r) * s.n + column] = sum + bias;
+    }
+  }
+}
+#endif
+
+// Every input row, up to kMaxGroupInputs at a time against each column range:
+// `run(std::integral_constant<int, R>, input)` computes rows [input, input + R) with R's accumulators in registers.
 template <class Run>
-void in_groups_of_four(const GgufLinearCall::State& s, Run run) {
+void in_groups(const GgufLinearCall::State& s, Run run) {
   int64_t input = 0;
-  for (; input + 4 <= s.m; input += 4) run(std::integral_constant<int, 4>{}, input);
+  for (; input + kMaxGroupInputs <= s.m; input += kMaxGroupInputs)
+    run(std::integral_constant<int, kMaxGroupInputs>{}, input);
   switch (s.m - input) {
+#if defined(PAGEDSERVE_GGUF_AVX512)
+    case 7: run(std::integral_constant<int, 7>{}, input); break;
+    case 6: run(std::integral_constant<int, 6>{}, input); break;
+    case 5: run(std::integral_constant<int, 5>{}, input); break;
+    case 4: run(std::integral_constant<int, 4>{}, input); break;
+#endif
     case 3: run(std::integral_constant<int, 3>{}, input); break;
     case 2: run(std::integral_constant<int, 2>{}, input); break;
     case 1: run(std::integral_constant<int, 1>{}, input); break;
@@ -556,14 +761,18 @@ void in_groups_of_four(const GgufLinearCall::State& s, Run run) {
 
 template <int64_t kType>
 void run_all_integer_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
-  in_groups_of_four(s, [&](auto inputs, int64_t input) {
+  in_groups(s, [&](auto inputs, int64_t input) {
+#if defined(PAGEDSERVE_GGUF_AVX512)
+    run_group_columns<kType, decltype(inputs)::value>(s, first_column, end_column, input);
+#else
     run_integer_columns<kType, decltype(inputs)::value>(s, first_column, end_column, input);
+#endif
   });
 }
 
 template <class BlockDecoder>
 void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
-  in_groups_of_four(s, [&](auto inputs, int64_t input) {
+  in_groups(s, [&](auto inputs, int64_t input) {
     run_columns<BlockDecoder, decltype(inputs)::value>(s, first_column, end_column, input);
   });
 }

@@ -1,0 +1,88 @@
+"""The kept-quantized GGUF linear kernel (kernels/cpu/gguf_linear.cpp) on the default model's own tensors, by rows.
+
+Every product of one SmolLM2-135M-Instruct decode step on the embedded Q4_1 file (30 layers x qkv 960x576,
+o 576x576, gate_up 3072x576, down 576x1536 in Q4_1, and the tied Q8_0 LM head 49152x576), each called with M input
+rows: a decode step's linear time at batch M (a 5-row call is a batch-1 ngram verification with K=4). Rounds
+interleave the row counts; the best round of each is reported, as ms per step and as the ratio to M=1.
+
+    python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8] [--repeats 7] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from pagedserve.kernels import cpu_isa
+from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available
+from pagedserve.model_loader.default_model import resolve_model_path
+
+# The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
+LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
+    """(blocks [N, bytes per row], ggml type, K) of every product of a decode step, fused as the engine fuses them."""
+    tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
+    num_layers = sum(1 for name in tensors if name.endswith(".attn_q.weight"))
+    products = []
+    for layer in range(num_layers):
+        for parts in LAYER_PARTS:
+            blocks, types, ks = [], set(), set()
+            for part in parts:
+                tensor = tensors[f"blk.{layer}.{part}.weight"]
+                rows, k = (int(d) for d in reversed(tensor.shape.tolist()))
+                blocks.append(torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(rows, -1)))
+                types.add(int(tensor.tensor_type))
+                ks.add(k)
+            (ggml_type,), (k,) = types, ks
+            products.append((torch.cat(blocks), ggml_type, k))
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    rows, k = (int(d) for d in reversed(head.shape.tolist()))
+    products.append((torch.from_numpy(np.array(head.data).view(np.uint8).reshape(rows, -1)), int(head.tensor_type), k))
+    return products
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if not gguf_kernels_available():
+        raise SystemExit("the native GGUF kernels are not available on this machine")
+    torch.set_num_threads(args.threads)
+    products = step_weights(resolve_model_path(None))
+    linear = torch.ops.pagedserve.gguf_linear
+    generator = torch.Generator().manual_seed(0)
+    inputs = {m: {k: torch.randn(m, k, generator=generator) for k in {k for _, _, k in products}} for m in args.rows}
+
+    def run(m: int) -> float:
+        x = inputs[m]
+        clock = time.thread_time if args.threads == 1 else time.perf_counter
+        start = clock()
+        for blocks, ggml_type, k in products:
+            linear(x[k], blocks, ggml_type, None)
+        return clock() - start
+
+    for m in args.rows:
+        run(m)  # warm-up (and the library build)
+    best = dict.fromkeys(args.rows, float("inf"))
+    for _ in range(args.repeats):
+        for m in args.rows:
+            best[m] = min(best[m], run(m))
+    num_bytes = sum(blocks.numel() for blocks, _, _ in products)
+    types = sorted({KERNEL_TYPES[t] for _, t, _ in products})
+    print(f"ISA level {cpu_isa.describe()}; {len(products)} products ({', '.join(types)}), {num_bytes / 1e6:.1f} MB "
+          f"of blocks, {args.threads} threads; {'CPU' if args.threads == 1 else 'wall'} ms per decode step's products "
+          f"(best of {args.repeats})")
+    print(f"{'rows':>4} {'ms':>8} {'vs 1 row':>8} {'GB/s':>6}")
+    for m in args.rows:
+        print(f"{m:>4} {best[m] * 1e3:8.2f} {best[m] / best[args.rows[0]]:7.2f}x {num_bytes / best[m] / 1e9:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
