@@ -6,8 +6,10 @@ backend's `forward` (K/V write + attention; the native backend differs only in h
 plus the kernel call alone, and one request with a long context (the flash-decoding split path).
 
 Usage: python benchmarks/attention_native.py [--threads 2] [--repeats 20] [--num-requests 64] [--long 4096]
-                                            [--clock wall|cpu]
+                                            [--clock wall|cpu] [--kv-cache-dtype auto|int8]
 Prints min and median ms per layer over interleaved repeats and the torch_paged / cpu_native ratio.
+With `--kv-cache-dtype int8` it times the native decode kernel alone over the same contexts with a bfloat16
+cache and with that cache quantized to int8 pages (kv_cache_dtype="int8", bfloat16 query), and their ratio.
 On a shared, oversubscribed machine use `--threads 1 --clock cpu` (CPU time of the one thread).
 """
 from __future__ import annotations
@@ -28,6 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from attention_micro import HEAD_DIM, build_decode_step  # noqa: E402
 
 from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, paged_decode_attention  # noqa: E402
+from pagedserve.attention.kv_quantization import (  # noqa: E402
+    Int8KVPageLayout,
+    allocate_int8_kv_cache,
+    write_to_int8_kv_cache,
+)
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend  # noqa: E402
 
 
@@ -67,6 +74,32 @@ def compare(seq_lens: list[int], dtype: torch.dtype, repeats: int, label: str,
     print(f"  torch_paged / cpu_native (min): {results['torch_paged'][0] / results['cpu_native'][0]:.2f}x")
 
 
+def compare_int8_cache(seq_lens: list[int], repeats: int, label: str, clock: Callable[[], float]) -> None:
+    """The decode kernel alone: a bfloat16 cache vs the same cache quantized to int8 pages."""
+    torch.manual_seed(0)
+    query, _, _, bf16_cache, metadata = build_decode_step(seq_lens, torch.bfloat16)
+    _, num_blocks, block_size, num_kv_heads, head_dim = bf16_cache.shape
+    int8_cache = allocate_int8_kv_cache(num_blocks, Int8KVPageLayout(block_size, num_kv_heads, head_dim),
+                                        lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    slots = torch.arange(num_blocks * block_size, dtype=torch.int64)
+    flat = bf16_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_dim)
+    write_to_int8_kv_cache(flat[0], flat[1], int8_cache, slots)
+    scale = HEAD_DIM ** -0.5
+    results = time_calls({
+        "bf16 cache": lambda: paged_decode_attention(query, bf16_cache, metadata.block_table, metadata.seq_lens,
+                                                     scale),
+        "int8 cache": lambda: paged_decode_attention(query, int8_cache, metadata.block_table, metadata.seq_lens,
+                                                     scale),
+    }, repeats, clock)
+    error = (paged_decode_attention(query, int8_cache, metadata.block_table, metadata.seq_lens, scale).float()
+             - paged_decode_attention(query, bf16_cache, metadata.block_table, metadata.seq_lens, scale).float())
+    print(f"\n{label}, kernel alone, bfloat16 query: contexts {min(seq_lens)}-{max(seq_lens)} (sum {sum(seq_lens)}), "
+          f"max|int8 - bf16| {error.abs().max().item():.1e}")
+    for name, (best, median) in results.items():
+        print(f"  {name:<13} min {best:8.3f}  median {median:8.3f} ms/layer")
+    print(f"  int8 / bf16 (min): {results['int8 cache'][0] / results['bf16 cache'][0]:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -76,6 +109,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time; cpu: the process's CPU time (steadier on a shared machine, "
                              "meaningful with --threads 1)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="int8: the kernel alone over a bfloat16 cache vs its int8 quantization")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -83,6 +118,11 @@ def main() -> None:
     rng = random.Random(1)
     # Same contexts as attention_micro.py: prompt (64-512) + tokens generated so far (0..64-256).
     seq_lens = [rng.randint(64, 512) + rng.randint(0, rng.randint(64, 256)) + 1 for _ in range(args.num_requests)]
+    if args.kv_cache_dtype == "int8":
+        compare_int8_cache(seq_lens, args.repeats, f"decode, {args.num_requests} requests", clock)
+        if args.long:
+            compare_int8_cache([args.long], args.repeats, "decode, 1 request", clock)
+        return
     for dtype in (torch.bfloat16, torch.float32):
         compare(seq_lens, dtype, args.repeats, f"decode, {args.num_requests} requests", clock)
     if args.long:

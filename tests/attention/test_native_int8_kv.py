@@ -4,7 +4,8 @@
   float32 and bfloat16 inputs, contiguous and fused-QKV (strided) rows;
 - `pagedserve::paged_decode_attention_int8` (int8 rows and their scales read in place) equals dequantize-then-attend
   (the whole cache dequantized into a float32 cache, then torch_paged's reference) to float32 rounding, on the
-  vector path (head_dim a multiple of the lanes) and the scalar one, with a sliding window, several partitions;
+  unrolled AVX-512 path (head_dim 64/128), the vector path (head_dim a multiple of the lanes) and the scalar one,
+  with a sliding window, several partitions;
 - the cpu_native backend's whole forward with an int8 cache (native write and decodes, torch_paged's prefills over
   dequantized blocks) equals torch_paged's.
 """
@@ -79,7 +80,10 @@ def _decode_case(num_heads: int, num_kv_heads: int, head_dim: int, seed: int):
     return paged_case(schedule, num_heads, num_kv_heads, head_dim, 16, seed)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (6, 3, 12), (2, 2, 40)])
+# AVX-512: head_dim 64/128 take the unrolled int8 path (GQA groups 2, 8, 1, and 5: a partial second sweep of
+# heads), 12 and 40 the generic loop.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(4, 2, 64), (8, 1, 128), (3, 3, 128), (10, 2, 64), (6, 3, 12), (2, 2, 40)])
 @pytest.mark.parametrize("sliding_window", [None, 50])
 @pytest.mark.parametrize("partition_size", [256, 16])
 def test_decode_kernel_equals_dequantize_then_attend(num_heads: int, num_kv_heads: int, head_dim: int,

@@ -49,7 +49,11 @@
 // Op: pagedserve::paged_decode_attention_int8(query, kv_cache, kv_scales, block_table, seq_lens, scale,
 //       sliding_window?, partition_size) -> out: the same work items, partitions and merges as above; an item reads
 //     int8 rows in place and applies the row's scale once per row: score = (q . k_int8) * k_scale, and
-//     acc += (p * v_scale) * v_int8 (no dequantized copy of anything).
+//     acc += (p * v_scale) * v_int8 (no dequantized copy of anything). On AVX-512 with head_dim 64 or 128 and a
+//     GQA group of 1-8, attend_partition_int8_fixed widens each key row once for all of the group's heads and
+//     keeps the dots and the value accumulators in registers (the fp32 fast path's structure); its scores differ
+//     from the generic loop's only in the horizontal-sum tree (last bits). Other shapes and levels take the
+//     generic loop, attend_partition_int8.
 // Op: pagedserve::reshape_and_cache_int8(key, value, kv_cache (mutated), kv_scales (mutated), slot_mapping) -> ():
 //     quantizes each token's row of each KV head: scale = max|x| / 127 (float32), q = nearbyint(x / scale) (round
 //     half to even, clamped to [-127, 127]; a zero row stores scale 0 and zeros). Bitwise
@@ -750,6 +754,115 @@ void attend_partition_int8(const WorkItem& item, const Geometry& g, const query_
   });
 }
 
+#if defined(PAGEDSERVE_FLOAT_VECTOR) && defined(__AVX512F__)
+// The int8 fast path (AVX-512, head_dim = 16 * kChunks, compile-time GQA group kGroup): attend_partition_fixed's
+// structure over int8 rows. Each key row's int8 values are widened to fp32 (vpmovsxbd + vcvtdq2ps, exact) one
+// 16-lane chunk at a time and used by up to kMaxHeadsPerSweep heads' accumulators, four keys per horizontal-sum
+// tree; the row's key scale then multiplies each finished dot product (score = ((q * scale) . k_int8) * k_scale).
+// After the softmax each probability is multiplied by its row's value scale in place (the sums were already taken
+// from the unscaled probabilities), and the value pass accumulates (p * v_scale) * v_int8 in registers, over t in
+// order, exactly as attend_partition_int8 does (so only the score's summation tree differs from it).
+// `row_offsets` holds 2 * partition_size entries: the rows' element offsets, then their scales' indices.
+template <typename query_t, int kGroup, int kChunks>
+void attend_partition_int8_fixed(const WorkItem& item, const Geometry& g, const query_t* query, const int8_t* cache,
+                                 const int32_t* block_table, float scale, float* query_scaled, float* scores,
+                                 int64_t* row_offsets, float* acc, float* max_out, float* sum_out,
+                                 NextItemKeys& next_keys) {
+  constexpr int kHeadDim = kChunks * kLanes;
+  constexpr int kKeys = 4;  // keys per horizontal-sum tree
+  constexpr int kHeadsPerSweep = kGroup < kMaxHeadsPerSweep ? kGroup : kMaxHeadsPerSweep;
+  const int64_t num_tokens = item.token_end - item.token_begin;
+  const int64_t score_stride = g.partition_size;
+  constexpr int64_t row_bytes = kHeadDim;
+  const int8_t* values = cache + g.value_offset;
+  const float* key_scales = g.scales;
+  const float* value_scales = g.scales + g.scale_value_offset;
+  int64_t* scale_indices = row_offsets + g.partition_size;
+  stage_query(item, g, query, scale, query_scaled);
+  const int32_t* table_row = block_table + item.request * g.table_stride;
+  for_each_int8_row(g, table_row, item.kv_head, item.token_begin, item.token_end,
+                    [&](int64_t t, int64_t offset, int64_t scale_index) {
+    row_offsets[t] = offset;
+    scale_indices[t] = scale_index;
+  });
+  for (int64_t t = 0; t < std::min(num_tokens, kPrefetchPositions); ++t) {
+    prefetch_row(cache + row_offsets[t], row_bytes);
+    _mm_prefetch(reinterpret_cast<const char*>(key_scales + scale_indices[t]), _MM_HINT_T0);
+  }
+
+  // 1. scores[j][t] = ((q_j * scale) . k_int8_t) * k_scale_t
+  for (int64_t t0 = 0; t0 < num_tokens; t0 += kKeys) {
+    const int64_t count = std::min<int64_t>(kKeys, num_tokens - t0);
+    for (int64_t t = t0; t < t0 + count; ++t) {
+      if (t + kPrefetchPositions < num_tokens) {
+        prefetch_row(cache + row_offsets[t + kPrefetchPositions], row_bytes);
+        _mm_prefetch(reinterpret_cast<const char*>(key_scales + scale_indices[t + kPrefetchPositions]), _MM_HINT_T0);
+      }
+      prefetch_row(values + row_offsets[t], row_bytes);
+      _mm_prefetch(reinterpret_cast<const char*>(value_scales + scale_indices[t]), _MM_HINT_T0);
+    }
+    // Past the partition's end the last row is read again; those scores are not stored.
+    const int64_t last = t0 + count - 1;
+    const __m128 row_scales = _mm_setr_ps(key_scales[scale_indices[t0]],
+                                          key_scales[scale_indices[std::min(t0 + 1, last)]],
+                                          key_scales[scale_indices[std::min(t0 + 2, last)]],
+                                          key_scales[scale_indices[std::min(t0 + 3, last)]]);
+    for (int j0 = 0; j0 < kGroup; j0 += kHeadsPerSweep) {
+      __m512 dots[kHeadsPerSweep][kKeys];
+#pragma GCC unroll 4
+      for (int t = 0; t < kKeys; ++t) {
+        const int8_t* key_row = cache + row_offsets[std::min<int64_t>(t0 + t, last)];
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512 key = load_int8_lanes(key_row + c * kLanes);
+#pragma GCC unroll 4
+          for (int j = 0; j < kHeadsPerSweep; ++j) {
+            if (j0 + j >= kGroup) break;
+            const __m512 q_chunk = _mm512_loadu_ps(query_scaled + (j0 + j) * kHeadDim + c * kLanes);
+            dots[j][t] = c == 0 ? _mm512_mul_ps(q_chunk, key) : _mm512_fmadd_ps(q_chunk, key, dots[j][t]);
+          }
+        }
+      }
+      for (int j = 0; j < kHeadsPerSweep; ++j) {
+        if (j0 + j >= kGroup) break;
+        store_scores(_mm_mul_ps(sum_lanes_of_4(dots[j][0], dots[j][1], dots[j][2], dots[j][3]), row_scales),
+                     scores + (j0 + j) * score_stride + t0, count);
+      }
+    }
+  }
+  partition_softmax(g, num_tokens, scores, max_out, sum_out);
+  // The value weights p * v_scale, in place (sum_out already holds the sums of the unscaled p).
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float value_scale = value_scales[scale_indices[t]];
+    for (int j = 0; j < kGroup; ++j) scores[j * score_stride + t] *= value_scale;
+  }
+
+  // 2. acc[j] = sum_t (p[j][t] * v_scale_t) * v_int8_t, kChunksPerPass vectors of every head in registers.
+  constexpr int kFit = kValueAccumulators / kGroup > 0 ? kValueAccumulators / kGroup : 1;
+  constexpr int kChunksPerPass = kChunks <= kFit ? kChunks : kFit;
+  for (int c0 = 0; c0 < kChunks; c0 += kChunksPerPass) {
+    __m512 sums[kGroup][kChunksPerPass];
+    for (int j = 0; j < kGroup; ++j)
+      for (int c = 0; c < kChunksPerPass; ++c) sums[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      if (c0 == 0) next_keys.advance(t, num_tokens);
+      const int8_t* value_row = values + row_offsets[t];
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunksPerPass; ++c) {
+        if (c0 + c >= kChunks) break;
+        const __m512 v = load_int8_lanes(value_row + (c0 + c) * kLanes);
+#pragma GCC unroll 8
+        for (int j = 0; j < kGroup; ++j)
+          sums[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * score_stride + t]), v, sums[j][c]);
+      }
+    }
+    for (int j = 0; j < kGroup; ++j)
+      for (int c = 0; c < kChunksPerPass; ++c)
+        if (c0 + c < kChunks) _mm512_storeu_ps(acc + j * kHeadDim + (c0 + c) * kLanes, sums[j][c]);
+  }
+}
+#endif
+
 template <typename query_t, typename cache_t>
 using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*, const cache_t*, const int32_t*,
                                 float, float*, float*, int64_t*, float*, float*, float*,
@@ -759,6 +872,23 @@ using AttendFunction = void (*)(const WorkItem&, const Geometry&, const query_t*
 template <typename query_t, typename cache_t>
 AttendFunction<query_t, cache_t> select_attend(int64_t group, int64_t head_dim) {
   if constexpr (std::is_same_v<cache_t, int8_t>) {
+#if defined(PAGEDSERVE_FLOAT_VECTOR) && defined(__AVX512F__)
+#define PAGEDSERVE_INT8_GROUP_CASES(CHUNKS)                                              \
+    switch (group) {                                                                     \
+      case 1: return &attend_partition_int8_fixed<query_t, 1, CHUNKS>;                   \
+      case 2: return &attend_partition_int8_fixed<query_t, 2, CHUNKS>;                   \
+      case 3: return &attend_partition_int8_fixed<query_t, 3, CHUNKS>;                   \
+      case 4: return &attend_partition_int8_fixed<query_t, 4, CHUNKS>;                   \
+      case 5: return &attend_partition_int8_fixed<query_t, 5, CHUNKS>;                   \
+      case 6: return &attend_partition_int8_fixed<query_t, 6, CHUNKS>;                   \
+      case 7: return &attend_partition_int8_fixed<query_t, 7, CHUNKS>;                   \
+      case 8: return &attend_partition_int8_fixed<query_t, 8, CHUNKS>;                   \
+      default: break;                                                                    \
+    }
+    if (head_dim == 64) { PAGEDSERVE_INT8_GROUP_CASES(4) }
+    if (head_dim == 128) { PAGEDSERVE_INT8_GROUP_CASES(8) }
+#undef PAGEDSERVE_INT8_GROUP_CASES
+#endif
     return &attend_partition_int8<query_t>;
   } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -841,7 +971,8 @@ void run_items(const DecodeState& s, const void* cache, const float* scales, int
   float* partials = const_cast<float*>(s.partials.data());
   const AttendFunction<query_t, cache_t> attend = select_attend<query_t, cache_t>(group, head_dim);
   std::vector<float> scratch(group * head_dim + group * g.partition_size + group * (head_dim + 2));
-  std::vector<int64_t> row_offsets(g.partition_size);
+  // int8 caches: the rows' offsets, then their scales' indices (attend_partition_int8_fixed).
+  std::vector<int64_t> row_offsets(g.partition_size * (std::is_same_v<cache_t, int8_t> ? 2 : 1));
   std::vector<int64_t> next_row_offsets(g.partition_size);
   float* query_scaled = scratch.data();
   float* scores = query_scaled + group * head_dim;
