@@ -47,7 +47,7 @@ _op: Any = None
 
 
 def small_batch_linear_available() -> bool:
-    """True when the native library is loaded (building it at first use) and has the AVX-512 kernel."""
+    """True when the native library is loaded (building it at first use) and has the kernel (AVX2 or AVX-512)."""
     global _available, _op
     if _available is None:
         _op = load_native_op("small_batch_linear", "is_small_batch_linear_supported", _small_batch_linear_fake)

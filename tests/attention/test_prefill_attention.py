@@ -301,10 +301,15 @@ def test_bfloat16_engine_logprobs_close_to_float32(tiny_model_dir, kind: str, ke
     assert native_deviation <= max(0.1, 1.5 * sdpa_deviation), (native_deviation, sdpa_deviation)
 
 
+# int8 KV (the kernel's int8 pack phase) is slow here: tests/attention/test_native_int8_prefill.py's backend test
+# covers the same code, and e2e/test_int8_kv_cache_engine.py runs it in engines.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_float32_engine_greedy_tokens_equal_torch_paged(tiny_model_dir, kind: str, kernel_calls) -> None:
-    """float32 engine, chunked prefill (64-token steps) and prefix caching: the kernel's prefills give the same
-    greedy tokens over 40 steps as the torch_paged backend (its own reference), and logprobs within fp32 noise."""
+def test_float32_engine_greedy_tokens_equal_torch_paged(tiny_model_dir, kind: str, kv_cache_dtype: str,
+                                                        kernel_calls) -> None:
+    """float32 engine, chunked prefill (64-token steps) and prefix caching (prompts sharing 80 tokens), with the
+    model-dtype or the int8 KV cache: the kernel's prefills give the same greedy tokens over 40 steps as the
+    torch_paged backend (its own reference), and logprobs within fp32 noise."""
     from pagedserve import LLM, SamplingParams
 
     folder = tiny_model_dir(kind, dtype=torch.float32, hidden_size=256, head_dim=64)
@@ -316,7 +321,7 @@ def test_float32_engine_greedy_tokens_equal_torch_paged(tiny_model_dir, kind: st
 
     def run(backend: str):  # type: ignore[no-untyped-def]
         llm = LLM(folder, dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_batched_tokens=64,
-                  enable_prefix_caching=True, attention_backend=backend)
+                  enable_prefix_caching=True, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     reference = run("torch_paged")

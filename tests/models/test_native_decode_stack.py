@@ -349,7 +349,8 @@ REGION_LAYOUTS = [
     # (dtype, weight_layout, linear_kind): the kinds whose steps run in one region
     pytest.param("bfloat16", "amx_packed", 2),  # every native build has a unit of amx_packed
     pytest.param("float32", "plain_native", None, marks=pytest.mark.skipif(
-        not small_batch_linear_available(), reason="needs AVX-512 (the small-batch float32 kernel)")),
+        not small_batch_linear_available(),
+        reason="needs the small-batch float32 kernel (built at the avx2 level and above)")),
 ]
 
 

@@ -26,7 +26,8 @@ from pagedserve.models.native_decode_stack import NativeDecodeForward
 from pagedserve.worker.kv_cache_allocation import attention_layers
 
 pytestmark = pytest.mark.skipif(not is_native_extension_available(),
-                                reason="the native CPU kernels do not build here (no compiler)")
+                                reason="no native kernels here (PAGEDSERVE_CPU_ISA=none, a CPU without a build, or no "
+                                       "compiler): there is no decode stack")
 
 NUM_STEPS = 40
 
@@ -34,7 +35,8 @@ LAYOUTS = [
     # (dtype, weight_layout): the stack's one-region kinds in each dtype
     pytest.param("bfloat16", "amx_packed", id="bfloat16"),
     pytest.param("float32", "plain_native", id="float32", marks=pytest.mark.skipif(
-        not small_batch_linear_available(), reason="needs AVX-512 (the small-batch float32 kernel)")),
+        not small_batch_linear_available(),
+        reason="needs the small-batch float32 kernel (built at the avx2 level and above)")),
 ]
 
 

@@ -68,24 +68,29 @@ class ProxyProcess:
         self.log.close()
 
 
+def start_servers(model: str, launches: list[list[str]]) -> list[ServerProcess]:
+    """One server per launch's arguments, started at once; when one fails to start, the others are stopped and its
+    error raised."""
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = [pool.submit(ServerProcess, model, args) for args in launches]
+    # Leaving the pool waited for every start.
+    started = [future.result() for future in futures if future.exception() is None]
+    errors = [future.exception() for future in futures if future.exception() is not None]
+    if errors:
+        for server in started:
+            server.stop(timeout=3)
+        raise errors[0]
+    return started
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     model = tiny_model_dir("llama")
-    roles = [PRODUCER, CONSUMER]
     servers: list[ServerProcess] = []
     proxy = None
     try:
-        with ThreadPoolExecutor(len(roles)) as pool:
-            futures = [pool.submit(ServerProcess, model, ENGINE_ARGS + ["--kv-transfer-config", json.dumps(role)])
-                       for role in roles]
-            for future in futures:
-                try:
-                    servers.append(future.result())
-                except Exception:
-                    for other in futures:
-                        if other.done() and other.exception() is None and other.result() not in servers:
-                            servers.append(other.result())
-                    raise
+        servers = start_servers(model, [ENGINE_ARGS + ["--kv-transfer-config", json.dumps(role)]
+                                        for role in (PRODUCER, CONSUMER)])
         unreachable = f"http://127.0.0.1:{free_port()}"
         proxy = ProxyProcess([servers[0].base_url, unreachable], [servers[1].base_url, servers[0].base_url])
         yield {"prefill": servers[0], "decode": [servers[1], servers[0]], "proxy": proxy, "unreachable": unreachable,

@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "server"))
 
 from server_process import ServerProcess  # noqa: E402
-from test_pd_proxy import ENGINE_ARGS, ProxyProcess, kv_cache_usage, wait_until_every_block_is_free  # noqa: E402
+from test_pd_proxy import (ENGINE_ARGS, ProxyProcess, kv_cache_usage, start_servers,  # noqa: E402
+                           wait_until_every_block_is_free)
 
 FREE_TIMEOUT_S = 8
 PUSH_PRODUCER = {"kv_connector": "PullConnector", "kv_role": "kv_producer",
@@ -43,16 +44,7 @@ def cluster(tiny_model_dir):
     servers: list[ServerProcess] = []
     proxy = None
     try:
-        with ThreadPoolExecutor(len(launches)) as pool:
-            futures = [pool.submit(ServerProcess, model, args) for args in launches]
-            for future in futures:
-                try:
-                    servers.append(future.result())
-                except Exception:
-                    for other in futures:
-                        if other.done() and other.exception() is None and other.result() not in servers:
-                            servers.append(other.result())
-                    raise
+        servers = start_servers(model, launches)
         prefill, decode = servers
         # A long health interval: the last test's request, not the probe, finds P dead.
         proxy = ProxyProcess([prefill.base_url], [decode.base_url],
@@ -210,12 +202,14 @@ def test_a_client_that_leaves_releases_p_and_d(cluster):
     """A client that closes its stream mid-answer, or gives up on a whole answer: P and D end with every block
     free and the proxy with nothing in flight."""
     url = f"{cluster['proxy'].base_url}/v1/completions"
-    body = {"model": cluster["model"], "prompt": PROMPTS[2], "max_tokens": 1500, "ignore_eos": True}
+    # As long an answer as the context allows: the whole answer must outlast the client's patience (0.3 s) however
+    # fast the engine decodes.
+    body = {"model": cluster["model"], "prompt": PROMPTS[2], "max_tokens": 2000, "ignore_eos": True}
     with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url, json=body, timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(url, json=body, timeout=httpx.Timeout(60, read=0.3))
     wait_until_every_block_is_free([cluster["prefill"], cluster["decode"]])
     metrics = httpx.get(f"{cluster['proxy'].base_url}/metrics", timeout=10).text
     in_flight = [line for line in metrics.splitlines() if line.startswith("pagedserve:proxy_requests_in_flight")]

@@ -422,16 +422,20 @@ void run_amx(const Int8LinearCall::State& s, int64_t first, int64_t last) {
 }
 #endif  // PAGEDSERVE_INT8_AMX
 
-// The units this build and process can run, preferred first.
-std::vector<std::string> int8_linear_products() {
-  std::vector<std::string> units;
+// The units this build and process can run, preferred first (fixed for the process: the build's and the AMX
+// permission's, asked once; built once, since every call's choose_products reads it).
+const std::vector<std::string>& int8_linear_products() {
+  static const std::vector<std::string> units = [] {
+    std::vector<std::string> available;
 #if defined(PAGEDSERVE_INT8_AMX)
-  if (pagedserve_native::is_amx_usable()) units.emplace_back(kAmxProducts);
+    if (pagedserve_native::is_amx_usable()) available.emplace_back(kAmxProducts);
 #endif
 #if defined(PAGEDSERVE_INT8_VNNI)
-  units.emplace_back(kVnniProducts);
+    available.emplace_back(kVnniProducts);
 #endif
-  units.emplace_back(kInt16Products);
+    available.emplace_back(kInt16Products);
+    return available;
+  }();
   return units;
 }
 
@@ -441,7 +445,7 @@ Products choose_products(c10::string_view products, int64_t m, int64_t k) {
   TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kVnniProducts ||
                   products == kInt16Products,
               "w8a8_linear: products must be 'auto', 'amx', 'avx512_vnni' or 'int16', got '", products, "'");
-  const std::vector<std::string> units = int8_linear_products();
+  const std::vector<std::string>& units = int8_linear_products();
   const bool has_amx = std::find(units.begin(), units.end(), kAmxProducts) != units.end();
   const bool has_vnni = std::find(units.begin(), units.end(), kVnniProducts) != units.end();
   if (products == "auto") {
