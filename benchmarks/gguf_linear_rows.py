@@ -5,7 +5,10 @@ o 576x576, gate_up 3072x576, down 576x1536 in Q4_1, and the tied Q8_0 LM head 49
 rows: a decode step's linear time at batch M (a 5-row call is a batch-1 ngram verification with K=4). Rounds
 interleave the row counts; the best round of each is reported, as ms per step and as the ratio to M=1.
 
-    python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8] [--repeats 7] [--threads 1]
+Each product unit of the build (`--products`, default every unit gguf_linear_products() lists: 'amx' where AMX-INT8
+runs, 'vector') is timed on the same inputs; a unit's column past the vector products' 64 rows is left out.
+
+    python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1] [--products amx vector]
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import torch
 from gguf import GGUFReader
 
 from pagedserve.kernels import cpu_isa
-from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available
+from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available, gguf_linear_products
 from pagedserve.model_loader.default_model import resolve_model_path
 
 # The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
+VECTOR_MAX_ROWS = 64  # the vector products' largest M (kernels/cpu/gguf_linear.cpp kMaxInputs)
 LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 
@@ -51,38 +55,43 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--products", nargs="+", default=None, help="units to time (default: every unit of the build)")
     args = parser.parse_args()
     if not gguf_kernels_available():
         raise SystemExit("the native GGUF kernels are not available on this machine")
+    units = args.products or list(gguf_linear_products())
     torch.set_num_threads(args.threads)
     products = step_weights(resolve_model_path(None))
     linear = torch.ops.pagedserve.gguf_linear
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {k: torch.randn(m, k, generator=generator) for k in {k for _, _, k in products}} for m in args.rows}
 
-    def run(m: int) -> float:
+    def run(m: int, unit: str) -> float:
         x = inputs[m]
         clock = time.thread_time if args.threads == 1 else time.perf_counter
         start = clock()
         for blocks, ggml_type, k in products:
-            linear(x[k], blocks, ggml_type, None)
+            linear(x[k], blocks, ggml_type, None, unit)
         return clock() - start
 
-    for m in args.rows:
-        run(m)  # warm-up (and the library build)
-    best = dict.fromkeys(args.rows, float("inf"))
+    cases = [(m, unit) for m in args.rows for unit in units if unit == "amx" or m <= VECTOR_MAX_ROWS]
+    for case in cases:
+        run(*case)  # warm-up (and the library build)
+    best = dict.fromkeys(cases, float("inf"))
     for _ in range(args.repeats):
-        for m in args.rows:
-            best[m] = min(best[m], run(m))
+        for case in cases:
+            best[case] = min(best[case], run(*case))
     num_bytes = sum(blocks.numel() for blocks, _, _ in products)
     types = sorted({KERNEL_TYPES[t] for _, t, _ in products})
     print(f"ISA level {cpu_isa.describe()}; {len(products)} products ({', '.join(types)}), {num_bytes / 1e6:.1f} MB "
           f"of blocks, {args.threads} threads; {'CPU' if args.threads == 1 else 'wall'} ms per decode step's products "
-          f"(best of {args.repeats})")
-    print(f"{'rows':>4} {'ms':>8} {'vs 1 row':>8} {'GB/s':>6}")
-    for m in args.rows:
-        print(f"{m:>4} {best[m] * 1e3:8.2f} {best[m] / best[args.rows[0]]:7.2f}x {num_bytes / best[m] / 1e9:6.1f}")
-
+          f"(best of {args.repeats}); 'vs 1 row': against the same unit at {args.rows[0]} rows")
+    print(f"{'rows':>4} {'unit':>7} {'ms':>8} {'vs 1 row':>8} {'GB/s':>6} {'ms/row':>7}")
+    for m, unit in cases:
+        seconds = best[(m, unit)]
+        first = best.get((args.rows[0], unit), float("nan"))
+        print(f"{m:>4} {unit:>7} {seconds * 1e3:8.2f} {seconds / first:7.2f}x {num_bytes / seconds / 1e9:6.1f} "
+              f"{seconds * 1e3 / m:7.2f}")
 
 if __name__ == "__main__":
     main()

@@ -256,9 +256,12 @@ class EngineConfig:
         check_batch_invariant_options(batch_invariant, attention_backend, compilation.mode)
         if batch_invariant:
             attention_backend = attention_backend or "torch_paged"  # its layout; layers get its invariant form
+        # Kept GGUF blocks pick their product unit by batch size (layers/gguf_linear.py): batch-invariant runs
+        # dequantize them at load, as they keep plain layouts.
         load_config = LoadConfig(enable_multithread_load=enable_multithread_load, num_threads=num_threads,
                                  safetensors_load_strategy=safetensors_load_strategy, weight_layout=weight_layout,
-                                 huge_page_weights=huge_page_weights, gguf_dequantize=gguf_dequantize)
+                                 huge_page_weights=huge_page_weights,
+                                 gguf_dequantize=gguf_dequantize or batch_invariant)
         from pagedserve.layers.weight_layout import resolve_weight_layout
 
         # Fails here, not in the worker, when the layout cannot be honoured (platform, dtype, modes).

@@ -38,9 +38,11 @@ KERNEL_TYPES: dict[int, str] = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "
 # (values, bytes) per block of each kernel type.
 BLOCK_FORMATS: dict[int, tuple[int, int]] = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
                                              12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# Batches of up to this many rows take the kernel; larger ones dequantize tiles for F.linear (the kernel's rows
-# reuse each decoded block only 8 (AVX2: 4) at a time, a GEMM reuses it across the whole batch).
+# Batches of up to this many rows take the kernel; larger ones dequantize tiles for F.linear (the vector products'
+# rows reuse each decoded block only 8 (AVX2: 4) at a time, a GEMM reuses it across the whole batch), except where
+# the amx unit runs a type of AMX_TYPES: its tiles reuse each decoded block across the whole batch too.
 KERNEL_MAX_ROWS = 8
+AMX_TYPES = frozenset({8, 2, 3})  # Q8_0, Q4_0, Q4_1: kernels/cpu/gguf_linear.cpp is_integer_product_type
 # Values of the float32 tile a large batch dequantizes at once (16 MiB): bounds the memory a prefill chunk takes
 # for a vocabulary-sized LM head.
 DEQUANTIZE_TILE_VALUES = 1 << 22
@@ -62,12 +64,25 @@ def gguf_kernels_available() -> bool:
             torch.library.register_fake("pagedserve::gguf_embedding")(
                 lambda weight, ggml_type, k, ids: weight.new_empty((*ids.shape, k), dtype=torch.float32))
             _ops = {"linear": linear, "dequantize": torch.ops.pagedserve.gguf_dequantize.default,
-                    "embedding": torch.ops.pagedserve.gguf_embedding.default}
+                    "embedding": torch.ops.pagedserve.gguf_embedding.default,
+                    "products": tuple(torch.ops.pagedserve.gguf_linear_products())}
     return bool(_ops)
 
 
-def _gguf_linear_fake(x: torch.Tensor, weight: torch.Tensor, ggml_type: int,
-                      bias: torch.Tensor | None) -> torch.Tensor:
+def gguf_linear_products() -> tuple[str, ...]:
+    """The integer-product units of this build and process, preferred first: 'amx' (AMX-INT8 tiles: Q8_0, Q4_0 and
+    Q4_1 products of any batch) where it runs, then 'vector'; empty without the native kernels."""
+    return _ops["products"] if gguf_kernels_available() else ()
+
+
+def runs_on_kernel(num_rows: int, ggml_type: int) -> bool:
+    """Whether a product of `num_rows` rows runs on the kernel (else on dequantized tiles and F.linear): decode-sized
+    batches always; every batch of an integer-product type where the amx unit runs."""
+    return num_rows <= KERNEL_MAX_ROWS or (ggml_type in AMX_TYPES and "amx" in gguf_linear_products())
+
+
+def _gguf_linear_fake(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None,
+                      products: str = "auto") -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
@@ -93,7 +108,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, num_
     if rows.dtype != torch.float32:
         rows = rows.float()
     float_bias = None if bias is None else bias.float()
-    if rows.shape[0] <= KERNEL_MAX_ROWS:
+    if runs_on_kernel(rows.shape[0], ggml_type):
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         output = _ops["linear"](rows, weight, ggml_type, float_bias)
@@ -132,5 +147,6 @@ GGUF_LINEAR_METHOD = GGUFLinearMethod()
 
 
 __all__ = ["BLOCK_FORMATS", "DEQUANTIZE_TILE_VALUES", "GGUFLinearMethod", "GGUF_LAYOUT", "GGUF_LINEAR_METHOD",
-           "KERNEL_MAX_ROWS", "KERNEL_TYPES", "dequantize_weight", "gguf_kernels_available", "quantized_linear",
+           "KERNEL_MAX_ROWS", "KERNEL_TYPES", "AMX_TYPES", "dequantize_weight", "gguf_kernels_available",
+           "gguf_linear_products", "quantized_linear", "runs_on_kernel",
            "quantized_rows", "row_bytes"]

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve.layers import gguf_linear
 from pagedserve.layers.gguf_linear import (BLOCK_FORMATS, KERNEL_MAX_ROWS, KERNEL_TYPES, dequantize_weight,
-                                           quantized_linear, quantized_rows)
+                                           gguf_linear_products, quantized_linear, quantized_rows, runs_on_kernel)
 from pagedserve.model_loader.default_model import resolve_model_path
 from pagedserve.model_loader.gguf_dequant import dequantize
 
@@ -35,6 +35,19 @@ RELATIVE_TOLERANCE = 1e-5
 # The types whose products quantize x to int16 (kernels/cpu/gguf_linear.cpp is_integer_product_type).
 INTEGER_PRODUCT_TYPES = {GGMLQuantizationType.Q8_0.value, GGMLQuantizationType.Q4_0.value,
                       GGMLQuantizationType.Q4_1.value}
+
+
+# The integer-product units (kernels/cpu/gguf_linear.cpp): 'amx' runs at the amx level only.
+PRODUCT_UNITS = ("amx", "vector")
+
+
+def product_unit(name: str) -> str:
+    """`name` where this build and process run it; skips the test otherwise (the amx unit is still tested at the
+    amx level on machines that have AMX-INT8)."""
+    if name not in gguf_linear_products():
+        pytest.skip(f"the '{name}' GGUF product unit needs the amx ISA level (AMX-INT8, Linux granting the tile "
+                    f"state); this process runs {list(gguf_linear_products())}")
+    return name
 
 
 def blocks_of(type_name: str, rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -131,21 +144,22 @@ def test_product_matches_float64_on_the_dequantized_weight(type_name: str, num_r
     weight = reference_values(blocks, ggml_type, k)
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows))
     bias = torch.randn(n)
-    product_type = ggml_type if num_rows <= KERNEL_MAX_ROWS else None  # larger batches: dequantized tiles
+    product_type = ggml_type if runs_on_kernel(num_rows, ggml_type) else None  # else: dequantized tiles
     assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, None), x, weight, ggml_type=product_type)
     assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, bias), x, weight, bias, ggml_type=product_type)
 
 
+@pytest.mark.parametrize("unit", PRODUCT_UNITS)
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("num_rows", [1, 3, 6, 8])
+@pytest.mark.parametrize("num_rows", [1, 3, 6, 8, 17, 64])  # amx: one short tile, whole tiles of 16 and a short one
 @pytest.mark.parametrize("k", [32, 96, 1024, 1120])  # 1, 3, 32 and 35 blocks: the AVX-512 kernel's four-block groups
-def test_integer_products_equal_the_exact_integer_reference(type_name: str, num_rows: int, k: int) -> None:
+def test_integer_products_equal_the_exact_integer_reference(unit: str, type_name: str, num_rows: int, k: int) -> None:
     ggml_type = GGMLQuantizationType[type_name].value
-    n = 21
+    n = 21  # amx: one 16-column unit and a short one
     blocks = blocks_of(type_name, n, k, seed=7 * num_rows)
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)) * 3
     x[0, :32] = 0  # an all-zero block: d = 0
-    output = quantized_linear(x, blocks, ggml_type, k, None)
+    output = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, product_unit(unit))
     expected = integer_product_reference(x, blocks, ggml_type)
     scale = x.double().abs() @ reference_values(blocks, ggml_type, k).double().abs().T
     assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
@@ -169,9 +183,10 @@ def integer_blocks(type_name: str, quants: np.ndarray, d: float, m: float = 0.0)
     return torch.from_numpy(np.ascontiguousarray(np.concatenate((header, payload), axis=-1)).reshape(rows, -1))
 
 
+@pytest.mark.parametrize("unit", PRODUCT_UNITS)
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [64, 96, 576, 1056])
-def test_integer_sums_are_exact(type_name: str, k: int) -> None:
+def test_integer_sums_are_exact(unit: str, type_name: str, k: int) -> None:
     """Scales of 1 (and Q4_1's m = 2), x integers whose block absmax is 32767 (so x's d is 1 and its quants are x):
     every product, partial sum and scale is an integer below 2^24, so any exact integer arithmetic gives the int64
     reference's bits. The 32767 of each block meets a zero weight, which keeps the sums below 2^24."""
@@ -193,14 +208,20 @@ def test_integer_sums_are_exact(type_name: str, k: int) -> None:
     assert int(expected.abs().max()) < 2 ** 24
     x_float = torch.from_numpy(x.reshape(num_rows, k)).float()
     assert torch.equal(reference_values(blocks, GGMLQuantizationType[type_name].value, k), weight.float())
-    output = quantized_linear(x_float, blocks, GGMLQuantizationType[type_name].value, k, None)
+    output = torch.ops.pagedserve.gguf_linear(x_float, blocks, GGMLQuantizationType[type_name].value, None,
+                                              product_unit(unit))
     assert torch.equal(output, expected.float())
 
 
-def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch) -> None:
-    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 256, 50
-    blocks = blocks_of("Q4_1", n, k)
+@pytest.mark.parametrize("type_name, products", [("Q5_1", None), ("Q4_1", ("vector",))])
+def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch, type_name: str, products: tuple | None) -> None:
+    """Q5_1 (no amx unit for it) wherever the kernels run; Q4_1 in a build or process without the amx unit."""
+    if products is not None:
+        monkeypatch.setitem(gguf_linear._ops, "products", products)
+    ggml_type, k, n = GGMLQuantizationType[type_name].value, 256, 50
+    blocks = blocks_of(type_name, n, k)
     x = torch.randn(KERNEL_MAX_ROWS + 3, k)
+    assert not runs_on_kernel(x.shape[0], ggml_type)
     weight = reference_values(blocks, ggml_type, k)
     whole = quantized_linear(x, blocks, ggml_type, k, None)
     torch.testing.assert_close(whole, F.linear(x, weight), rtol=0, atol=0)
@@ -209,18 +230,35 @@ def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch) -> None:
     torch.testing.assert_close(quantized_linear(x, blocks, ggml_type, k, None), whole, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q6_K"])
-def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count(type_name: str) -> None:
+def test_large_batches_of_integer_types_take_the_amx_unit_where_it_runs() -> None:
+    product_unit("amx")
+    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 256, 50
+    blocks = blocks_of("Q4_1", n, k)
+    x = torch.randn(100, k)  # past the vector products' 64 rows
+    assert runs_on_kernel(x.shape[0], ggml_type)
+    output = quantized_linear(x, blocks, ggml_type, k, None)
+    assert torch.equal(output, torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, "amx"))
+    assert_close_to_float64(output, x, reference_values(blocks, ggml_type, k), ggml_type=ggml_type)
+
+
+@pytest.mark.parametrize("type_name, unit", [("Q8_0", "vector"), ("Q4_0", "vector"), ("Q4_1", "vector"),
+                                             ("Q5_1", "vector"), ("Q6_K", "vector"), ("Q8_0", "amx"),
+                                             ("Q4_0", "amx"), ("Q4_1", "amx")])
+def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count(type_name: str, unit: str) -> None:
+    """Per unit: 'auto' picks the unit by batch size (the amx unit from a few rows), so a row's bits are those of its
+    unit (batch_invariant=True dequantizes GGUF weights at load for that reason)."""
     ggml_type = GGMLQuantizationType[type_name].value
     k, n = (768 if BLOCK_FORMATS[ggml_type][0] == 256 else 576), 300  # 576: 18 blocks, a short last group of 4
     blocks = blocks_of(type_name, n, k)
-    x = torch.randn(KERNEL_MAX_ROWS, k)
-    batch = quantized_linear(x, blocks, ggml_type, k, None)
+    x = torch.randn(20 if unit == "amx" else KERNEL_MAX_ROWS, k)  # amx: a whole tile of 16 rows and a short one
+    products = "vector" if type_name in ("Q5_1", "Q6_K") else product_unit(unit)
+    batch = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, products)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for row in range(x.shape[0]):
-            assert torch.equal(quantized_linear(x[row:row + 1], blocks, ggml_type, k, None), batch[row:row + 1])
+            alone = torch.ops.pagedserve.gguf_linear(x[row:row + 1], blocks, ggml_type, None, products)
+            assert torch.equal(alone, batch[row:row + 1])
     finally:
         torch.set_num_threads(threads)
 
@@ -245,7 +283,15 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(RuntimeError, match="ggml type 1 has no kernel"):
         op.gguf_linear(torch.randn(1, 64), blocks, 1, None)
     with pytest.raises(RuntimeError, match="M=65 exceeds 64"):
-        op.gguf_linear(torch.randn(65, 64), blocks, 3, None)
+        op.gguf_linear(torch.randn(65, 64), blocks, 3, None, "vector")
+    with pytest.raises(RuntimeError, match="products must be 'auto', 'amx' or 'vector', got 'tiles'"):
+        op.gguf_linear(torch.randn(1, 64), blocks, 3, None, "tiles")
+    if "amx" in gguf_linear_products():
+        with pytest.raises(RuntimeError, match="products='amx' takes Q8_0, Q4_0 or Q4_1 blocks, got ggml type 7"):
+            op.gguf_linear(torch.randn(1, 64), blocks_of("Q5_1", 4, 64), 7, None, "amx")
+    else:
+        with pytest.raises(RuntimeError, match="products='amx' is not available in this build or process"):
+            op.gguf_linear(torch.randn(1, 64), blocks, 3, None, "amx")
     with pytest.raises(RuntimeError, match="a float32 bias of 4 values"):
         op.gguf_linear(torch.randn(1, 64), blocks, 3, torch.randn(5))
     with pytest.raises(IndexError, match="row id 4 is outside the table's 4 rows"):

@@ -1,6 +1,6 @@
 """The native decode stack on GGUF blocks kept quantized (linear kind 5, models/native_decode_stack.py): decode steps
-bitwise equal to the modules' (layers/gguf_linear.py) in one region, op by op and past the kernel's 8 rows, with
-the greedy head sampling in the stack; the modules themselves are checked against transformers in
+bitwise equal to the modules' (layers/gguf_linear.py) in one region, op by op and past the vector products' 8 rows,
+with the greedy head sampling in the stack; the modules themselves are checked against transformers in
 test_gguf_kept_quantized.py."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from native_marks import NEEDS_GGUF_KERNELS
 from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward
 
 from pagedserve import LLM
+from pagedserve.layers.gguf_linear import gguf_linear_products
 from pagedserve.models.native_decode_stack import GGUF_KIND, NativeDecodeForward, native_decode_stack_plan
 from test_gguf_tiny_files import write_tiny_gguf
 
@@ -46,9 +47,13 @@ def _llm(path: str, **options) -> LLM:
 
 
 @pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
-@pytest.mark.parametrize("num_prompts", [1, 3, 10])  # 10 rows: past the kernel's 8, dequantized tiles op by op
+@pytest.mark.parametrize("num_prompts", [1, 3, 10])  # 10 rows: past the vector products' 8 (amx unit or dequantized)
 def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: str, num_prompts: int) -> None:
     import pagedserve.models.native_decode_stack as stack_module
+
+    # Steps past 8 rows stay in one region where the kernel's amx unit takes both files' types (Q4_1, Q8_0); else
+    # they run op by op on dequantized tiles.
+    kernel_rows = 256 if "amx" in gguf_linear_products() else 8
 
     prompts = random_prompts(num_prompts, 4, 30, seed=num_prompts)
     results = []
@@ -61,7 +66,7 @@ def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: st
             assert isinstance(forward, NativeDecodeForward)
             assert forward.plan.linear_kind == GGUF_KIND and forward.num_stack_steps == NUM_STEPS - 1
             in_region = forward.plan.native.num_one_region_steps()
-            assert in_region == (NUM_STEPS - 1 if num_prompts <= min(8, one_region_max_rows) else 0)
+            assert in_region == (NUM_STEPS - 1 if num_prompts <= min(kernel_rows, one_region_max_rows) else 0)
         else:
             assert not isinstance(forward, NativeDecodeForward)
     assert results[0] == results[1] == results[2]

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType, quants
 from generation_helpers import CHAT_QUESTIONS
 from test_gguf_tiny_files import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS, write_tiny_gguf
 
+from pagedserve.layers.gguf_linear import runs_on_kernel
 from pagedserve.model_loader import default_model
 from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path
 from pagedserve.model_loader.gguf_loader import hf_tensor_name, load_gguf, unpermute_rotary_rows
@@ -225,11 +226,16 @@ def test_smollm2_logits_equal_transformers(pagedserve_smollm2, transformers_smol
     token_ids = {rid: tokenizer(text, add_special_tokens=False)["input_ids"] for rid, text in prompts.items()}
     runner = ScratchPagedRunner(model, num_blocks=32)
     ours = runner.step(token_ids)
+    # Where the kernel's amx unit takes the prompt's rows, every product quantizes x to int16 per 32-value block
+    # (layers/gguf_linear.py), as decode steps do everywhere: the logits then move by up to ~2.5e-4 of the largest
+    # (measured on these prompts) where float32 products on dequantized tiles stay within 1e-4.
+    num_rows = sum(len(ids) for ids in token_ids.values())
+    tolerance = 5e-4 if runs_on_kernel(num_rows, GGMLQuantizationType.Q4_1.value) else 1e-4
     for rid, ids in token_ids.items():
         with torch.no_grad():
             reference = transformers_smollm2(torch.tensor([ids])).logits[0].float()
         scale = reference.abs().max()
-        assert torch.allclose(ours[rid], reference, rtol=1e-4, atol=1e-4 * float(scale)), (
+        assert torch.allclose(ours[rid], reference, rtol=1e-4, atol=tolerance * float(scale)), (
             rid, float((ours[rid] - reference).abs().max()), float(scale))
 
 

@@ -25,6 +25,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// LDTILECFG of `config`. GCC's _tile_loadconfig tells the compiler it reads only the operand's first 8 bytes, so
+// without the empty asm reading the whole struct the stores of rows and colsb may be dropped as dead (seen with
+// GCC 12: the tiles stayed unconfigured and the first tile load raised SIGILL).
+inline void load_tile_config(const TileConfig& config) {
+  __asm__ volatile("" : : "m"(config));
+  _tile_loadconfig(&config);
+}
+
 // Loads a configuration of 8 tiles, tile t with rows[t] rows of 64 bytes.
 inline void configure_tile_rows(const uint8_t (&rows)[8]) {
   TileConfig config;
@@ -34,7 +42,7 @@ inline void configure_tile_rows(const uint8_t (&rows)[8]) {
     config.rows[tile] = rows[tile];
     config.colsb[tile] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 #endif  // PAGEDSERVE_AMX

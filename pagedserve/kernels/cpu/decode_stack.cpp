@@ -41,7 +41,8 @@
 //   at::linear), 2 tile-packed bfloat16 weights on amx_linear (AMX or AVX512-BF16), 3 oneDNN-packed weights on
 //   mkldnn::_linear_pointwise (weight_layout='prepacked'), 4 as 1 up to 128 rows, with mkldnn::_linear_pointwise
 //   on the plain weight above (small_batch_linear.py off Intel), 5 GGUF blocks kept quantized (float32 models;
-//   layers/gguf_linear.py: gguf_linear up to 8 rows, the dequantized weight on at::linear above; the block types
+//   layers/gguf_linear.py: gguf_linear up to 8 rows (every M where its amx unit takes the type), the dequantized
+//   weight on at::linear above; the block types
 //   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types), 6 W8A8 int8 weights on
 //   w8a8_linear (float32 or bfloat16 models; layers/quantization/w8a8_int8.py: every M, its product unit chosen per
 //   call as the op chooses it ('auto': AMX-INT8, AVX512-VNNI or int16); the scales by
@@ -87,7 +88,8 @@ constexpr int64_t kBiasesPerLayer = 4;
 // layers/small_batch_linear.py native_max_rows(): kind 1 (Intel, MKL above) and kind 4 (elsewhere, oneDNN above).
 constexpr int64_t kSmallBatchMaxRows = 16;        // INTEL_MAX_ROWS
 constexpr int64_t kSmallBatchOneDnnMaxRows = 128;  // MAX_ROWS
-// layers/gguf_linear.py KERNEL_MAX_ROWS: kind 5 runs gguf_linear up to this many rows, the dequantized weight above.
+// layers/gguf_linear.py KERNEL_MAX_ROWS: kind 5 runs gguf_linear up to this many rows, the dequantized weight above
+// (every row count of a type the kernel's amx unit takes, where it runs: gguf_amx_takes, runs_on_kernel in Python).
 constexpr int64_t kGgufKernelMaxRows = 8;
 
 enum LinearKind : int64_t {
@@ -123,7 +125,8 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
                                       c10::string_view, const OptionalTensor&)>
       first_argmax;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&,
+                                      c10::string_view)>
       gguf_linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t)> gguf_dequantize;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)> gguf_embedding;
@@ -161,7 +164,8 @@ struct Kernels {
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, int64_t, int64_t,
                                 c10::string_view, const OptionalTensor&)>(),
           find("pagedserve::gguf_linear")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(),
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&,
+                                c10::string_view)>(),
           find("pagedserve::gguf_dequantize").typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>(),
           find("pagedserve::gguf_embedding")
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&)>(),
@@ -207,7 +211,8 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
                                     std::nullopt, "auto");
   const int64_t ggml_type = quantization.ggml_type;
   if (kind == kGguf) {
-    if (x.size(0) <= kGgufKernelMaxRows) return kernels.gguf_linear.call(x, weight, ggml_type, bias);
+    if (x.size(0) <= kGgufKernelMaxRows || pagedserve_native::gguf_amx_takes(ggml_type))
+      return kernels.gguf_linear.call(x, weight, ggml_type, bias, "auto");
     return at::linear(x, kernels.gguf_dequantize.call(weight, ggml_type, x.size(1)), bias);
   }
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size, "auto");
@@ -413,7 +418,12 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t one_region_rows_limit() const {
     if (!is_one_region_capable) return 0;
     if (linear_kind == kAmxPacked || linear_kind == kW8A8) return one_region_max_rows;
-    if (linear_kind == kGguf) return std::min(one_region_max_rows, kGgufKernelMaxRows);
+    if (linear_kind == kGguf) {
+      // Every row count on the kernel where its amx unit takes every weight (the head included), else up to 8.
+      bool is_every_type_on_amx = head_type == 0 || pagedserve_native::gguf_amx_takes(head_type);
+      for (const int64_t type : weight_types) is_every_type_on_amx = is_every_type_on_amx && pagedserve_native::gguf_amx_takes(type);
+      return is_every_type_on_amx ? one_region_max_rows : std::min(one_region_max_rows, kGgufKernelMaxRows);
+    }
     return std::min(one_region_max_rows, linear_kind == kSmallBatch ? kSmallBatchMaxRows : kSmallBatchOneDnnMaxRows);
   }
 

@@ -31,9 +31,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "gguf_linear.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -48,13 +50,21 @@
 #if defined(PAGEDSERVE_GGUF_AVX512) && defined(__AVX512VNNI__)
 #define PAGEDSERVE_GGUF_VNNI 1
 #endif
+// 'amx' with AMX-INT8: the 'amx' product unit (run_amx_columns).
+#if defined(PAGEDSERVE_GGUF_VNNI) && defined(PAGEDSERVE_AMX) && defined(__AMX_INT8__)
+#define PAGEDSERVE_GGUF_AMX 1
+#endif
 
 namespace pagedserve_native {
 
 namespace {
 
-constexpr int64_t kRows = 4;          // weight rows per work unit
-constexpr int64_t kMaxInputs = 64;    // largest M the op accepts (larger batches dequantize tiles: Python side)
+constexpr int64_t kRows = 4;          // weight rows per work unit of the vector products
+constexpr int64_t kMaxInputs = 64;    // largest M the vector products accept (the amx unit takes any M)
+constexpr int64_t kAmxColumns = 16;   // weight rows per work unit of the amx unit (one B tile's columns)
+constexpr int64_t kAmxTileRows = 16;  // input rows per A tile
+constexpr const char* kAmxProducts = "amx";
+constexpr const char* kVectorProducts = "vector";
 constexpr int64_t kMaxBlockValues = 256;
 // Input rows that share each decoded block (their accumulators stay in registers: 32 vector registers at AVX-512
 // hold eight rows' accumulators beside the decoded weights, AVX2's 16 hold four).
@@ -393,6 +403,13 @@ struct GgufLinearCall::State {
   int64_t num_groups = 0;
   std::vector<int16_t> x_group_quants;
   std::vector<float> x_group_scales, x_group_sums;
+  // The amx unit (run_amx_columns): x's int16 quants split in bytes, q = 256 high + low (high signed, low
+  // unsigned), in A-tile order: per tile of tile_rows rows and 32-value block, each row's 32 high bytes then its 32
+  // low bytes (64 bytes: one cache line per row, both A tiles of a block in tile_rows lines); rows padded with zeros
+  // to whole tiles.
+  bool is_amx = false;
+  int64_t tile_rows = 0, padded_m = 0;
+  std::vector<uint8_t> x_tiles;
 };
 
 namespace {
@@ -420,6 +437,66 @@ void group_layout_of_x(GgufLinearCall::State& s) {
 }
 #endif
 
+}  // namespace
+
+const std::vector<std::string>& gguf_linear_products() {
+  static const std::vector<std::string> units = [] {
+    std::vector<std::string> available;
+#if defined(PAGEDSERVE_GGUF_AMX)
+    if (is_amx_usable()) available.emplace_back(kAmxProducts);
+#endif
+    available.emplace_back(kVectorProducts);
+    return available;
+  }();
+  return units;
+}
+
+bool gguf_amx_takes(int64_t ggml_type) {
+  const std::vector<std::string>& units = gguf_linear_products();
+  return is_integer_product_type(ggml_type) && std::find(units.begin(), units.end(), kAmxProducts) != units.end();
+}
+
+namespace {
+
+// 'auto' takes the amx unit from this many input rows (benchmarks/gguf_linear_rows.py --products).
+constexpr int64_t kAmxMinRows = 6;
+
+// Whether this call's products run on the amx unit: `products` is 'auto', 'amx' or 'vector' (raises c10::Error for
+// another name, or for 'amx' where gguf_linear_products() does not list it or the type is not an integer-product type).
+bool uses_amx_products(const std::string& products, int64_t ggml_type, int64_t m) {
+  TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kVectorProducts,
+              "gguf_linear: products must be 'auto', 'amx' or 'vector', got '", products, "'");
+  const std::vector<std::string>& units = gguf_linear_products();
+  const bool has_amx = std::find(units.begin(), units.end(), kAmxProducts) != units.end();
+  if (products == kAmxProducts) {
+    TORCH_CHECK(has_amx, "gguf_linear: products='amx' is not available in this build or process "
+                "(gguf_linear_products() lists what is)");
+    TORCH_CHECK(is_integer_product_type(ggml_type), "gguf_linear: products='amx' takes Q8_0, Q4_0 or Q4_1 "
+                "blocks, got ggml type ", ggml_type);
+    return true;
+  }
+  return products == "auto" && has_amx && is_integer_product_type(ggml_type) && m >= kAmxMinRows;
+}
+
+// x's int16 quants as the amx unit's A tiles (State::x_tiles), rows padded to whole tiles.
+void split_quants_of_x(GgufLinearCall::State& s) {
+  const int64_t num_blocks = s.k / kQuantBlock;
+  s.tile_rows = std::min<int64_t>(kAmxTileRows, s.m);
+  s.padded_m = (s.m + s.tile_rows - 1) / s.tile_rows * s.tile_rows;
+  s.x_tiles.assign(s.padded_m * s.k * 2, 0);
+  for (int64_t r = 0; r < s.m; ++r) {
+    const int64_t tile = r / s.tile_rows, row = r % s.tile_rows;
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      uint8_t* out = s.x_tiles.data() + ((tile * num_blocks + block) * s.tile_rows + row) * 2 * kQuantBlock;
+      const int16_t* q = s.x_quants.data() + r * s.k + block * kQuantBlock;
+      for (int i = 0; i < kQuantBlock; ++i) {
+        out[i] = static_cast<uint8_t>(static_cast<uint16_t>(q[i]) >> 8);  // the high byte, read back as signed
+        out[kQuantBlock + i] = static_cast<uint8_t>(q[i] & 0xFF);
+      }
+    }
+  }
+}
+
 // Checks `weight` holds [N, K / values * bytes] blocks of `ggml_type` and returns the format.
 GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int64_t k, const char* op) {
   const GgmlBlockFormat format = ggml_block_format(ggml_type);
@@ -436,14 +513,16 @@ GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int6
 }  // namespace
 
 GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
-                               const c10::optional<at::Tensor>& bias, at::Tensor y)
+                               const c10::optional<at::Tensor>& bias, at::Tensor y, const std::string& products)
     : state_(std::make_unique<State>()) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "gguf_linear: a float32 x [M, K] with unit column stride expected, got ", x.sizes(), " ",
               x.scalar_type());
-  TORCH_CHECK(x.size(0) <= kMaxInputs, "gguf_linear: M=", x.size(0), " exceeds ", kMaxInputs);
   State& s = *state_;
   s.format = checked_format(weight, ggml_type, x.size(1), "gguf_linear");
+  s.is_amx = uses_amx_products(products, ggml_type, x.size(0));
+  TORCH_CHECK(s.is_amx || x.size(0) <= kMaxInputs, "gguf_linear: M=", x.size(0), " exceeds ", kMaxInputs,
+              " (the limit of the vector products; the amx unit, where it runs, takes any M)");
   s.format_type = ggml_type;
   s.m = x.size(0);
   s.n = weight.size(0);
@@ -470,9 +549,13 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     for (int64_t r = 0; r < s.m; ++r)
       quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
                         s.x_sums.data() + r * num_blocks);
+    if (s.is_amx) {
+      split_quants_of_x(s);
+    } else {
 #if defined(PAGEDSERVE_GGUF_AVX512)
-    group_layout_of_x(s);
+      group_layout_of_x(s);
 #endif
+    }
   }
 }
 
@@ -480,10 +563,13 @@ GgufLinearCall::~GgufLinearCall() = default;
 
 int64_t GgufLinearCall::num_units() const {
   const State& s = *state_;
-  return s.m == 0 ? 0 : (s.n + kRows - 1) / kRows;
+  const int64_t columns = s.is_amx ? kAmxColumns : kRows;
+  return s.m == 0 ? 0 : (s.n + columns - 1) / columns;
 }
 
-int64_t GgufLinearCall::grain() const { return grain_units(state_->row_bytes); }
+int64_t GgufLinearCall::grain() const {
+  return grain_units(state_->row_bytes * (state_->is_amx ? kAmxColumns / kRows : 1));
+}
 
 namespace {
 
@@ -738,6 +824,188 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
 }
 #endif
 
+#if defined(PAGEDSERVE_GGUF_AMX)
+// The amx unit (Q8_0, Q4_0, Q4_1): per 32-value block, the block's integer dot products of up to 16 input rows with
+// 16 weight rows in two tile products, C_high = x_high . w (TDPBSSD) and C_low = x_low . w (TDPBUSD, the low bytes
+// unsigned), so sum(q_w q_x) = 256 C_high + C_low exactly, the same int32 the vector products sum; the epilogue
+// converts it to float and adds dot * (d_w * d_x) (and Q4_1's m_w * s_x) to one float32 accumulator per output,
+// block after block in order. Exactness: |C_high| <= 32 * 128 * 128 and 256 C_high + C_low stays below 2^31; the
+// float conversion rounds past 2^24 (Q8_0 only), as the vector products' lanes do. A row's result does not depend on
+// M, the other rows or the thread count; it is not bitwise the vector products' (they convert and sum each block's
+// four int32 lanes separately), so tests compare the units within float32 rounding.
+//
+// x is the A operand, read in place from the byte planes (tile_rows rows x 32 bytes, row stride K); the weight is
+// the B operand, gathered per call from its blocks into the VNNI layout (row r: for each of 16 columns, values
+// 4r .. 4r + 3): a unit of 16 columns decodes its K / 32 B tiles (512 bytes each) and its scales once, then runs
+// every A tile of x against them.
+namespace amx_unit {
+
+// Tiles (the tile intrinsics take literal numbers): 0 x_high and 1 x_low (A), 2 and 7 the weight of an even and an
+// odd block (B), 3 and 4 (even) and 5 and 6 (odd) their high and low sums.
+
+inline void configure(int64_t tile_rows) {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette_id = 1;
+  const auto set = [&config](int tile, int64_t rows, int64_t bytes) {
+    config.rows[tile] = static_cast<uint8_t>(rows);
+    config.colsb[tile] = static_cast<uint16_t>(bytes);
+  };
+  set(0, tile_rows, kQuantBlock);
+  set(1, tile_rows, kQuantBlock);
+  set(2, kQuantBlock / 4, 64);
+  set(7, kQuantBlock / 4, 64);
+  for (int tile = 3; tile <= 6; ++tile) set(tile, tile_rows, 64);
+  load_tile_config(config);
+}
+
+// Block `block` of weight rows [column, column + num_columns) as a B tile (8 rows of 64 bytes) and its 16 d_w (and
+// Q4_1's m_w); columns past num_columns read as 0.
+template <int64_t kType>
+inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, int64_t num_columns, int64_t block,
+                               int8_t* tile, float* d, float* m) {
+  constexpr int64_t kBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+  const __mmask16 valid = num_columns >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << num_columns) - 1);
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(static_cast<int>(s.row_bytes)));
+  const uint8_t* base = s.weight + column * s.row_bytes + block * kBytes;
+  const auto gather = [&](int64_t byte) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, base + byte, 1);
+  };
+  const __m512i header = gather(0);  // d (and Q4_1's m) as float16 words
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header)));
+  if constexpr (kType == kGgmlQ4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header, 16))));
+  if constexpr (kType == kGgmlQ8_0) {
+    for (int r = 0; r < 8; ++r) _mm512_store_si512(tile + 64 * r, gather(2 + 4 * r));
+  } else {
+    // Byte i < 16 holds value i in its low nibble and value 16 + i in its high one.
+    constexpr int64_t kQuantOffset = kType == kGgmlQ4_1 ? 4 : 2;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i packed = gather(kQuantOffset + 4 * r);
+      __m512i low = _mm512_and_si512(packed, nibble);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (kType == kGgmlQ4_0) {
+        low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
+        high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
+      }
+      _mm512_store_si512(tile + 64 * r, low);
+      _mm512_store_si512(tile + 64 * (4 + r), high);
+    }
+  }
+}
+
+}  // namespace amx_unit
+
+// One A tile of x (input rows [first_input, first_input + rows), rows <= 16) against a decoded 16-column unit:
+// block by block, the two tile products into one of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones,
+// so a block's products need not wait for the previous block's sums to leave the tiles), then the epilogue.
+// kRows > 0: that many rows, the accumulators in registers; kRows == 0: `rows` rows (a short last tile).
+template <int64_t kType, int kRows>
+inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
+                         int64_t first_input, int64_t rows, __m512 (&acc)[kAmxTileRows]) {
+  const int64_t num_blocks = s.k / kQuantBlock, k = s.k;
+  const int64_t num_rows = kRows > 0 ? kRows : rows;
+  alignas(64) int32_t sums[2][2][kAmxTileRows * 16];
+  // This tile's rows, block after block: 64 bytes per row (high bytes, then low bytes).
+  const uint8_t* x = s.x_tiles.data() + first_input * k * 2;
+  constexpr int64_t kRowBytes = 2 * kQuantBlock;
+  const int64_t block_bytes = s.tile_rows * kRowBytes;
+  const float* x_scales = s.x_scales.data() + first_input * num_blocks;
+  const float* x_sums = s.x_sums.data() + first_input * num_blocks;
+  const auto epilogue = [&](int64_t block, const int32_t* high, const int32_t* low) {
+    const __m512 d = _mm512_loadu_ps(d_w + block * 16);
+    const __m512 m = kType == kGgmlQ4_1 ? _mm512_loadu_ps(m_w + block * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + 16 * r), 8),
+                                           _mm512_load_si512(low + 16 * r));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * num_blocks + block])),
+                               acc[r]);
+      if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
+    }
+  };
+  int64_t block = 0;
+  for (; block + 2 <= num_blocks; block += 2) {
+    _tile_loadd(0, x + block * block_bytes, kRowBytes);
+    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
+    _tile_loadd(2, tiles + block * 512, 64);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbssd(3, 0, 2);
+    _tile_dpbusd(4, 1, 2);
+    _tile_loadd(0, x + (block + 1) * block_bytes, kRowBytes);
+    _tile_loadd(1, x + (block + 1) * block_bytes + kQuantBlock, kRowBytes);
+    _tile_loadd(7, tiles + (block + 1) * 512, 64);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_dpbssd(5, 0, 7);
+    _tile_dpbusd(6, 1, 7);
+    _tile_stored(3, sums[0][0], 64);
+    _tile_stored(4, sums[0][1], 64);
+    _tile_stored(5, sums[1][0], 64);
+    _tile_stored(6, sums[1][1], 64);
+    epilogue(block, sums[0][0], sums[0][1]);
+    epilogue(block + 1, sums[1][0], sums[1][1]);
+  }
+  if (block < num_blocks) {
+    _tile_loadd(0, x + block * block_bytes, kRowBytes);
+    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
+    _tile_loadd(2, tiles + block * 512, 64);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_dpbssd(3, 0, 2);
+    _tile_dpbusd(4, 1, 2);
+    _tile_stored(3, sums[0][0], 64);
+    _tile_stored(4, sums[0][1], 64);
+    epilogue(block, sums[0][0], sums[0][1]);
+  }
+}
+
+template <int64_t kType>
+void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  const int64_t num_blocks = s.k / kQuantBlock;
+  // This thread's decoded B tiles and scales of one 16-column unit (K / 32 x 512 bytes: 24 KiB at K = 1536).
+  thread_local std::vector<int8_t> tiles_storage;
+  thread_local std::vector<float> scales_storage;
+  tiles_storage.resize(num_blocks * 512 + 64);
+  scales_storage.resize(num_blocks * 32);
+  int8_t* const tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_storage.data()) + 63) & ~uintptr_t{63});
+  float* const d_w = scales_storage.data();
+  float* const m_w = d_w + num_blocks * 16;
+  amx_unit::configure(s.tile_rows);
+  for (int64_t column = first_column; column < end_column; column += kAmxColumns) {
+    const int64_t num_columns = std::min<int64_t>(kAmxColumns, end_column - column);
+    // The next unit's rows (one contiguous run of 16 rows) while this one decodes: the decoder reads 16 rows at
+    // once, an order the hardware prefetchers do not follow ahead of time.
+    if (column + kAmxColumns < end_column) {
+      const uint8_t* next = s.weight + (column + kAmxColumns) * s.row_bytes;
+      const int64_t next_bytes = std::min<int64_t>(kAmxColumns, end_column - column - kAmxColumns) * s.row_bytes;
+      for (int64_t offset = 0; offset < next_bytes; offset += 64) _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T0);
+    }
+    for (int64_t block = 0; block < num_blocks; ++block)
+      amx_unit::decode_weight_tile<kType>(s, column, num_columns, block, tiles + block * 512, d_w + block * 16,
+                                          m_w + block * 16);
+    const __mmask16 valid = num_columns >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << num_columns) - 1);
+    const __m512 bias = s.bias != nullptr ? _mm512_maskz_loadu_ps(valid, s.bias + column) : _mm512_setzero_ps();
+    for (int64_t first_input = 0; first_input < s.m; first_input += s.tile_rows) {
+      const int64_t num_inputs = std::min<int64_t>(s.tile_rows, s.m - first_input);
+      __m512 acc[kAmxTileRows];
+      for (int64_t r = 0; r < kAmxTileRows; ++r) acc[r] = _mm512_setzero_ps();
+      // Full tiles (every tile once M > 16: x is padded to whole tiles) unrolled with their sums in registers.
+      if (s.tile_rows == kAmxTileRows) {
+        run_amx_tile<kType, kAmxTileRows>(s, tiles, d_w, m_w, first_input, kAmxTileRows, acc);
+      } else {
+        run_amx_tile<kType, 0>(s, tiles, d_w, m_w, first_input, s.tile_rows, acc);
+      }
+      for (int64_t r = 0; r < num_inputs; ++r)
+        _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
+    }
+  }
+  _tile_release();
+}
+#endif  // PAGEDSERVE_GGUF_AMX
+
 // Every input row, up to kMaxGroupInputs at a time against each column range:
 // `run(std::integral_constant<int, R>, input)` computes rows [input, input + R) with R's accumulators in registers.
 template <class Run>
@@ -781,6 +1049,19 @@ void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_
 
 void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
   const State& s = *state_;
+#if defined(PAGEDSERVE_GGUF_AMX)
+  if (s.is_amx) {
+    const int64_t first_column = begin * kAmxColumns, end_column = std::min(s.n, end * kAmxColumns);
+    if (first_column >= end_column) return;
+    switch (s.format_type) {
+      case kGgmlQ8_0: run_amx_columns<kGgmlQ8_0>(s, first_column, end_column); break;
+      case kGgmlQ4_0: run_amx_columns<kGgmlQ4_0>(s, first_column, end_column); break;
+      case kGgmlQ4_1: run_amx_columns<kGgmlQ4_1>(s, first_column, end_column); break;
+      default: break;  // uses_amx_products took an integer-product type
+    }
+    return;
+  }
+#endif
   const int64_t first_column = begin * kRows, end_column = std::min(s.n, end * kRows);
   if (first_column >= end_column) return;
   switch (s.format_type) {
@@ -832,11 +1113,11 @@ at::Tensor gguf_rows(const at::Tensor& weight, int64_t ggml_type, int64_t k, con
 namespace {
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, c10::string_view products) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gguf_linear: x [M, K] and weight [N, bytes per row] expected, got ",
               x.sizes(), " and ", weight.sizes());
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  const pagedserve_native::GgufLinearCall call(x, weight, ggml_type, bias, y);
+  const pagedserve_native::GgufLinearCall call(x, weight, ggml_type, bias, y, std::string(products));
   at::parallel_for(0, call.num_units(), call.grain(), [&](int64_t begin, int64_t end) { call.run_units(begin, end); });
   return y;
 }
@@ -855,17 +1136,20 @@ at::Tensor gguf_embedding(const at::Tensor& weight, int64_t ggml_type, int64_t k
 
 int64_t gguf_linear_max_rows() { return pagedserve_native::kMaxInputs; }
 
+std::vector<std::string> gguf_linear_products() { return pagedserve_native::gguf_linear_products(); }
+
 // Every build has the kernels (the AVX2 decoders where the level has AVX2, the reference decoders elsewhere).
 bool is_gguf_linear_supported() { return true; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, Tensor? bias, str products='auto') -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int ggml_type, int k) -> Tensor");
   m.def("gguf_embedding(Tensor weight, int ggml_type, int k, Tensor ids) -> Tensor");
   // No tensor arguments to dispatch on: a catch-all kernel.
   m.def("gguf_linear_max_rows() -> int", &gguf_linear_max_rows);
+  m.def("gguf_linear_products() -> str[]", &gguf_linear_products);
   m.def("is_gguf_linear_supported() -> bool", &is_gguf_linear_supported);
 }
 

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace pagedserve_native {
 
@@ -36,9 +38,10 @@ class GgufLinearCall {
   // Checks the arguments as gguf_linear does (raises c10::Error); `y` [M, N] (contiguous float32) receives
   // x @ dequantize(weight)^T + bias. `weight` is [N, bytes per row] uint8 in `ggml_type` blocks along K.
   // `x`, `weight` and `y` must outlive the call. The Q8_0 / Q4_0 / Q4_1 products quantize x here: make the call
-  // once x holds its values.
+  // once x holds its values. `products` names their unit: 'amx' (AMX-INT8 tiles, any M), 'vector' (M <= 64) or
+  // 'auto' (amx where gguf_linear_products() lists it, else vector).
   GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
-                 const c10::optional<at::Tensor>& bias, at::Tensor y);
+                 const c10::optional<at::Tensor>& bias, at::Tensor y, const std::string& products = "auto");
   ~GgufLinearCall();
   GgufLinearCall(const GgufLinearCall&) = delete;
   GgufLinearCall& operator=(const GgufLinearCall&) = delete;
@@ -53,6 +56,14 @@ class GgufLinearCall {
  private:
   std::unique_ptr<State> state_;
 };
+
+// The integer-product units this build and process can run, preferred first: 'amx' (the amx level with AMX-INT8,
+// Linux granting the tile state), then 'vector'. Fixed for the process.
+const std::vector<std::string>& gguf_linear_products();
+
+// Whether the amx unit runs here and takes `ggml_type` (Q8_0, Q4_0, Q4_1): gguf_linear then runs batches of any size
+// (layers/gguf_linear.py runs_on_kernel).
+bool gguf_amx_takes(int64_t ggml_type);
 
 // One row of `ggml_type` blocks (k values) decoded into out[0 : k] (the reference values; does not raise: the
 // caller checked the type and k).
