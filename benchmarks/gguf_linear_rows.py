@@ -20,6 +20,8 @@ from pagedserve.kernels import cpu_isa
 from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available
 from pagedserve.model_loader.default_model import resolve_model_path
 
+import native_guard
+
 # The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
 LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not gguf_kernels_available():
         raise SystemExit("the native GGUF kernels are not available on this machine")
     torch.set_num_threads(args.threads)
