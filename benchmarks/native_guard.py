@@ -16,9 +16,9 @@ missing library stops the run with an error naming the ISA level asked and why i
 lets a user time the fallback on purpose (the record then says 'none'). A recipe that times a native op directly has
 no fallback to time: it calls `require_native_kernels(can_time_fallback=False)` and takes no flag.
 
-The check runs in the recipe's own process. Recipes that start the engine in child processes (servers, per-mode
-children) check there too only through this parent: a child inherits the environment (PAGEDSERVE_CPU_ISA) and the
-build cache, so it loads the same library.
+The check runs in the recipe's own process. Where the engine runs in child processes (servers, per-mode children),
+the parent's check stands for them: a child inherits the environment (PAGEDSERVE_CPU_ISA) and the build cache, so it
+loads the same library.
 """
 from __future__ import annotations
 
@@ -60,16 +60,16 @@ def require_native_kernels(allow_plain_pytorch: bool = False, can_time_fallback:
     except RuntimeError as error:
         # load_native_extension's message speaks to the attention backend; the failure itself is its cause.
         cause = error.__cause__ if error.__cause__ is not None else error
-        reason = f"{type(cause).__name__}: {cause}"
+        reason = f"{type(cause).__name__}: {cause}".rstrip(".")
         if not allow_plain_pytorch:
             cap = os.environ.get(cpu_isa.CAP_ENV)
-            remedy = (f"this benchmark would time the plain-PyTorch fallback instead: fix the build (or the level), "
-                      f"or pass {ALLOW_FLAG} to time the fallback on purpose" if can_time_fallback else
-                      "this benchmark times the native kernels themselves: fix the build (or the level)")
+            remedy = (f"This benchmark would time the plain-PyTorch fallback instead: fix the build (or the level), "
+                      f"or pass {ALLOW_FLAG} to time the fallback on purpose." if can_time_fallback else
+                      "This benchmark times the native kernels themselves: fix the build (or the level).")
             raise NativeKernelsNotLoaded(
                 f"pagedserve's native CPU kernels did not load: ISA level asked {asked!r} ({cpu_isa.CAP_ENV}="
                 f"{cap if cap else '(unset)'}; the CPU supports {', '.join(cpu_isa.cpu_levels())}); {reason}. "
-                f"{remedy[0].upper()}{remedy[1:]}.") from error
+                f"{remedy}") from error
         print(f"{ALLOW_FLAG}: timing the plain-PyTorch fallback (ISA level asked {asked!r}; {reason})", flush=True)
         return {"isa_level": "none", "isa_level_asked": asked, "not_loaded_reason": reason}
     return {"isa_level": cpu_library.loaded_level(), "isa_level_asked": asked, "not_loaded_reason": None}
