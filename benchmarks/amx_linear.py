@@ -17,6 +17,8 @@ import torch
 from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_pack
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 
+import native_guard
+
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not amx_linear_available():
         raise SystemExit("the native AMX kernel is not available on this machine")
     torch.set_num_threads(args.threads)

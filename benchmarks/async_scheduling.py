@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def model_folder(kind: str) -> str:
@@ -78,7 +79,9 @@ def main() -> None:
                         help="alternate sync/async this many times; the run with the median wall time counts")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="sys.setswitchinterval for both runs (the GIL hand-off period; Python's default is 5)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     folder = model_folder(args.model)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attention_micro import HEAD_DIM, build_decode_step  # noqa: E402
+import native_guard  # noqa: E402
 
 from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, paged_decode_attention  # noqa: E402
 from pagedserve.attention.kv_quantization import (  # noqa: E402
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                         help="int8: the kernel alone over a bfloat16 cache vs its int8 quantization")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(f"torch {torch.__version__}, {args.threads} threads, {args.clock} clock")

@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
+import native_guard  # noqa: E402
 
 PROMPT_TOKENS = 128
 
@@ -53,7 +54,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     from pagedserve.engine.llm_engine import LLMEngine
 
     folder = benchmark_model_folder()
@@ -80,7 +83,7 @@ def main() -> None:
             engine.shutdown()
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
+            json.dump({"native_kernels": native_kernels, "results": rows}, handle, indent=2)
 
 
 if __name__ == "__main__":

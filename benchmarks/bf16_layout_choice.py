@@ -29,6 +29,8 @@ from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_l
 from pagedserve.layers.prepacked_matmul import prepacked_matmul
 from pagedserve.layers.weight_layout import can_prepack_on_cpu
 
+import native_guard
+
 SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))
 LAYOUTS = ("amx_packed", "prepacked")
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads (1 keeps a loaded machine's scheduler out of every call's thread join)")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     torch.set_num_threads(args.threads)
     if not amx_linear_available() or not can_prepack_on_cpu(torch.bfloat16):
         raise SystemExit(f"needs both layouts in bfloat16 (amx_packed units: {amx_linear_products()}, "

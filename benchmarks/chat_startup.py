@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+import native_guard
+
 QUESTION = b"What is the capital of France?\n"
 # The checkout this script lives in is the one measured (ahead of any installed copy).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,10 +204,13 @@ def main() -> None:
     parser.add_argument("--warm-only", action="store_true", help="time warm starts on the user's cache")
     parser.add_argument("--breakdown", action="store_true", help="per-stage times of warm starts")
     parser.add_argument("--child-breakdown", action="store_true", help=argparse.SUPPRESS)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
     if args.child_breakdown:
         _child_breakdown()
         return
+    # The chats run in children with this environment (PAGEDSERVE_CPU_ISA); the check loads the library here.
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.breakdown:
         breakdown(args.repeats)
         return

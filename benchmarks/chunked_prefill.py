@@ -24,6 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
 from cpu_kind import result_path  # noqa: E402
+import native_guard  # noqa: E402
 
 NUM_DECODES = 16
 LONG_PROMPT_TOKENS = 3500
@@ -96,7 +97,9 @@ def main() -> None:
     parser.add_argument("--target-tpot-ms", type=float, default=150.0)
     parser.add_argument("--json", default=None,
                         help="result file (default: results/chunked_prefill_<dtype>_<cpu kind>.json; '' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.json is None:
         args.json = result_path("chunked_prefill", args.dtype)
     folder = benchmark_model_folder()
@@ -115,7 +118,7 @@ def main() -> None:
               f"{r['long_ttft_s']:>11} {r['num_steps']:>5}  {r['chunks']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"native_kernels": native_kernels, "results": results}, f, indent=2)
         print(f"wrote {args.json}")
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def model_folder(max_positions: int, num_layers: int) -> str:
@@ -69,7 +70,9 @@ def main() -> None:
                         help="decoder layers (fewer: a long context's prefill in less time; every layer does the same "
                              "work, so the ratios hold and the KV per rank scales with the count)")
     parser.add_argument("--json-out", default="", help="write the rows and the load average here ('' for none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.num_layers < 1:
         raise ValueError(f"--num-layers={args.num_layers} must be >= 1")
     folder = model_folder(args.context + args.output_len + 64, args.num_layers)
@@ -95,7 +98,7 @@ def main() -> None:
     if args.json_out:
         from cpu_kind import write_result_file
 
-        write_result_file({"results": rows}, args.json_out)
+        write_result_file({"native_kernels": native_kernels, "results": rows}, args.json_out)
 
 
 if __name__ == "__main__":

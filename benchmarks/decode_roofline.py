@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE, benchmark_model_folder  # noqa: E402
 from cpu_kind import result_path, write_result_file  # noqa: E402
+import native_guard  # noqa: E402
 
 PROMPT_LEN = 128
 NUM_OUTPUT = 256
@@ -198,7 +199,9 @@ def main() -> None:
                              "where loading put them)")
     parser.add_argument("--json-out", default=None,
                         help="result file (default: results/decode_roofline_<dtype>_<cpu kind>.json; '' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.json_out is None:
         args.json_out = result_path("decode_roofline", args.dtype)
     folder = benchmark_model_folder()
@@ -206,7 +209,7 @@ def main() -> None:
     one, runs, weight_bandwidth = run_pagedserve(folder, args.dtype, args.threads, args.repeats,
                                                  args.huge_page_weights)
     ours = engine_result(one, runs, num_bytes)
-    results = {"dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+    results = {"native_kernels": native_kernels, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
                "huge_page_weights": args.huge_page_weights, "bytes_per_token_mb": num_bytes / 1e6,
                # The median run's (see engine_result): the target is pagedserve_share.
                "bandwidth_gb_s": ours["bandwidth_gb_s"], "roofline_tokens_per_s": ours["roofline_tokens_per_s"],

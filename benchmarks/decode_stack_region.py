@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
 
     from pagedserve import LLM, SamplingParams
     from pagedserve.attention.cpu_native import DECODE_PARTITION_TOKENS

@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import SMOLLM2_SHAPE  # noqa: E402
 from cpu_kind import result_path, write_result_file  # noqa: E402
 from decode_roofline import PROMPT_LEN, bytes_per_decode_token, read_bandwidth_bytes_per_s  # noqa: E402
+import native_guard  # noqa: E402
 
 from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME, resolve_model_path  # noqa: E402
 from pagedserve.model_loader.gguf_cache import cache_root, source_fingerprint  # noqa: E402
@@ -441,7 +442,9 @@ def main() -> None:
     parser.add_argument("--json-out", default=None,
                         help="result file (default: results/decode_vs_llama_cpp_<dtype>_<cpu kind>.json; "
                              "'' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.json_out is None:
         args.json_out = result_path("decode_vs_llama_cpp", args.dtype)
     if not 1 < args.tokens <= MAX_MODEL_LEN - PROMPT_LEN:
@@ -496,6 +499,7 @@ def main() -> None:
                                       for run in result["runs"]]}
     ratio = engines_out["pagedserve"]["tokens_per_s"] / engines_out["llama.cpp"]["tokens_per_s"]
     results = {
+        "native_kernels": native_kernels,
         "dtype": args.dtype, "comparison": mode.label, "model": DEFAULT_MODEL_NAME, "source_gguf": source,
         "llama_cpp_gguf": gguf_path, "weights_check": weights_check, "threads": args.threads,
         "prompt_len": PROMPT_LEN, "tokens": args.tokens, "rounds": args.rounds,

@@ -28,6 +28,7 @@ from pagedserve.layers.activation import SiluAndMul  # noqa: E402
 from pagedserve.layers.norm import RMSNorm  # noqa: E402
 from pagedserve.layers.rotary import get_rope  # noqa: E402
 from attention_native import time_calls  # noqa: E402  (interleaved min/median timing)
+import native_guard  # noqa: E402
 
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
 
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if args.threads:
         torch.set_num_threads(args.threads)
     if not native_elementwise.native_elementwise_available():

@@ -23,6 +23,8 @@ from pagedserve.kernels import cpu_isa
 from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available, gguf_linear_products
 from pagedserve.model_loader.default_model import resolve_model_path
 
+import native_guard
+
 # The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
 VECTOR_MAX_ROWS = 64  # the vector products' largest M (kernels/cpu/gguf_linear.cpp kMaxInputs)
 LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--products", nargs="+", default=None, help="units to time (default: every unit of the build)")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not gguf_kernels_available():
         raise SystemExit("the native GGUF kernels are not available on this machine")
     units = args.products or list(gguf_linear_products())

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+import native_guard
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -58,12 +60,14 @@ def main() -> None:
     parser.add_argument("--ladder", default="1,2,4,8")
     parser.add_argument("--output", default=None)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: mode:cache_dir
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
     ladder = [int(size) for size in args.ladder.split(",")]
     if args.one:
         mode, cache_dir = args.one.split(":", 1)
         print("RESULT " + json.dumps(run_one(args.dtype, mode, cache_dir, ladder)), flush=True)
         return
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     cache_dir = tempfile.mkdtemp(prefix="pagedserve-compile-bench-")
     results = []
     for label, mode in (("eager", "none"), ("compiled cold", "compile"), ("compiled warm", "compile")):
@@ -75,7 +79,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"native_kernels": native_kernels, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

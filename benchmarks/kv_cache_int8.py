@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
 from cpu_kind import result_path, write_result_file  # noqa: E402
+import native_guard  # noqa: E402
 from offline_throughput import make_workload  # noqa: E402
 
 VOCAB_SIZE = 49152
@@ -78,7 +79,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", default=None, help="default results/kv_cache_int8_<dtype>_<cpu kind>.json; "
                                                          "'' for none")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     torch.set_num_threads(os.cpu_count() or 2)
     folder = benchmark_model_folder()
     workload = make_workload(args.num_requests, args.seed, VOCAB_SIZE, tuple(args.prompt_range),
@@ -101,7 +104,8 @@ def main() -> None:
     if json_out:
         for result in results:
             result.pop("outputs")
-        write_result_file({"results": results, "identical_outputs": same, "num_requests": args.num_requests,
+        write_result_file({"native_kernels": native_kernels, "results": results, "identical_outputs": same,
+                           "num_requests": args.num_requests,
                            "prompt_range": list(args.prompt_range), "output_len": args.output_len}, json_out)
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "kv_transfer"))
 sys.path.insert(0, ROOT)
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+import native_guard  # noqa: E402
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
@@ -71,7 +72,9 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     from pool_store_servers import StoreServer
     from tiny_models import build_tiny_model
 

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+import native_guard  # noqa: E402
 
 DRIVER = os.path.join(ROOT, "tests", "kv_transfer", "prefill_engine_process.py")
 
@@ -49,7 +50,9 @@ def main() -> None:
                         help="kv_connector_extra_config.mode values to run (push runs over zmq only)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="P's chunked prefill budget (default: the engine's)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     from tiny_models import build_tiny_model
 
     max_len = max(args.prompt_lens) + 64

@@ -19,13 +19,14 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import textwrap
 import time
 
 import torch
 
 from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_pack
+
+import native_guard
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 NUM_LAYERS = 30
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="passes per measurement (the best is kept)")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not amx_linear_available():
         raise SystemExit("the native AMX linear is not available here (no AMX, or the native build failed)")
     rows_list = [int(value) for value in args.rows.split(",")]

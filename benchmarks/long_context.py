@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +29,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--num-cpu-threads", type=int, default=None,
                         help="torch threads (default: all cores); 1 keeps a run on a shared, loaded machine steady")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     from tiny_models import build_tiny_model
 
     folder = build_tiny_model("deepseek-v32", tempfile.mkdtemp(prefix="pagedserve-long-context-"),

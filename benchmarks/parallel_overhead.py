@@ -17,6 +17,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchmark_model import benchmark_model_folder  # noqa: E402
+import native_guard  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -82,7 +83,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip-tp", action="store_true")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     folder = benchmark_model_folder()
     if not args.skip_tp:
         tp_folder = tp_model_folder()

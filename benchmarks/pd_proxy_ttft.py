@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
 from pagedserve.bench.pd_sweep import CONSUMER, PRODUCER, SERVED_MODEL_NAME, LaunchedProcess, free_port  # noqa: E402
 from pagedserve.bench.serve import BenchRequest, send_request  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,9 @@ def main() -> None:
     parser.add_argument("--engine-arg", action="append", default=[], help="extra `pagedserve serve` flag")
     parser.add_argument("--modes", nargs="+", choices=["pull", "push"], default=["pull"],
                         help="the PullConnector modes to run 1P1D with (a P/D pair and a proxy each)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     import json
     import signal
 

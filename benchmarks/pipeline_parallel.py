@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.executor.multiproc import MultiprocExecutor  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def model_folder(kind: str) -> str:
@@ -74,7 +75,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--model", choices=("benchmark", "tiny"), default="benchmark")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     folder = model_folder(args.model)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 30000 if args.model == "benchmark" else 500) for _ in range(rng.randint(32, 128))]

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pagedserve.attention.backend import AttentionMetadata  # noqa: E402
 from pagedserve.attention.cpu_native import CpuNativeAttentionBackend, is_prefill_attention_available  # noqa: E402
 from pagedserve.attention.torch_paged import TorchPagedAttentionBackend  # noqa: E402
+import native_guard  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 288, 512, 2048])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not is_prefill_attention_available():
         raise SystemExit("the prefill kernel is not available here (neither AMX-BF16 nor AVX512-BF16, or the native "
                          "build failed)")

@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
+import native_guard  # noqa: E402
 from serving import free_port  # noqa: E402
 from serving_vs_vllm import pagedserve_command, stop, wait_healthy  # noqa: E402
 
@@ -33,7 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     folder = benchmark_model_folder()
     start_to_ready(folder, args.dtype)  # fills the caches (native library, model files in the page cache)
     times = [start_to_ready(folder, args.dtype) for _ in range(args.repeats)]

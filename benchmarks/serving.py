@@ -37,6 +37,7 @@ from pagedserve.bench.serve import BenchRequest, RequestResult, make_requests, r
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_kind import result_path  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def free_port() -> int:
@@ -158,14 +159,16 @@ def main() -> int:
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--result-file", default=None,
                         help="result file (default: results/serving_<dtype>_<cpu kind>.json; '' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.result_file is None:
         args.result_file = result_path("serving", args.dtype)
 
     requests = make_requests(args.num_prompts, "random", None, tuple(args.input_len_range),
                              tuple(args.output_len_range), tuple(args.vocab_range), args.seed)
     engine_args = ["--dtype", args.dtype, *args.engine_arg]
-    report: dict[str, Any] = {"config": vars(args), "rates": {}}
+    report: dict[str, Any] = {"config": vars(args), "native_kernels": native_kernels, "rates": {}}
     port = free_port()
     server = start_server(args.model, engine_args, port, args.threads)
     try:

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_model import benchmark_model_folder  # noqa: E402
 from cpu_kind import result_path  # noqa: E402
 from serving import free_port  # noqa: E402
+import native_guard  # noqa: E402
 
 from pagedserve.bench.serve import make_requests, run_benchmark, summarize  # noqa: E402
 
@@ -126,7 +127,9 @@ def main() -> int:
                              "rounds, every run is listed and kept in the result file")
     parser.add_argument("--result-file", default=None,
                         help="result file (default: results/serving_vs_vllm_<dtype>_<cpu kind>.json; '' writes none)")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.result_file is None:
         args.result_file = result_path("serving_vs_vllm", args.dtype)
 
@@ -182,7 +185,8 @@ def main() -> int:
     if args.result_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.result_file)), exist_ok=True)
         with open(args.result_file, "w") as f:
-            json.dump({"config": vars(args), "reports": reports, "runs": runs}, f, indent=2, default=str)
+            json.dump({"config": vars(args), "native_kernels": native_kernels, "reports": reports, "runs": runs}, f,
+                      indent=2, default=str)
         print(f"wrote {args.result_file}")
     return 0
 

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from pagedserve.layers.small_batch_linear import MAX_ROWS, small_batch_linear, small_batch_linear_available
 
+import native_guard
+
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
 
@@ -27,6 +29,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not small_batch_linear_available():
         raise SystemExit("the native small-batch kernel is not available on this machine")
     if max(args.rows) > MAX_ROWS:

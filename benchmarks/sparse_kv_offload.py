@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from cpu_kind import result_path, write_result_file  # noqa: E402
+import native_guard  # noqa: E402
 
 MODEL_SHAPE = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                    num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=128, qk_rope_head_dim=32,
@@ -108,7 +109,9 @@ def main() -> None:
     parser.add_argument("--tier-directory", default=None, help="where the tier file goes (default: the temp dir)")
     parser.add_argument("--json-out", default=None, help="default results/sparse_kv_offload_<dtype>_<cpu kind>.json; "
                                                          "'' for none")
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     torch.set_num_threads(args.num_cpu_threads)
     folder = model_folder()
     rng = random.Random(0)
@@ -136,7 +139,8 @@ def main() -> None:
     if json_out:
         for result in results:
             result.pop("tokens")
-        write_result_file({"results": results, "identical_tokens": same, "num_resident_blocks": num_resident,
+        write_result_file({"native_kernels": native_kernels, "results": results, "identical_tokens": same,
+                           "num_resident_blocks": num_resident,
                            "num_request_blocks": num_request_blocks}, json_out)
 
 

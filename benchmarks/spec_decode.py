@@ -34,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_kind import result_path, write_result_file  # noqa: E402
+import native_guard  # noqa: E402
 
 WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads", "copy_heavy.json")
 
@@ -166,7 +167,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--vllm-python", default=None, help="python of a venv holding vLLM CPU (optional)")
     parser.add_argument("--json-out", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     from pagedserve import LLM
 
     workload = json.load(open(WORKLOAD))
@@ -186,7 +189,8 @@ def main() -> None:
     for llm in engines.values():  # warm-up: first touch of weights and caches
         timed_run(llm, prompts[:1], 8, 1)
 
-    results = {"workload": os.path.relpath(WORKLOAD), "speculative_config": ngram, "table": json.loads(args.table),
+    results = {"native_kernels": native_kernels, "workload": os.path.relpath(WORKLOAD), "speculative_config": ngram,
+               "table": json.loads(args.table),
                "runs": []}
     batch_one = compare({name: engines[name] for name in ("plain", "ngram", "self_draft")}, prompts,
                         workload["max_tokens"], 1, args.rounds)

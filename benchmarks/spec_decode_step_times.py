@@ -21,13 +21,16 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spec_decode import WORKLOAD, load_prompts  # noqa: E402
+import native_guard  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_guard.require_native_kernels(args.allow_plain_pytorch)
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,

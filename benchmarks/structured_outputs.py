@@ -45,6 +45,7 @@ from benchmark_model import default_model_hf_folder  # noqa: E402
 from offline_throughput import make_workload  # noqa: E402
 from offline_vs_vllm import VllmOfflineProcess  # noqa: E402
 from schema_suite import SCHEMA_SUITE  # noqa: E402
+import native_guard  # noqa: E402
 
 # At least 100 strings of 8+ characters: no output of recipe A's lengths (<= 256 tokens) can close it, so every
 # token of every request is generated under the grammar.
@@ -298,8 +299,12 @@ def main() -> None:
     parser.add_argument("--hf-folder", action="store_true",
                         help="alone: pagedserve loads the side by side's HF folder in --dtype")
     parser.add_argument("--json-out", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
-    result: dict[str, object] = {"compile": compile_times()}
+    result: dict[str, object] = {}
+    if args.vllm_python or not args.skip_throughput:  # the grammar compile times alone run no engine
+        result["native_kernels"] = native_guard.require_native_kernels(args.allow_plain_pytorch)
+    result["compile"] = compile_times()
     print(json.dumps(result["compile"], indent=1), flush=True)
     if args.vllm_python:
         result["side_by_side"] = side_by_side(args.vllm_python, args.num_requests, args.rounds, args.seed,

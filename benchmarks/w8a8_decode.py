@@ -26,6 +26,8 @@ import time
 
 import torch
 
+import native_guard
+
 ROOT = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "benchmark-models")
 
 
@@ -42,7 +44,8 @@ def smollm2_folders() -> tuple[str, str]:
     return folder, quantized
 
 
-def run_recipe_a(folder: str, quantized: str, num_requests: int, rounds: int, out: str | None) -> None:
+def run_recipe_a(folder: str, quantized: str, num_requests: int, rounds: int, out: str | None,
+                 native_kernels: dict) -> None:
     """Recipe A (prompts U[64, 512], outputs U[64, 256], greedy, ignore_eos) on both engines, rounds alternating."""
     from offline_throughput import PagedserveOfflineRunner, make_workload
 
@@ -55,7 +58,8 @@ def run_recipe_a(folder: str, quantized: str, num_requests: int, rounds: int, ou
             runs[name].append(runner.run())
     results = {name: runner.result(runs[name]) for name, runner in runners.items()}
     ratios = [bf16 / w8a8 for bf16, w8a8 in zip(runs["bf16"], runs["w8a8"])]
-    summary = {"num_requests": num_requests, "results": results, "w8a8_over_bf16_per_round": ratios}
+    summary = {"native_kernels": native_kernels, "num_requests": num_requests, "results": results,
+               "w8a8_over_bf16_per_round": ratios}
     print(f"recipe A, {num_requests} requests: bf16 {results['bf16']['output_tokens_per_s']:.1f} tok/s, "
           f"w8a8 {results['w8a8']['output_tokens_per_s']:.1f} tok/s, w8a8/bf16 per round "
           f"{', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
@@ -73,19 +77,20 @@ def main() -> None:
     parser.add_argument("--recipe-a", type=int, default=0, metavar="NUM_REQUESTS",
                         help="run recipe A's workload with this many requests instead of the decode batches")
     parser.add_argument("--out", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.kernels import cpu_isa
 
     folder, quantized = smollm2_folders()
     if args.recipe_a:
-        run_recipe_a(folder, quantized, args.recipe_a, args.rounds, args.out)
+        run_recipe_a(folder, quantized, args.recipe_a, args.rounds, args.out, native_kernels)
         return
     engines = {"bf16": LLM(folder, dtype="bfloat16", max_model_len=512, kv_cache_memory="1GiB"),
                "w8a8": LLM(quantized, dtype="bfloat16", max_model_len=512, kv_cache_memory="1GiB")}
     rng = random.Random(0)
-    result: dict = {"cpu_isa": cpu_isa.describe(), "torch_threads": torch.get_num_threads(), "batches": {}}
+    result: dict = {"native_kernels": native_kernels, "torch_threads": torch.get_num_threads(), "batches": {}}
     for batch in args.batch:
         prompts = [{"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(args.prompt_tokens)]}
                    for _ in range(batch)]

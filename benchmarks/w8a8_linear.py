@@ -23,6 +23,8 @@ import torch
 from pagedserve.layers.amx_linear import amx_linear, amx_linear_available, amx_pack
 from pagedserve.layers.quantization.int8_matmul import native_w8a8_linear
 
+import native_guard
+
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 DECODE_LAYERS, PREFILL_LAYERS = 30, 4
 
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cpu-time", action="store_true", help="one thread, its CPU time (see above)")
     args = parser.parse_args()
+    native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     clock = time.perf_counter
     if args.cpu_time:
         torch.set_num_threads(1)

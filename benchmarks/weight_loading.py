@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+import native_guard
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmark_model, and pagedserve from this checkout
 
@@ -179,12 +181,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the gemm part")
     parser.add_argument("--child-load", default=None, help=argparse.SUPPRESS)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
     if args.child_load:
         folder, strategy, num_threads, dtype = json.loads(args.child_load)
         print(json.dumps(child_load(folder, strategy, num_threads, dtype)))
         return
     parts = args.parts.split(",")
+    if "decode" in parts:  # the engine's decode steps (load and gemm time no native kernel)
+        native_guard.require_native_kernels(args.allow_plain_pytorch)
     lines: list[str] = []
     if "load" in parts:
         lines += bench_load(args.dtype, args.repeats) + [""]

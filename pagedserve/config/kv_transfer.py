@@ -56,8 +56,23 @@ PULL_CONNECTOR_DEFAULTS: dict[str, Any] = {
 }
 
 
+class KVRolePredicates:
+    """is_producer / is_consumer of a `kv_role`: one definition for KVTransferConfig and for the kv_transfer_info a
+    server reports of it (kv_transfer/kv_transfer_info.py, which the PD proxy parses from JSON and holds no config)."""
+
+    kv_role: str | None  # a field of the dataclass that mixes this in
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in PRODUCER_ROLES
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in CONSUMER_ROLES
+
+
 @dataclass(frozen=True)
-class KVTransferConfig:
+class KVTransferConfig(KVRolePredicates):
     """One KV connector's settings (MultiConnector: its parts in kv_connector_extra_config.connectors)."""
 
     kv_connector: str | None = None
@@ -149,14 +164,6 @@ class KVTransferConfig:
                                           f"kv_transfer_config.kv_connector_extra_config.connectors[{index}]",
                                           value))
         return parts
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in PRODUCER_ROLES
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in CONSUMER_ROLES
 
     @property
     def pool_config(self) -> KVPoolConfig:
@@ -293,5 +300,5 @@ class KVTransferConfig:
         return config_from_dict(KVTransferConfig, "kv_transfer_config", value)
 
 
-__all__ = ["KVTransferConfig", "KV_CONNECTORS", "KV_TRANSFER_MODES", "PUSH_TRANSPORTS", "KV_ROLES", "PRODUCER_ROLES",
-           "CONSUMER_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]
+__all__ = ["KVRolePredicates", "KVTransferConfig", "KV_CONNECTORS", "KV_TRANSFER_MODES", "PUSH_TRANSPORTS", "KV_ROLES",
+           "PRODUCER_ROLES", "CONSUMER_ROLES", "KV_LOAD_FAILURE_POLICIES", "DRAFTER_KV_TRAVELS_METHODS"]

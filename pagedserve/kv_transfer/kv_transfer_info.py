@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedserve.config.kv_transfer import CONSUMER_ROLES, PRODUCER_ROLES, KVTransferConfig
+from pagedserve.config.kv_transfer import KVRolePredicates, KVTransferConfig
 
 
 def pd_connector_config(config: KVTransferConfig | None) -> KVTransferConfig | None:
@@ -30,8 +30,9 @@ def pd_connector_config(config: KVTransferConfig | None) -> KVTransferConfig | N
 
 
 @dataclass(frozen=True)
-class KVTransferInfo:
-    """A server's prefill/decode connector, as GET /kv_transfer_info answers it (see the module docstring)."""
+class KVTransferInfo(KVRolePredicates):
+    """A server's prefill/decode connector, as GET /kv_transfer_info answers it (see the module docstring); its
+    is_producer / is_consumer are the config's (KVRolePredicates)."""
 
     kv_connector: str | None = None
     kv_role: str | None = None
@@ -59,14 +60,6 @@ class KVTransferInfo:
         return KVTransferInfo(kv_connector=part.kv_connector, kv_role=part.kv_role, mode=part.extra("mode"),
                               engine_id=engine_id, host=part.extra("host") if part.is_producer else "",
                               ports=list(ports) if part.is_producer else [], data_parallel_ranks=ranks)
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in PRODUCER_ROLES
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in CONSUMER_ROLES
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
