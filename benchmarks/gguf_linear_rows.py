@@ -25,8 +25,8 @@ from pagedserve.model_loader.default_model import resolve_model_path
 
 import native_guard
 
-# The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
 VECTOR_MAX_ROWS = 64  # the vector products' largest M (kernels/cpu/gguf_linear.cpp kMaxInputs)
+# The per-layer tensors of one decode step (q, k and v are separate in the file; the engine fuses them).
 LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
 
 

@@ -459,7 +459,7 @@ bool gguf_amx_takes(int64_t ggml_type) {
 namespace {
 
 // 'auto' takes the amx unit from this many input rows (benchmarks/gguf_linear_rows.py --products).
-constexpr int64_t kAmxMinRows = 6;
+constexpr int64_t kAmxMinRows = 5;
 
 // Whether this call's products run on the amx unit: `products` is 'auto', 'amx' or 'vector' (raises c10::Error for
 // another name, or for 'amx' where gguf_linear_products() does not list it or the type is not an integer-product type).
@@ -859,8 +859,30 @@ inline void configure(int64_t tile_rows) {
   load_tile_config(config);
 }
 
-// Block `block` of weight rows [column, column + num_columns) as a B tile (8 rows of 64 bytes) and its 16 d_w (and
-// Q4_1's m_w); columns past num_columns read as 0.
+// The dwords d of 16 byte runs of 16 bytes (run c at runs + c * stride, runs past num_columns read as 0) as four
+// vectors: rows[d] holds dword d of run 0, 1, ..., 15 in that order. Run i + 4L goes to 128-bit lane L of vector i,
+// then a 4 x 4 dword transpose inside each lane puts dword d of runs 4L .. 4L + 3 into lane L of rows[d].
+inline void transpose_runs(const uint8_t* runs, int64_t stride, int64_t num_columns, __m512i rows[4]) {
+  const auto run = [&](int64_t c) {
+    return _mm_maskz_loadu_epi8(c < num_columns ? __mmask16{0xFFFF} : __mmask16{0}, runs + c * stride);
+  };
+  __m512i v[4];
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_castsi128_si512(run(i));
+    v[i] = _mm512_inserti32x4(v[i], run(i + 4), 1);
+    v[i] = _mm512_inserti32x4(v[i], run(i + 8), 2);
+    v[i] = _mm512_inserti32x4(v[i], run(i + 12), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  rows[0] = _mm512_unpacklo_epi64(t0, t2);
+  rows[1] = _mm512_unpackhi_epi64(t0, t2);
+  rows[2] = _mm512_unpacklo_epi64(t1, t3);
+  rows[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Block `block` of weight rows [column, column + num_columns) as a B tile (8 rows of 64 bytes: row r holds values
+// 4r .. 4r + 3 of each of the 16 columns) and its 16 d_w (and Q4_1's m_w); columns past num_columns read as 0.
 template <int64_t kType>
 inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, int64_t num_columns, int64_t block,
                                int8_t* tile, float* d, float* m) {
@@ -869,22 +891,23 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
   const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(static_cast<int>(s.row_bytes)));
   const uint8_t* base = s.weight + column * s.row_bytes + block * kBytes;
-  const auto gather = [&](int64_t byte) {
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, base + byte, 1);
-  };
-  const __m512i header = gather(0);  // d (and Q4_1's m) as float16 words
+  // d (and Q4_1's m) of the 16 columns: the float16 words at the block's start.
+  const __m512i header = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, base, 1);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header)));
   if constexpr (kType == kGgmlQ4_1) _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header, 16))));
+  __m512i rows[4];
   if constexpr (kType == kGgmlQ8_0) {
-    for (int r = 0; r < 8; ++r) _mm512_store_si512(tile + 64 * r, gather(2 + 4 * r));
+    for (int half = 0; half < 2; ++half) {  // values 0 .. 15, then 16 .. 31
+      transpose_runs(base + 2 + 16 * half, s.row_bytes, num_columns, rows);
+      for (int r = 0; r < 4; ++r) _mm512_store_si512(tile + 64 * (4 * half + r), rows[r]);
+    }
   } else {
     // Byte i < 16 holds value i in its low nibble and value 16 + i in its high one.
-    constexpr int64_t kQuantOffset = kType == kGgmlQ4_1 ? 4 : 2;
+    transpose_runs(base + (kType == kGgmlQ4_1 ? 4 : 2), s.row_bytes, num_columns, rows);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < 4; ++r) {
-      const __m512i packed = gather(kQuantOffset + 4 * r);
-      __m512i low = _mm512_and_si512(packed, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      __m512i low = _mm512_and_si512(rows[r], nibble);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(rows[r], 4), nibble);
       if constexpr (kType == kGgmlQ4_0) {
         low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
         high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
