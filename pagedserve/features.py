@@ -409,7 +409,9 @@ FEATURES: tuple[Feature, ...] = (
         line="model", family="quantization", feature="GGUF weights kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                                     "Q4_K, Q5_K and Q6_K linears, embedding and LM head computed on "
                                                     "their blocks (int16 activation dot products for Q8_0/Q4_0/Q4_1, "
-                                                    "decoded blocks for the others, dequantized tiles for prefill), "
+                                                    "on AMX-INT8 tiles from 5 rows and for prefill where the CPU "
+                                                    "has them; decoded blocks for the others, dequantized tiles for "
+                                                    "their prefill), "
                                                     "in the native decode stack too; gguf_dequantize=True keeps the "
                                                     "float path",
         modules=("pagedserve.layers.gguf_linear", "pagedserve.model_loader.gguf_quantized_load",

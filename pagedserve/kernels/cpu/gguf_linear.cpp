@@ -5,19 +5,21 @@
 // per value where float32 is 32, so keeping the blocks and decoding them in registers reads 6.4x fewer bytes.
 //
 // Work split and numerics:
-// - Weight rows (output columns) are split between threads in units of kRows rows; each thread walks its rows'
-//   blocks front to back and decodes each block once into an L1 buffer for every input row.
+// - Weight rows (output columns) are split between threads in units of kRows rows (kAmxColumns on the amx unit);
+//   each thread walks its rows' blocks front to back and decodes each block once for every input row.
 // - Dequantization is ggml's reference arithmetic operation for operation (dequantize_row_* in ggml-quants.c:
 //   d * q + m as a product then a sum, never a fused multiply-add; this file is compiled with fp-contract off), so
 //   `gguf_dequantize` is bitwise the values model_loader/gguf_dequant.py (and llama.cpp's reference) produce.
 // - One output element = one float32 accumulator of 8 lanes (16 at the 'avx512' level and up) over K in order (one
-//   FMA per lane), then a horizontal sum, then + bias. The order depends only on K and the ISA level: a row's result
-//   does not depend on M, the other rows or the thread count, but it is not bitwise F.linear on the dequantized
-//   weight (another summation order), nor the same bits at another ISA level; tests compare them within a float
-//   tolerance, at every level the machine has (tests/kernels/test_isa_levels.py).
+//   FMA per lane), then a horizontal sum, then + bias. The order depends only on K and the ISA level: within a
+//   product unit a row's result does not depend on M, the other rows or the thread count, but it is not bitwise
+//   F.linear on the dequantized weight (another summation order), nor the same bits at another ISA level or unit;
+//   tests compare them within a float tolerance, at every level the machine has (tests/kernels/test_isa_levels.py).
 // - Up to kMaxGroupInputs input rows (4 at AVX2, 8 at AVX-512) share each decoded block.
-// - Q8_0 / Q4_0 / Q4_1 multiply int16 quants of x with the weight's quants in exact int32 sums: run_integer_columns
-//   (AVX2 and the reference build, one block at a time) and run_group_columns (AVX-512, four blocks per vector).
+// - Q8_0 / Q4_0 / Q4_1 multiply int16 quants of x with the weight's quants in exact int32 sums, on one of two units
+//   (gguf_linear_products(); 'auto' takes amx from kAmxMinRows rows): 'vector', run_integer_columns (AVX2 and the
+//   reference build, one block at a time) and run_group_columns (AVX-512, four blocks per vector), M <= 64; and at
+//   the amx level 'amx', run_amx_columns (AMX-INT8 tiles, any M; its work units are 16 weight rows).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 #endif
