@@ -47,7 +47,7 @@ def _llm(path: str, **options) -> LLM:
 
 
 @pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
-@pytest.mark.parametrize("num_prompts", [1, 3, 10])  # 10 rows: past the vector products' 8 (amx unit or dequantized)
+@pytest.mark.parametrize("num_prompts", [1, 3, 10, 40])  # 10, 40 rows: past the vector unit's 8 (amx or dequantized)
 def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: str, num_prompts: int) -> None:
     import pagedserve.models.native_decode_stack as stack_module
 

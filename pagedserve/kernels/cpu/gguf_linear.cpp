@@ -833,13 +833,14 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
 // converts it to float and adds dot * (d_w * d_x) (and Q4_1's m_w * s_x) to one float32 accumulator per output,
 // block after block in order. Exactness: |C_high| <= 32 * 128 * 128 and 256 C_high + C_low stays below 2^31; the
 // float conversion rounds past 2^24 (Q8_0 only), as the vector products' lanes do. A row's result does not depend on
-// M, the other rows or the thread count; it is not bitwise the vector products' (they convert and sum each block's
+// the other rows or the thread count; it is not bitwise the vector products' (they convert and sum each block's
 // four int32 lanes separately), so tests compare the units within float32 rounding.
 //
-// x is the A operand, read in place from the byte planes (tile_rows rows x 32 bytes, row stride K); the weight is
-// the B operand, gathered per call from its blocks into the VNNI layout (row r: for each of 16 columns, values
-// 4r .. 4r + 3): a unit of 16 columns decodes its K / 32 B tiles (512 bytes each) and its scales once, then runs
-// every A tile of x against them.
+// x is the A operand, laid out per call in tile order (State::x_tiles: a block's high and low bytes of a row in one
+// 64-byte line); the weight is the B operand, decoded per call from its blocks into the VNNI layout (row r: for each
+// of 16 columns, values 4r .. 4r + 3; transpose_runs): a unit of 16 columns decodes its K / 32 B tiles (512 bytes
+// each) and its scales once, then runs every A tile of x against them. Both units run a row the same way whatever
+// M is; 'auto' picks the unit by M, so a row's bits depend on the batch size through that choice.
 namespace amx_unit {
 
 // Tiles (the tile intrinsics take literal numbers): 0 x_high and 1 x_low (A), 2 and 7 the weight of an even and an
@@ -1001,13 +1002,6 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
   amx_unit::configure(s.tile_rows);
   for (int64_t column = first_column; column < end_column; column += kAmxColumns) {
     const int64_t num_columns = std::min<int64_t>(kAmxColumns, end_column - column);
-    // The next unit's rows (one contiguous run of 16 rows) while this one decodes: the decoder reads 16 rows at
-    // once, an order the hardware prefetchers do not follow ahead of time.
-    if (column + kAmxColumns < end_column) {
-      const uint8_t* next = s.weight + (column + kAmxColumns) * s.row_bytes;
-      const int64_t next_bytes = std::min<int64_t>(kAmxColumns, end_column - column - kAmxColumns) * s.row_bytes;
-      for (int64_t offset = 0; offset < next_bytes; offset += 64) _mm_prefetch(reinterpret_cast<const char*>(next + offset), _MM_HINT_T0);
-    }
     for (int64_t block = 0; block < num_blocks; ++block)
       amx_unit::decode_weight_tile<kType>(s, column, num_columns, block, tiles + block * 512, d_w + block * 16,
                                           m_w + block * 16);
