@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 # Bump when the cached content for the same source and dtype changes (name mapping, permutation,
 # dequantization fixes, file layout).
 CACHE_FORMAT_VERSION = 1
+# The metadata entry's own version (2: tensor rows carry their payload offset). An entry of another version reads
+# as missing, so releases before and after a change each re-parse the header once instead of misreading it.
+METADATA_FORMAT_VERSION = 2
 
 # Files up to this size are hashed in full (SHA-256 runs at ~1 GB/s); bigger files are keyed by
 # size, mtime and a sample of their content, so a multi-GB model does not pay seconds per start.
@@ -161,10 +164,12 @@ def _write_atomically(path: str, data: bytes) -> None:
 
 
 class MetadataCache:
-    """The parsed metadata and tensor table of one GGUF source, as JSON (dtype independent).
+    """The parsed metadata and tensor table (name, ggml type, shape, payload offset) of one GGUF source, as JSON
+    (dtype independent).
 
     Parsing a GGUF header with gguf's reader costs seconds for a 50k-token vocabulary (it builds a
-    numpy view per string); this entry lets a warm start skip it.
+    numpy view per string); this entry lets a warm start skip it, weights included (they are read at the
+    recorded offsets).
     """
 
     def __init__(self, source_path: str, root: str | None = None) -> None:
@@ -179,7 +184,7 @@ class MetadataCache:
             with open(self.path, "rb") as f:
                 stored = json.load(f)
             if (
-                stored.get("format_version") != CACHE_FORMAT_VERSION
+                stored.get("format_version") != METADATA_FORMAT_VERSION
                 or stored.get("source_fingerprint") != self.fingerprint
                 or not isinstance(stored.get("metadata"), dict)
                 or not isinstance(stored.get("tensors"), list)
@@ -192,7 +197,7 @@ class MetadataCache:
     def write(self, metadata: dict[str, Any], tensor_rows: list[list[Any]]) -> None:
         """Store the entry atomically; a failure to write only logs a warning."""
         document = {
-            "format_version": CACHE_FORMAT_VERSION,
+            "format_version": METADATA_FORMAT_VERSION,
             "source_fingerprint": self.fingerprint,
             "metadata": metadata,
             "tensors": tensor_rows,

@@ -61,11 +61,13 @@ _LAYER_TENSOR_PATTERN = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 class TensorInfo(NamedTuple):
-    """One entry of a GGUF tensor table: llama.cpp name, ggml type id, logical (HF-order) shape."""
+    """One entry of a GGUF tensor table: llama.cpp name, ggml type id, logical (HF-order) shape, and the byte
+    offset of its payload in the file (what lets a warm start read the weights without parsing the header)."""
 
     name: str
     ggml_type: int
     shape: tuple[int, ...]
+    data_offset: int
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -148,16 +150,17 @@ def _open_reader(path: str) -> Any:
     return reader
 
 
-def _parse(path: str) -> tuple[dict[str, Any], list[TensorInfo], Any]:
-    """The metadata (all keys but the GGUF.* header, as Python values), tensor table and reader."""
+def _parse(path: str) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """The metadata (all keys but the GGUF.* header, as Python values) and tensor table."""
     reader = _open_reader(path)
     metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     # GGUF lists dimensions innermost first; HF/numpy shapes are the reverse.
     tensors = [
-        TensorInfo(tensor.name, int(tensor.tensor_type), tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        TensorInfo(tensor.name, int(tensor.tensor_type), tuple(int(d) for d in reversed(tensor.shape.tolist())),
+                   int(tensor.data_offset))
         for tensor in reader.tensors
     ]
-    return metadata, tensors, reader
+    return metadata, tensors
 
 
 def _require_int(metadata: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
@@ -267,14 +270,12 @@ class GGUFModel:
         use_cache: bool,
         metadata: dict[str, Any],
         tensors: list[TensorInfo],
-        reader: Any = None,
     ) -> None:
         self.path = path
         self.dtype = dtype
         self.use_cache = use_cache
         self.metadata = metadata
         self.tensors = tensors
-        self._reader = reader  # opened on first dequantization when the metadata came from the cache
         self.architecture = str(metadata.get("general.architecture"))
         shapes = {tensor.name: tensor.shape for tensor in tensors}
         # With the cache, a recorded snapshot of the config when there is one (importing the transformers config
@@ -305,22 +306,24 @@ class GGUFModel:
         """(HF name, shape) of every weight `weights()` yields, in yield order."""
         return [(name, tensor.shape) for tensor in self.tensors if (name := hf_tensor_name(tensor.name)) is not None]
 
-    def _named_payloads(self, reader: Any) -> Iterator[tuple[str, TensorInfo, Any]]:
-        """(HF name, table entry, the reader's tensor) of every weight, checked against the table."""
-        payloads = {tensor.name: tensor for tensor in reader.tensors}
+    def _named_payloads(self) -> Iterator[tuple[str, TensorInfo, np.ndarray]]:
+        """(HF name, table entry, its payload bytes) of every weight, read through a map of the file at the
+        table's offsets (no header parsing: the table may come from the metadata cache, whose entry is keyed by
+        the file's fingerprint). The map goes when the stream ends: its pages are not the weights' memory."""
+        file_map = np.memmap(self.path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain slices: no memmap hooks
         for tensor in self.tensors:
             name = hf_tensor_name(tensor.name)
             if name is None:
                 continue
-            payload = payloads.get(tensor.name)
-            if payload is None or int(payload.tensor_type) != tensor.ggml_type:
-                raise ValueError(f"GGUF file {self.path!r} changed while loading: tensor {tensor.name!r} differs")
-            yield name, tensor, payload
+            num_bytes = gguf_dequant.num_payload_bytes(tensor.ggml_type, int(np.prod(tensor.shape, dtype=np.int64)))
+            end = tensor.data_offset + num_bytes
+            if tensor.data_offset < 0 or end > file_map.size:
+                raise ValueError(f"GGUF file {self.path!r} is truncated: tensor {tensor.name!r} ends at byte {end} "
+                                 f"but the file has {file_map.size} bytes")
+            yield name, tensor, file_map[tensor.data_offset:end]
 
     def _dequantized_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._reader is None:
-            self._reader = _open_reader(self.path)
-        for name, tensor, payload in self._named_payloads(self._reader):
+        for name, tensor, payload in self._named_payloads():
             yield name, self._dequantized_tensor(tensor, payload, dtype)
 
     def _in_hf_row_order(self, tensor: TensorInfo, rows: np.ndarray) -> np.ndarray:
@@ -332,20 +335,15 @@ class GGUFModel:
                 return unpermute_rotary_rows(rows, int(self.hf_config.num_key_value_heads))
         return rows
 
-    def _dequantized_tensor(self, tensor: TensorInfo, payload: Any, dtype: torch.dtype) -> torch.Tensor:
-        values = gguf_dequant.dequantize(payload.data, tensor.ggml_type, tensor.shape, tensor.name)
+    def _dequantized_tensor(self, tensor: TensorInfo, payload: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        values = gguf_dequant.dequantize(payload, tensor.ggml_type, tensor.shape, tensor.name)
         weight = torch.from_numpy(np.ascontiguousarray(self._in_hf_row_order(tensor, values)))
         return weight if dtype == torch.float32 else weight.to(dtype)
 
-    def _block_rows(self, tensor: TensorInfo, payload: Any) -> torch.Tensor:
+    def _block_rows(self, tensor: TensorInfo, payload: np.ndarray) -> torch.Tensor:
         """A quantized tensor's blocks as uint8 [rows, bytes per row], rows in HF order."""
         rows = int(np.prod(tensor.shape[:-1], dtype=np.int64))
-        expected = gguf_dequant.num_payload_bytes(tensor.ggml_type, int(np.prod(tensor.shape, dtype=np.int64)))
-        raw = np.asarray(payload.data).reshape(-1).view(np.uint8)
-        if raw.size != expected:
-            raise ValueError(f"GGUF tensor {tensor.name!r} of shape {tensor.shape} should hold {expected} bytes, but "
-                             f"its payload has {raw.size}")
-        blocks = self._in_hf_row_order(tensor, raw.reshape(rows, -1))
+        blocks = self._in_hf_row_order(tensor, payload.reshape(rows, -1))
         return torch.from_numpy(np.array(blocks))  # a writable copy: the file map is read-only
 
     def quantized_weights(self, model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -365,9 +363,7 @@ class GGUFModel:
         return self._kept_quantized_weights(dtype, {name for entry in kept for name in entry.checkpoint_names})
 
     def _kept_quantized_weights(self, dtype: torch.dtype, kept: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        reader = self._reader if self._reader is not None else _open_reader(self.path)
-        self._reader = None  # the file map goes when the stream ends: its pages are not the weights' memory
-        for name, tensor, payload in self._named_payloads(reader):
+        for name, tensor, payload in self._named_payloads():
             if name in kept:
                 yield name, self._block_rows(tensor, payload)
             else:
@@ -421,16 +417,17 @@ def load_gguf(path: str, dtype: torch.dtype | None = None, use_cache: bool = Tru
         raise ValueError(f"dtype={dtype} is not valid for GGUF weights; expected float32, bfloat16 or float16")
     _check_magic(path)
     if not use_cache:
-        return GGUFModel(path, dtype, use_cache, *_parse(path))
+        metadata, tensors = _parse(path)
+        return GGUFModel(path, dtype, use_cache, metadata, tensors)
     metadata_cache = MetadataCache(path)
     cached = metadata_cache.read()
-    reader = None
     if cached is not None:
         metadata, tensor_rows = cached
-        tensors = [TensorInfo(str(name), int(ggml_type), tuple(shape)) for name, ggml_type, shape in tensor_rows]
+        tensors = [TensorInfo(str(name), int(ggml_type), tuple(shape), int(offset))
+                   for name, ggml_type, shape, offset in tensor_rows]
     else:
-        metadata, tensors, reader = _parse(path)
-    model = GGUFModel(path, dtype, use_cache, metadata, tensors, reader)
+        metadata, tensors = _parse(path)
+    model = GGUFModel(path, dtype, use_cache, metadata, tensors)
     if cached is None:
         # Only a file that parsed and validated gets its metadata cached.
         metadata_cache.write(metadata, [list(tensor) for tensor in tensors])

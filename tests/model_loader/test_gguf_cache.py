@@ -7,13 +7,15 @@ import os
 import struct
 import time
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from test_gguf_tiny_files import write_tiny_gguf
 
 from pagedserve.model_loader import gguf_cache, gguf_loader
-from pagedserve.model_loader.gguf_cache import CACHE_FORMAT_VERSION, MetadataCache, WeightCache, cache_root
+from pagedserve.model_loader.gguf_cache import (CACHE_FORMAT_VERSION, METADATA_FORMAT_VERSION, MetadataCache,
+                                                WeightCache, cache_root)
 from pagedserve.model_loader.gguf_loader import load_gguf
 
 
@@ -153,15 +155,42 @@ def test_bad_metadata_entry_is_rebuilt(cache_dir, tiny_path, damage: str) -> Non
     elif damage == "old_version":
         with open(entry.path) as f:
             document = json.load(f)
-        document["format_version"] = CACHE_FORMAT_VERSION - 1
+        document["format_version"] = METADATA_FORMAT_VERSION - 1
         with open(entry.path, "w") as f:
             json.dump(document, f)
     else:
         with open(entry.path, "w") as f:
-            json.dump({"format_version": CACHE_FORMAT_VERSION, "metadata": [1, 2]}, f)
+            json.dump({"format_version": METADATA_FORMAT_VERSION, "metadata": [1, 2]}, f)
     assert entry.read() is None
     assert load_gguf(tiny_path).hf_config.to_dict() == expected
     assert entry.read() is not None
+
+
+def test_warm_load_reads_the_payloads_at_the_recorded_offsets(cache_dir, tiny_path, monkeypatch) -> None:
+    """The kept-quantized stream (and any weights the cache lacks) read the file at the table's offsets: a warm start
+    never runs gguf's header parser, and the bytes are the reader's."""
+    load_gguf(tiny_path)  # cold: parses and records the table
+    reader_bytes = {tensor.name: np.asarray(tensor.data).tobytes()
+                    for tensor in gguf_loader._open_reader(tiny_path).tensors}
+    monkeypatch.setattr(gguf_loader, "_open_reader", lambda *args: pytest.fail("a warm load parsed the header"))
+    warm = load_gguf(tiny_path)
+    payloads = {tensor.name: payload.tobytes() for _, tensor, payload in warm._named_payloads()}
+    assert payloads and payloads == {name: data for name, data in reader_bytes.items() if name in payloads}
+
+
+def test_an_entry_of_the_format_before_payload_offsets_is_rewritten(cache_dir, tiny_path) -> None:
+    expected = load_gguf(tiny_path).tensors
+    entry = MetadataCache(tiny_path)
+    with open(entry.path) as f:
+        document = json.load(f)
+    # The entry as the previous format wrote it: version 1, rows without the offset.
+    document["format_version"] = 1
+    document["tensors"] = [row[:3] for row in document["tensors"]]
+    with open(entry.path, "w") as f:
+        json.dump(document, f)
+    assert entry.read() is None
+    assert load_gguf(tiny_path).tensors == expected
+    assert all(len(row) == 4 for row in entry.read()[1])
 
 
 def test_changed_source_gets_a_new_entry(cache_dir, tmp_path) -> None:
