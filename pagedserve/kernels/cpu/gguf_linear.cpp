@@ -951,8 +951,8 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
       if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
     }
   };
-  int64_t block = 0;
-  for (; block + 2 <= num_blocks; block += 2) {
+  for (int64_t block = 0; block < num_blocks; block += 2) {
+    const bool has_odd = block + 1 < num_blocks;  // K's last block may be alone
     _tile_loadd(0, x + block * block_bytes, kRowBytes);
     _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
     _tile_loadd(2, tiles + block * 512, 64);
@@ -960,31 +960,23 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
     _tile_zero(4);
     _tile_dpbssd(3, 0, 2);
     _tile_dpbusd(4, 1, 2);
-    _tile_loadd(0, x + (block + 1) * block_bytes, kRowBytes);
-    _tile_loadd(1, x + (block + 1) * block_bytes + kQuantBlock, kRowBytes);
-    _tile_loadd(7, tiles + (block + 1) * 512, 64);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_dpbssd(5, 0, 7);
-    _tile_dpbusd(6, 1, 7);
+    if (has_odd) {
+      _tile_loadd(0, x + (block + 1) * block_bytes, kRowBytes);
+      _tile_loadd(1, x + (block + 1) * block_bytes + kQuantBlock, kRowBytes);
+      _tile_loadd(7, tiles + (block + 1) * 512, 64);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_dpbssd(5, 0, 7);
+      _tile_dpbusd(6, 1, 7);
+    }
     _tile_stored(3, sums[0][0], 64);
     _tile_stored(4, sums[0][1], 64);
-    _tile_stored(5, sums[1][0], 64);
-    _tile_stored(6, sums[1][1], 64);
+    if (has_odd) {
+      _tile_stored(5, sums[1][0], 64);
+      _tile_stored(6, sums[1][1], 64);
+    }
     epilogue(block, sums[0][0], sums[0][1]);
-    epilogue(block + 1, sums[1][0], sums[1][1]);
-  }
-  if (block < num_blocks) {
-    _tile_loadd(0, x + block * block_bytes, kRowBytes);
-    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
-    _tile_loadd(2, tiles + block * 512, 64);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbssd(3, 0, 2);
-    _tile_dpbusd(4, 1, 2);
-    _tile_stored(3, sums[0][0], 64);
-    _tile_stored(4, sums[0][1], 64);
-    epilogue(block, sums[0][0], sums[0][1]);
+    if (has_odd) epilogue(block + 1, sums[1][0], sums[1][1]);
   }
 }
 
