@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "quantization"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from perplexity import passage_text  # noqa: E402
+import native_guard  # noqa: E402
 
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
@@ -134,14 +135,18 @@ def main() -> None:
                         choices=["plain", "ignore", "smoothquant"])
     parser.add_argument("--work", default=None, help="folder for the checkpoints written here (default: new /tmp)")
     parser.add_argument("--json-out", default=None)
+    native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
+    # The engine's perplexities depend on its kernels' arithmetic: record which ran, and stop if none did.
+    native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     from transformers import AutoModelForCausalLM
     from w8a8_reference import dequantized_hf_model
 
     work = args.work or tempfile.mkdtemp(prefix="pagedserve-w8a8-spread-")
     source, folders = checkpoint_folders(args.checkpoints, work)
     max_tokens = None if args.tokens == "all" else int(args.tokens)
-    results: dict[str, object] = {"tokens": args.tokens, "seeds": args.seeds, "eps": args.eps, "models": {}}
+    results: dict[str, object] = {"native_kernels": native_kernels, "tokens": args.tokens, "seeds": args.seeds,
+                                  "eps": args.eps, "models": {}}
     for name, folder in [("float", source)] + list(folders.items()):
         started = time.perf_counter()
         llm = LLM(folder, **ENGINE)
