@@ -59,6 +59,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -271,6 +272,9 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // head (set_gguf_types; 0: a float table or head).
   std::vector<int64_t> weight_types;
   int64_t embedding_type = 0, head_type = 0;
+  // Kind 5: the most rows gguf_linear takes for every linear and the head (set_gguf_types): any number where its amx
+  // unit takes every type, else its vector products' kGgufKernelMaxRows.
+  int64_t gguf_kernel_rows = kGgufKernelMaxRows;
   // Kind 6: the linears' float32 weight scales [N] and static input scales (none: per-token), 4 per layer
   // (set_w8a8_scales).
   std::vector<at::Tensor> weight_scales;
@@ -341,6 +345,9 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     weight_types = std::move(linear_types);
     embedding_type = embedding_type_;
     head_type = head_type_;
+    bool is_every_type_on_amx = head_type == 0 || pagedserve_native::gguf_amx_takes(head_type);
+    for (const int64_t type : weight_types) is_every_type_on_amx &= pagedserve_native::gguf_amx_takes(type);
+    gguf_kernel_rows = is_every_type_on_amx ? std::numeric_limits<int64_t>::max() : kGgufKernelMaxRows;
     is_one_region_capable = one_region_capable();
   }
 
@@ -418,12 +425,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   int64_t one_region_rows_limit() const {
     if (!is_one_region_capable) return 0;
     if (linear_kind == kAmxPacked || linear_kind == kW8A8) return one_region_max_rows;
-    if (linear_kind == kGguf) {
-      // Every row count on the kernel where its amx unit takes every weight (the head included), else up to 8.
-      bool is_every_type_on_amx = head_type == 0 || pagedserve_native::gguf_amx_takes(head_type);
-      for (const int64_t type : weight_types) is_every_type_on_amx = is_every_type_on_amx && pagedserve_native::gguf_amx_takes(type);
-      return is_every_type_on_amx ? one_region_max_rows : std::min(one_region_max_rows, kGgufKernelMaxRows);
-    }
+    if (linear_kind == kGguf) return std::min(one_region_max_rows, gguf_kernel_rows);
     return std::min(one_region_max_rows, linear_kind == kSmallBatch ? kSmallBatchMaxRows : kSmallBatchOneDnnMaxRows);
   }
 

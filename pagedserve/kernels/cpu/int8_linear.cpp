@@ -228,6 +228,20 @@ inline void store(const Int8LinearCall::State& s, int64_t input, int64_t column,
   }
 }
 
+// Every input row, four at a time then the rest: `run(std::integral_constant<int, R>, input)` computes rows
+// [input, input + R) (the register units' accumulator tiles have R rows).
+template <class Run>
+void in_groups_of_four(int64_t m, Run run) {
+  int64_t input = 0;
+  for (; input + 4 <= m; input += 4) run(std::integral_constant<int, 4>{}, input);
+  switch (m - input) {
+    case 3: run(std::integral_constant<int, 3>{}, input); break;
+    case 2: run(std::integral_constant<int, 2>{}, input); break;
+    case 1: run(std::integral_constant<int, 1>{}, input); break;
+    default: break;
+  }
+}
+
 // Rows [input, input + kInputs) x columns [column, column + kColumns): exact int32 dot products over K.
 template <int kInputs, int kColumns>
 void run_tile(const Int8LinearCall::State& s, int64_t input, int64_t column) {
@@ -321,14 +335,9 @@ void run_columns_vnni(const Int8LinearCall::State& s, int64_t input, int64_t fir
 }
 
 void run_rows_vnni(const Int8LinearCall::State& s, int64_t first, int64_t last) {
-  int64_t input = 0;
-  for (; input + 4 <= s.m; input += 4) run_columns_vnni<4>(s, input, first, last);
-  switch (s.m - input) {
-    case 3: run_columns_vnni<3>(s, input, first, last); break;
-    case 2: run_columns_vnni<2>(s, input, first, last); break;
-    case 1: run_columns_vnni<1>(s, input, first, last); break;
-    default: break;
-  }
+  in_groups_of_four(s.m, [&](auto inputs, int64_t input) {
+    run_columns_vnni<decltype(inputs)::value>(s, input, first, last);
+  });
 }
 #endif  // PAGEDSERVE_INT8_VNNI
 
@@ -559,14 +568,9 @@ void Int8LinearCall::run_units(int64_t begin, int64_t end) const {
   }
 #endif
   // Input rows four at a time against the units' columns: the columns' weights stay in L1/L2 across the groups.
-  int64_t input = 0;
-  for (; input + 4 <= s.m; input += 4) run_columns<4>(s, input, first, last);
-  switch (s.m - input) {
-    case 3: run_columns<3>(s, input, first, last); break;
-    case 2: run_columns<2>(s, input, first, last); break;
-    case 1: run_columns<1>(s, input, first, last); break;
-    default: break;
-  }
+  in_groups_of_four(s.m, [&](auto inputs, int64_t input) {
+    run_columns<decltype(inputs)::value>(s, input, first, last);
+  });
 }
 
 }  // namespace pagedserve_native
