@@ -486,6 +486,10 @@ void split_quants_of_x(GgufLinearCall::State& s) {
   s.tile_rows = std::min<int64_t>(kAmxTileRows, s.m);
   s.padded_m = (s.m + s.tile_rows - 1) / s.tile_rows * s.tile_rows;
   s.x_tiles.assign(s.padded_m * s.k * 2, 0);
+  // The padding rows' scales and sums are read too (the epilogue of a full tile runs every row): zeros, as their
+  // quants. Past M, uninitialised floats would be read (denormal or NaN garbage slows the epilogue's arithmetic).
+  s.x_scales.resize(s.padded_m * num_blocks, 0.0f);
+  s.x_sums.resize(s.padded_m * num_blocks, 0.0f);
   for (int64_t r = 0; r < s.m; ++r) {
     const int64_t tile = r / s.tile_rows, row = r % s.tile_rows;
     for (int64_t block = 0; block < num_blocks; ++block) {
@@ -991,6 +995,9 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
   int8_t* const tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_storage.data()) + 63) & ~uintptr_t{63});
   float* const d_w = scales_storage.data();
   float* const m_w = d_w + num_blocks * 16;
+  // run_amx_tile's epilogue reads every row of a full tile, padding rows included (split_quants_of_x).
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(s.x_scales.size()) >= s.padded_m * num_blocks &&
+                        static_cast<int64_t>(s.x_sums.size()) >= s.padded_m * num_blocks);
   amx_unit::configure(s.tile_rows);
   for (int64_t column = first_column; column < end_column; column += kAmxColumns) {
     const int64_t num_columns = std::min<int64_t>(kAmxColumns, end_column - column);
