@@ -711,17 +711,26 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
 //
 // A group of four blocks of `kType` as four int16 vectors (quarter j of vector i: values 8i .. 8i + 7 of block j),
 // the blocks' d_w each four times (quarter j's lanes) and for Q4_1 their m_w. Blocks past `num_valid` read as 0.
-template <int64_t kType>
+// kFull: a whole group (num_valid == 4), read with plain loads (every load stays inside its 72 to 136 bytes).
+template <int64_t kType, bool kFull>
 __attribute__((always_inline)) inline void group_weights(const uint8_t* group, int num_valid, __m512i weight[4], __m512* d, __m128* m) {
   constexpr int64_t kBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
   const auto valid_bytes = [num_valid](int64_t offset) -> __mmask64 {
+    if constexpr (kFull) return ~__mmask64{0};
     const int64_t count = std::max<int64_t>(0, std::min<int64_t>(64, num_valid * kBytes - offset));
     return count == 64 ? ~__mmask64{0} : ((__mmask64{1} << count) - 1);
+  };
+  const auto load_bytes = [&valid_bytes](const uint8_t* p, int64_t offset) {
+    return kFull ? _mm512_loadu_si512(p + offset) : _mm512_maskz_loadu_epi8(valid_bytes(offset), p + offset);
+  };
+  const auto load_run = [num_valid](const uint8_t* p, int j) {  // block j's 16 quant bytes (Q4)
+    return kFull ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(num_valid > j ? 0xFFFF : 0, p);
   };
   if constexpr (kType == kGgmlQ8_0) {
     __m512i widened[4];
     for (int j = 0; j < 4; ++j) {
-      const __m256i bytes = _mm256_maskz_loadu_epi8(j < num_valid ? ~__mmask32{0} : 0, group + j * kBytes + 2);
+      const __m256i bytes = kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + j * kBytes + 2))
+                                  : _mm256_maskz_loadu_epi8(j < num_valid ? ~__mmask32{0} : 0, group + j * kBytes + 2);
       widened[j] = _mm512_cvtepi8_epi16(bytes);
     }
     // A 4 x 4 transpose of 128-bit quarters: vector i takes quarter i of each block.
@@ -734,17 +743,17 @@ __attribute__((always_inline)) inline void group_weights(const uint8_t* group, i
     weight[2] = _mm512_shuffle_i64x2(t1, t3, 0x88);
     weight[3] = _mm512_shuffle_i64x2(t1, t3, 0xDD);
     // d of block j is the float16 at byte 34 j: words 0, 17, 34, 51 of the group's first 128 bytes.
-    const __m512i low = _mm512_maskz_loadu_epi8(valid_bytes(0), group);
-    const __m512i high = _mm512_maskz_loadu_epi8(valid_bytes(64), group + 64);
+    const __m512i low = load_bytes(group, 0);
+    const __m512i high = load_bytes(group, 64);
     const __m512i index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 51, 51, 51, 51, 34, 34, 34,
                                            34, 17, 17, 17, 17, 0, 0, 0, 0);
     *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(low, index, high)));
   } else {
     constexpr int64_t kQuantOffset = kType == kGgmlQ4_1 ? 4 : 2;
-    __m512i packed = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(num_valid > 0 ? 0xFFFF : 0, group + kQuantOffset));
-    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 1 ? 0xFFFF : 0, group + kBytes + kQuantOffset), 1);
-    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 2 ? 0xFFFF : 0, group + 2 * kBytes + kQuantOffset), 2);
-    packed = _mm512_inserti32x4(packed, _mm_maskz_loadu_epi8(num_valid > 3 ? 0xFFFF : 0, group + 3 * kBytes + kQuantOffset), 3);
+    __m512i packed = _mm512_castsi128_si512(load_run(group + kQuantOffset, 0));
+    packed = _mm512_inserti32x4(packed, load_run(group + kBytes + kQuantOffset, 1), 1);
+    packed = _mm512_inserti32x4(packed, load_run(group + 2 * kBytes + kQuantOffset, 2), 2);
+    packed = _mm512_inserti32x4(packed, load_run(group + 3 * kBytes + kQuantOffset, 3), 3);
     const __m512i mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const __m512i low = _mm512_and_si512(packed, mask);                         // values 0 .. 15 of each block
     const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);  // values 16 .. 31
@@ -757,7 +766,7 @@ __attribute__((always_inline)) inline void group_weights(const uint8_t* group, i
       for (int i = 0; i < 4; ++i) weight[i] = _mm512_sub_epi16(weight[i], eight);
     }
     // d (and m) of block j are the float16 words at byte kBytes j (and + 2): all four in the group's first 64 bytes.
-    const __m512i header = _mm512_maskz_loadu_epi8(valid_bytes(0), group);
+    const __m512i header = load_bytes(group, 0);
     constexpr short kWords = kBytes / 2;
     const __m512i d_index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 * kWords, 3 * kWords,
                                              3 * kWords, 3 * kWords, 2 * kWords, 2 * kWords, 2 * kWords, 2 * kWords,
@@ -786,44 +795,116 @@ __attribute__((always_inline)) inline __m512i group_dot(const __m512i weight[4],
 #endif
 }
 
+// The sum of a 16-lane accumulator, in a fixed order: lanes 8..15 onto 0..7, lanes 4..7 of those onto 0..3, lanes
+// 2, 3 onto 0, 1, lane 1 onto lane 0 (the order GCC's _mm512_reduce_add_ps takes; spelled out so that
+// sum_lanes_of_four, which sums four accumulators at once, gives each the same bits).
+inline float sum_lanes_in_order(__m512 a) {
+  const __m256 eight = _mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a));
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// Lane c: sum_lanes_in_order(a[c]), the same additions in the same order, four accumulators per instruction.
+inline __m128 sum_lanes_of_four(const __m512 a[4]) {
+  // 256-bit halves: [lanes 0..7 of a0, of a1] + [lanes 8..15 of a0, of a1].
+  const __m512 eights01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0xEE), _mm512_shuffle_f32x4(a[0], a[1], 0x44));
+  const __m512 eights23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0xEE), _mm512_shuffle_f32x4(a[2], a[3], 0x44));
+  // 128-bit lane c: accumulator c's lanes 4..7 + 0..3.
+  const __m512 fours = _mm512_add_ps(_mm512_shuffle_f32x4(eights01, eights23, 0xDD),
+                                     _mm512_shuffle_f32x4(eights01, eights23, 0x88));
+  const __m512 twos = _mm512_add_ps(fours, _mm512_permute_ps(fours, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 ones = _mm512_add_ps(twos, _mm512_permute_ps(twos, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), ones));
+}
+
+// Q4_1's four m_w s_x lanes summed as (0 + 2) + (1 + 3).
+inline float sum_offsets(__m128 offsets) {
+  const __m128 pair = _mm_add_ps(offsets, _mm_movehl_ps(offsets, offsets));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// Lane c: sum_offsets(offsets[c]).
+inline __m128 sum_offsets_of_four(const __m128 offsets[4]) {
+  __m128 r0 = offsets[0], r1 = offsets[1], r2 = offsets[2], r3 = offsets[3];
+  _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // r_j: lane j of each
+  return _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3));
+}
+
+// Group `group` of weight row `row` times input rows [0, kInputs) of this call's x: each row's dot products into
+// its accumulator (and Q4_1's m_w s_x into its offsets), the blocks' float terms added in order.
+template <int64_t kType, int kInputs, bool kFull>
+__attribute__((always_inline)) inline void group_products(const uint8_t* row, int64_t group, int num_valid,
+                                                          int64_t block_bytes, int64_t m, const int16_t* x_quants,
+                                                          const float* x_scales, const float* x_sums,
+                                                          __m512* acc, __m128* offsets) {
+  __m512i weight[4];
+  __m512 d;
+  __m128 mins = _mm_setzero_ps();
+  group_weights<kType, kFull>(row + 4 * group * block_bytes, num_valid, weight, &d, &mins);
+  const int16_t* const group_quants = x_quants + group * m * 128;
+  const float* const group_scales = x_scales + group * m * 16;
+  const float* const group_sums = x_sums + group * m * 4;
+  for (int r = 0; r < kInputs; ++r) {
+    const __m512 dot = _mm512_cvtepi32_ps(group_dot(weight, group_quants + r * 128));
+    acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(group_scales + r * 16)), acc[r]);
+    if constexpr (kType == kGgmlQ4_1) offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(group_sums + r * 4), offsets[r]);
+  }
+}
+
+// Every group of kColumns consecutive weight rows from `row` (whole groups with plain loads, a last partial one
+// masked), group after group; weight row c's input row r accumulates into acc[c * kInputs + r].
+template <int64_t kType, int kInputs, int kColumns>
+__attribute__((always_inline)) inline void row_products(const GgufLinearCall::State& s, const uint8_t* row,
+                                                        const int16_t* x_quants, const float* x_scales,
+                                                        const float* x_sums, __m512* acc, __m128* offsets) {
+  const int64_t num_blocks = s.k / kQuantBlock, num_full = num_blocks / 4;
+  for (int64_t group = 0; group < num_full; ++group)
+    for (int c = 0; c < kColumns; ++c)
+      group_products<kType, kInputs, true>(row + c * s.row_bytes, group, 4, s.format.bytes, s.m, x_quants, x_scales,
+                                           x_sums, acc + c * kInputs, offsets + c * kInputs);
+  if (num_full < s.num_groups)
+    for (int c = 0; c < kColumns; ++c)
+      group_products<kType, kInputs, false>(row + c * s.row_bytes, num_full, static_cast<int>(num_blocks - 4 * num_full),
+                                            s.format.bytes, s.m, x_quants, x_scales, x_sums, acc + c * kInputs,
+                                            offsets + c * kInputs);
+}
+
 template <int64_t kType, int kInputs>
 void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
-  const int64_t num_blocks = s.k / kQuantBlock, block_bytes = s.format.bytes, num_groups = s.num_groups;
   // Locals, so the stores to y do not make the compiler reload them; group g's row r is at index g * M + r.
-  const int64_t m = s.m;
   const int16_t* const x_quants = s.x_group_quants.data() + first_input * 128;
   const float* const x_scales = s.x_group_scales.data() + first_input * 16;
   const float* const x_sums = s.x_group_sums.data() + first_input * 4;
-  for (int64_t column = first_column; column < end_column; ++column) {
-    const uint8_t* row = s.weight + column * s.row_bytes;
+  int64_t column = first_column;
+  if constexpr (kInputs == 1) {
+    // One input row: four weight rows at a time (four independent accumulators; their lane sums four at once).
+    for (; column + 4 <= end_column; column += 4) {
+      __m512 acc[4];
+      __m128 offsets[4];
+      for (int c = 0; c < 4; ++c) {
+        acc[c] = _mm512_setzero_ps();
+        offsets[c] = _mm_setzero_ps();
+      }
+      row_products<kType, 1, 4>(s, s.weight + column * s.row_bytes, x_quants, x_scales, x_sums, acc, offsets);
+      __m128 sums = sum_lanes_of_four(acc);
+      if constexpr (kType == kGgmlQ4_1) sums = _mm_add_ps(sums, sum_offsets_of_four(offsets));
+      const __m128 bias = s.bias != nullptr ? _mm_loadu_ps(s.bias + column) : _mm_setzero_ps();
+      _mm_storeu_ps(s.y + first_input * s.n + column, _mm_add_ps(sums, bias));
+    }
+  }
+  for (; column < end_column; ++column) {
     __m512 acc[kInputs];
     __m128 offsets[kInputs];
     for (int r = 0; r < kInputs; ++r) {
       acc[r] = _mm512_setzero_ps();
       offsets[r] = _mm_setzero_ps();
     }
-    for (int64_t group = 0; group < num_groups; ++group) {
-      const int num_valid = static_cast<int>(std::min<int64_t>(4, num_blocks - 4 * group));
-      __m512i weight[4];
-      __m512 d;
-      __m128 mins = _mm_setzero_ps();
-      group_weights<kType>(row + 4 * group * block_bytes, num_valid, weight, &d, &mins);
-      const int16_t* const group_quants = x_quants + group * m * 128;
-      const float* const group_scales = x_scales + group * m * 16;
-      const float* const group_sums = x_sums + group * m * 4;
-      for (int r = 0; r < kInputs; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(group_dot(weight, group_quants + r * 128));
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(group_scales + r * 16)), acc[r]);
-        if constexpr (kType == kGgmlQ4_1) offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(group_sums + r * 4), offsets[r]);
-      }
-    }
+    row_products<kType, kInputs, 1>(s, s.weight + column * s.row_bytes, x_quants, x_scales, x_sums, acc, offsets);
     const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
     for (int r = 0; r < kInputs; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if constexpr (kType == kGgmlQ4_1) {
-        const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
-        sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-      }
+      float sum = sum_lanes_in_order(acc[r]);
+      if constexpr (kType == kGgmlQ4_1) sum += sum_offsets(offsets[r]);
       s.y[(first_input + r) * s.n + column] = sum + bias;
     }
   }
@@ -927,15 +1008,15 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
 
 }  // namespace amx_unit
 
-// One A tile of x (input rows [first_input, first_input + rows), rows <= 16) against a decoded 16-column unit:
-// block by block, the two tile products into one of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones,
-// so a block's products need not wait for the previous block's sums to leave the tiles), then the epilogue.
-// kRows > 0: that many rows, the accumulators in registers; kRows == 0: `rows` rows (a short last tile).
+// One A tile of x (input rows [first_input, first_input + kRows), kRows <= 16, a compile-time count so the
+// accumulators stay in registers) against a decoded 16-column unit: block by block, the two tile products into one
+// of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones), then the epilogue. Software-pipelined: the
+// next block's products are issued before this block's sums are stored and scaled, so the tile unit works while
+// the vector unit runs the epilogue (the epilogues still run block after block, in order).
 template <int64_t kType, int kRows>
 inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
-                         int64_t first_input, int64_t rows, __m512 (&acc)[kAmxTileRows]) {
+                         int64_t first_input, __m512 (&acc)[kAmxTileRows]) {
   const int64_t num_blocks = s.k / kQuantBlock, k = s.k;
-  const int64_t num_rows = kRows > 0 ? kRows : rows;
   alignas(64) int32_t sums[2][2][kAmxTileRows * 16];
   // This tile's rows, block after block: 64 bytes per row (high bytes, then low bytes).
   const uint8_t* x = s.x_tiles.data() + first_input * k * 2;
@@ -947,7 +1028,7 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
     const __m512 d = _mm512_loadu_ps(d_w + block * 16);
     const __m512 m = kType == kGgmlQ4_1 ? _mm512_loadu_ps(m_w + block * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-    for (int64_t r = 0; r < num_rows; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + 16 * r), 8),
                                            _mm512_load_si512(low + 16 * r));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * num_blocks + block])),
@@ -955,8 +1036,8 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
       if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
     }
   };
-  for (int64_t block = 0; block < num_blocks; block += 2) {
-    const bool has_odd = block + 1 < num_blocks;  // K's last block may be alone
+  // The tile numbers are literals (the intrinsics take immediates): one function per pair.
+  const auto even_products = [&](int64_t block) {
     _tile_loadd(0, x + block * block_bytes, kRowBytes);
     _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
     _tile_loadd(2, tiles + block * 512, 64);
@@ -964,24 +1045,40 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
     _tile_zero(4);
     _tile_dpbssd(3, 0, 2);
     _tile_dpbusd(4, 1, 2);
-    if (has_odd) {
-      _tile_loadd(0, x + (block + 1) * block_bytes, kRowBytes);
-      _tile_loadd(1, x + (block + 1) * block_bytes + kQuantBlock, kRowBytes);
-      _tile_loadd(7, tiles + (block + 1) * 512, 64);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_dpbssd(5, 0, 7);
-      _tile_dpbusd(6, 1, 7);
-    }
+  };
+  const auto odd_products = [&](int64_t block) {
+    _tile_loadd(0, x + block * block_bytes, kRowBytes);
+    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
+    _tile_loadd(7, tiles + block * 512, 64);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_dpbssd(5, 0, 7);
+    _tile_dpbusd(6, 1, 7);
+  };
+  even_products(0);
+  for (int64_t block = 0; block < num_blocks; block += 2) {
+    const bool has_odd = block + 1 < num_blocks;  // K's last block may be alone
+    if (has_odd) odd_products(block + 1);
     _tile_stored(3, sums[0][0], 64);
     _tile_stored(4, sums[0][1], 64);
+    if (block + 2 < num_blocks) even_products(block + 2);
+    epilogue(block, sums[0][0], sums[0][1]);
     if (has_odd) {
       _tile_stored(5, sums[1][0], 64);
       _tile_stored(6, sums[1][1], 64);
+      epilogue(block + 1, sums[1][0], sums[1][1]);
     }
-    epilogue(block, sums[0][0], sums[0][1]);
-    if (has_odd) epilogue(block + 1, sums[1][0], sums[1][1]);
   }
+}
+
+// run_amx_tile with kRows = `rows` (1 .. 16), chosen at run time.
+template <int64_t kType, int kRows = 1>
+inline void run_amx_tile_rows(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
+                              int64_t first_input, int64_t rows, __m512 (&acc)[kAmxTileRows]) {
+  if constexpr (kRows < kAmxTileRows) {
+    if (rows != kRows) return run_amx_tile_rows<kType, kRows + 1>(s, tiles, d_w, m_w, first_input, rows, acc);
+  }
+  run_amx_tile<kType, kRows>(s, tiles, d_w, m_w, first_input, acc);
 }
 
 template <int64_t kType>
@@ -1010,12 +1107,8 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
       const int64_t num_inputs = std::min<int64_t>(s.tile_rows, s.m - first_input);
       __m512 acc[kAmxTileRows];
       for (int64_t r = 0; r < kAmxTileRows; ++r) acc[r] = _mm512_setzero_ps();
-      // Full tiles (every tile once M > 16: x is padded to whole tiles) unrolled with their sums in registers.
-      if (s.tile_rows == kAmxTileRows) {
-        run_amx_tile<kType, kAmxTileRows>(s, tiles, d_w, m_w, first_input, kAmxTileRows, acc);
-      } else {
-        run_amx_tile<kType, 0>(s, tiles, d_w, m_w, first_input, s.tile_rows, acc);
-      }
+      // Every tile has tile_rows rows (x is padded to whole tiles once M > 16).
+      run_amx_tile_rows<kType>(s, tiles, d_w, m_w, first_input, s.tile_rows, acc);
       for (int64_t r = 0; r < num_inputs; ++r)
         _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
     }
