@@ -4,7 +4,9 @@ the copy-heavy workload one prompt at a time with ngram speculation (issue #29).
 Reported per kind of call: count, total and mean milliseconds. `forward[N]` is a target forward over N tokens
 (N = K + 1: a verification; larger: a prefill), `greedy_decode` a plain decode step on the native stack (LM head
 and argmax included), `verify` the verification after the forward (LM head over the scored positions and the
-greedy rule or the rejection sampler), `propose` the next drafts. A benchmark, not a test: numbers move with the
+greedy rule or the rejection sampler), `greedy_targets[N]` a plain greedy verification of N tokens on the native
+decode stack (the layers and the LM head's argmax in one call) and `verify_targets` its greedy rule, `propose` the
+next drafts. A benchmark, not a test: numbers move with the
 machine.
 
     python benchmarks/spec_decode_step_times.py [--num-prompts 4] [--num-speculative-tokens 4]
@@ -55,6 +57,9 @@ def main() -> None:
     if runner.greedy_decode is not None:
         timed(runner, "greedy_decode", lambda call_args: "greedy_decode")
     timed(runner.speculator, "verify", lambda call_args: "verify")
+    if runner.greedy_targets is not None:
+        timed(runner, "greedy_targets", lambda call_args: f"greedy_targets[{call_args[0].shape[0]}]")
+        timed(runner.speculator, "verify_targets", lambda call_args: "verify_targets")
     timed(runner.speculator, "propose", lambda call_args: "propose")
     with open(WORKLOAD) as handle:
         prompts = load_prompts(llm, json.load(handle))[:args.num_prompts]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from pagedserve import LLM, SamplingParams
 
 
@@ -56,3 +59,20 @@ def greedy_outputs_with_logprobs(llm: LLM, prompts: list[list[int]], num_steps: 
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     return [(o.outputs[0].token_ids, [sorted((token, entry.logprob) for token, entry in step.items())
                                       for step in (o.outputs[0].logprobs or [])]) for o in outputs]
+
+
+def count_stack_verifications(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by each step the decode stack verifies (greedy_targets returned ids): its number of rows."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    original = runner.greedy_targets
+    assert original is not None, "the runner does not verify on the native decode stack"
+    taken: list[int] = []
+
+    def counted(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        token_ids = original(input_ids, positions)
+        if token_ids is not None:
+            taken.append(int(token_ids.numel()))
+        return token_ids
+
+    monkeypatch.setattr(runner, "greedy_targets", counted)
+    return taken

@@ -12,7 +12,9 @@ team for each op (decode_stack.cpp run_layers_in_one_region). When the step's re
 greedily with nothing else asked, the runner takes `greedy_rows` instead (`decode_rows_greedy`): one call
 reads the step's inputs from the runner's persistent batch, runs the layers and the LM head's greedy pick in the
 same region (bfloat16: amx_linear_first_argmax's units, sample/fused_greedy_head.py; float32: the head's
-small_batch_linear units and the greedy sampler's argmax), and appends the tokens to the batch.
+small_batch_linear units and the greedy sampler's argmax), and appends the tokens to the batch. A greedy
+verification of drafts (every token of the step a decode row) takes `greedy_targets`: the layers and the head's
+pick of every row in one call (`llama_decode_stack_greedy`), the acceptance then in the speculator.
 After the ~275 MB weight stream of a batch-1 step every line of Python runs with cold caches (Zen 4 VM: the runner's
 and engine's per-step Python took ~90 us warm, ~650 us after the stream), so the step's inputs, attention metadata,
 sampler and append are not built in Python at all.
@@ -362,6 +364,7 @@ class NativeDecodeForward:
         self.plan: NativeDecodeStackPlan | None = plan
         self.fallback = fallback
         self.op = torch.ops.pagedserve.llama_decode_stack.default
+        self.greedy_op = torch.ops.pagedserve.llama_decode_stack_greedy.default
         # greedy_rows' step, the library's Python binding: the plan by handle, rows and tokens as lists.
         self.decode_rows_greedy = native_module().decode_rows_greedy
         # The runner's persistent batch as greedy_rows hands it to the plan (bind_batch).
@@ -419,6 +422,21 @@ class NativeDecodeForward:
         hidden_states = self.op(*arguments)
         self.num_stack_steps += 1
         return hidden_states
+
+    def greedy_targets(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The step's forward (every token a decode row, as __call__ takes it) and the LM head's greedy pick of every
+        row: int64 [num tokens], first_argmax of the module path's logits bit for bit. None, with nothing run, when
+        the stack does not take the step, the plan has no head, or a float32 step is too large for the one region
+        (the caller then runs the forward and the head itself)."""
+        arguments = self._stack_arguments(input_ids, positions)
+        if arguments is None or self.plan is None or self.plan.greedy_head is None:
+            return None
+        token_ids = self.greedy_op(*arguments)
+        if token_ids.numel() == 0:
+            return None
+        self.num_stack_steps += 1
+        self.num_greedy_steps += 1
+        return token_ids
 
     def bind_batch(self, batch: InputBatch) -> None:
         """Share the runner's persistent batch arrays (their memory) with greedy_rows' op."""

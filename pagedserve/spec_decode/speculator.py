@@ -59,6 +59,20 @@ class VerifiedTokens:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
+@dataclass
+class ScoredPositions:
+    """A verification step's sampled requests and the positions it scores: each request's last len(drafts) + 1
+    tokens of the step, in order."""
+
+    request_indices: list[int]  # indices into the step's request_ids
+    states: list[RequestState]
+    draft_lists: list[list[int]]  # each request's scheduled drafts
+    offsets: np.ndarray  # [B + 1]: request b's positions are [offsets[b], offsets[b + 1])
+    position_requests: np.ndarray  # per position: its request (0 .. B - 1)
+    within: np.ndarray  # per position: its index within its request's positions
+    token_rows: np.ndarray  # per position: its row among the step's tokens (hidden states, logits)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, vocab_size: int, max_model_len: int, max_num_batched_tokens: int,
                  block_size: int, device: torch.device,
@@ -136,19 +150,12 @@ class Speculator:
         `grammar_bitmask` (structured outputs): the constrained requests' allowed tokens at each scored position;
         their logits are masked before verification, so a draft the grammar forbids is rejected and the token
         emitted in its place is one the grammar allows."""
-        request_indices = step.is_sampled.nonzero()[0].tolist()
-        states = [batch.requests[step.request_ids[i]] for i in request_indices]
-        draft_lists = [scheduled_spec_decode_tokens.get(state.request_id, []) for state in states]
-        num_drafts = np.array([len(drafts) for drafts in draft_lists], dtype=np.int64)
-        # Scored positions: each request's last len(drafts) + 1 tokens of the step, in order.
-        ends = step.query_start_loc[1:][request_indices]
-        num_positions = num_drafts + 1
-        offsets = np.zeros(len(states) + 1, dtype=np.int64)
-        np.cumsum(num_positions, out=offsets[1:])
-        position_requests = np.repeat(np.arange(len(states)), num_positions)
-        within = np.arange(int(offsets[-1])) - offsets[:-1][position_requests]
-        logits_indices = ends[position_requests] - num_positions[position_requests] + within
-        scored = hidden_states[torch.from_numpy(logits_indices).to(hidden_states.device)]
+        positions = self._scored_positions(step, batch, scheduled_spec_decode_tokens)
+        request_indices, states, draft_lists, offsets = \
+            positions.request_indices, positions.states, positions.draft_lists, positions.offsets
+        position_requests, within = positions.position_requests, positions.within
+        num_drafts = np.diff(offsets) - 1
+        scored = hidden_states[torch.from_numpy(positions.token_rows).to(hidden_states.device)]
         masked_logits = None
         if grammar_bitmask is not None:
             masked_logits = compute_logits(scored)
@@ -190,12 +197,46 @@ class Speculator:
         self._add_logprobs(verified, states, logits, offsets, token_ids)
         return verified
 
+    @staticmethod
+    def _scored_positions(step: StepInputs, batch: InputBatch,
+                          scheduled_spec_decode_tokens: dict[str, list[int]]) -> ScoredPositions:
+        """The step's sampled requests and their scored positions: each request's last len(drafts) + 1 tokens of
+        the step, in order."""
+        request_indices = step.is_sampled.nonzero()[0].tolist()
+        states = [batch.requests[step.request_ids[i]] for i in request_indices]
+        draft_lists = [scheduled_spec_decode_tokens.get(state.request_id, []) for state in states]
+        num_positions = np.array([len(drafts) + 1 for drafts in draft_lists], dtype=np.int64)
+        ends = step.query_start_loc[1:][request_indices]
+        offsets = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_positions, out=offsets[1:])
+        position_requests = np.repeat(np.arange(len(states)), num_positions)
+        within = np.arange(int(offsets[-1])) - offsets[:-1][position_requests]
+        token_rows = ends[position_requests] - num_positions[position_requests] + within
+        return ScoredPositions(request_indices, states, draft_lists, offsets, position_requests, within, token_rows)
+
+    def can_verify_from_targets(self, step: StepInputs, batch: InputBatch) -> bool:
+        """Whether verify_targets can take this step: every sampled request is plain greedy and no drafter reads
+        the target's hidden states (observe_forward), so the target's argmax at each position is all it needs."""
+        return self.hidden_state_proposer is None and all(
+            _is_plain_greedy(batch.requests[step.request_ids[i]].sampling_params)
+            for i in step.is_sampled.nonzero()[0].tolist())
+
+    def verify_targets(self, step: StepInputs, target_ids: torch.Tensor, batch: InputBatch,
+                       scheduled_spec_decode_tokens: dict[str, list[int]]) -> VerifiedTokens:
+        """verify's greedy rule from the target's argmax at every token of the step ([num tokens], e.g. the
+        native decode stack's head; can_verify_from_targets held): the same tokens verify emits and appends."""
+        positions = self._scored_positions(step, batch, scheduled_spec_decode_tokens)
+        token_ids = self._accept_greedy(target_ids[torch.from_numpy(positions.token_rows)].tolist(),
+                                        positions.draft_lists, positions.offsets)
+        for state, emitted in zip(positions.states, token_ids):
+            batch.extend_tokens(state.row, int(batch.num_tokens[state.row]), emitted)
+        return VerifiedTokens(request_indices=positions.request_indices, token_ids=token_ids)
+
     def _verify_greedy(self, scored: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                        draft_lists: list[list[int]], offsets: np.ndarray,
                        logits: torch.Tensor | None = None) -> list[list[int]]:
         """Greedy verification when every request samples greedily and asks for nothing else: the target's argmax
-        at each scored position (the sampler's pick; fused into the LM head where it can be), each request's drafts
-        accepted while they equal it, then the argmax where they stop (the rejection sampler's greedy rule).
+        at each scored position (the sampler's pick; fused into the LM head where it can be), then _accept_greedy.
         `logits`: the scored positions' logits when already computed (masked by a grammar)."""
         if logits is not None:
             targets = first_argmax(logits)
@@ -204,7 +245,12 @@ class Speculator:
             targets = None if lm_head is None else head_first_argmax(lm_head, scored)
             if targets is None:
                 targets = first_argmax(compute_logits(scored))
-        target_ids = targets.tolist()
+        return self._accept_greedy(targets.tolist(), draft_lists, offsets)
+
+    @staticmethod
+    def _accept_greedy(target_ids: list[int], draft_lists: list[list[int]], offsets: np.ndarray) -> list[list[int]]:
+        """Each request's drafts accepted while they equal the target's argmax at their position, then the argmax
+        where they stop (the rejection sampler's greedy rule). target_ids: the argmax at every scored position."""
         token_ids = []
         for start, drafts in zip(offsets[:-1].tolist(), draft_lists):
             num_accepted = 0

@@ -40,7 +40,7 @@ from pagedserve.worker.pipeline_stage_forward import build_stage_forward
 
 if TYPE_CHECKING:  # imported only when speculation / sparse KV offload is on
     from pagedserve.sparse_kv_offload.offload_manager import SparseKVOffload
-    from pagedserve.spec_decode.speculator import Speculator
+    from pagedserve.spec_decode.speculator import Speculator, VerifiedTokens
 
 
 class ModelRunner:
@@ -103,6 +103,11 @@ class ModelRunner:
         # as_decode_rows), instead of the modules' multi-token path (benchmarks/README.md, speculative decoding).
         self.verifies_as_decode_rows = self.speculator is not None and isinstance(self.forward, NativeDecodeForward)
         self.max_verify_tokens = 1 + (config.speculative_config.num_speculative_tokens or 0)
+        # Greedy verifications of such steps: the layers and the LM head's argmax of every token in one native call.
+        self.greedy_targets: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+        if self.verifies_as_decode_rows and self.fused_greedy_sample.is_enabled \
+                and not config.speculative_config.reads_target_hidden_states:
+            self.greedy_targets = self.forward.greedy_targets
         # Sparse KV offload (sparse_kv_offload/): set by the worker when on; told each step's requests.
         self.kv_offload: SparseKVOffload | None = None
         # A layer-wise KV connector's save_kv_layer (the worker sets it; None: no connector saves per layer).
@@ -148,14 +153,22 @@ class ModelRunner:
                 return output
         step = self._prepare_inputs(scheduler_output)
         attention_step = step
+        verifies_on_stack = False
         if self.verifies_as_decode_rows and scheduler_output.scheduled_spec_decode_tokens \
                 and int(step.num_scheduled.max()) <= self.max_verify_tokens:
-            # A verification step (no prefill chunk): the native decode stack takes its tokens as decode rows.
+            # A verification step (no prefill chunk): the native decode stack takes its tokens as decode rows, and
+            # with the LM head's argmax of every row when that is all the verification reads.
             attention_step = as_decode_rows(step)
+            assert self.speculator is not None
+            verifies_on_stack = self.greedy_targets is not None and grammar_bitmask is None \
+                and not self.input_batch.num_prompt_logprobs_requests \
+                and self.speculator.can_verify_from_targets(step, self.input_batch)
         metadata = self._build_attention_metadata(attention_step)
         if self.kv_offload is not None:
             self.kv_offload.begin_step(attention_step.request_ids, attention_step.num_scheduled)
         with set_forward_context(metadata, self.kv_layer_saver):
+            if verifies_on_stack and (output := self._verify_on_stack(scheduler_output, step)) is not None:
+                return output
             hidden_states = self.forward(step.input_ids, step.positions)
         if hidden_states is None:  # a pipeline stage before the last: the last stage samples
             return ModelRunnerOutput(request_ids=step.request_ids,
@@ -213,14 +226,28 @@ class ModelRunner:
         verified = self.speculator.verify(step, hidden_states, self.input_batch,
                                           scheduler_output.scheduled_spec_decode_tokens, self.generators,
                                           self.model.compute_logits, scheduler_output.grammar_bitmask)
-        sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
-        for index, token_ids in zip(verified.request_indices, verified.token_ids):
-            sampled_token_ids[index] = token_ids
-        output = ModelRunnerOutput(request_ids=step.request_ids, sampled_token_ids=sampled_token_ids,
-                                   logprobs=verified.logprobs)
+        output = self._verified_output(step, verified)
         if self.input_batch.num_prompt_logprobs_requests:
             self._compute_prompt_logprobs(step, hidden_states, output)
         return output
+
+    def _verify_on_stack(self, scheduler_output: SchedulerOutput, step: StepInputs) -> ModelRunnerOutput | None:
+        """A greedy verification as one native call: the layers and the LM head's argmax of every token on the decode
+        stack, then the speculator's greedy rule. None, with nothing run, when the stack does not take the step."""
+        assert self.greedy_targets is not None and self.speculator is not None
+        target_ids = self.greedy_targets(step.input_ids, step.positions)
+        if target_ids is None:
+            return None
+        return self._verified_output(step, self.speculator.verify_targets(
+            step, target_ids, self.input_batch, scheduler_output.scheduled_spec_decode_tokens))
+
+    @staticmethod
+    def _verified_output(step: StepInputs, verified: VerifiedTokens) -> ModelRunnerOutput:
+        sampled_token_ids: list[list[int]] = [[] for _ in step.request_ids]
+        for index, token_ids in zip(verified.request_indices, verified.token_ids):
+            sampled_token_ids[index] = token_ids
+        return ModelRunnerOutput(request_ids=step.request_ids, sampled_token_ids=sampled_token_ids,
+                                 logprobs=verified.logprobs)
 
     def _greedy_decode_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """A step in which every request decodes one token and samples it greedily with nothing else asked (no

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from native_marks import NEEDS_GGUF_KERNELS
-from generation_helpers import greedy_outputs_with_logprobs, model_runner_forward
+from generation_helpers import count_stack_verifications, greedy_outputs_with_logprobs, model_runner_forward
 
 from pagedserve import LLM
 from pagedserve.layers.gguf_linear import gguf_linear_products
@@ -82,6 +82,22 @@ def test_greedy_steps_sample_on_the_quantized_head_in_the_stack(gguf_files, name
     assert forward.num_greedy_steps == NUM_STEPS - 1
     assert greedy == greedy_outputs_with_logprobs(_llm(gguf_files[name], native_decode_stack=False), prompts,
                                                   NUM_STEPS)
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
+def test_greedy_verification_on_the_quantized_head_in_the_stack(gguf_files, monkeypatch, name: str) -> None:
+    """ngram drafts verified on the stack (layers and head in one call, K + 1 rows per request) give the tokens of
+    the modules' verification and of plain decoding."""
+    base = random_prompts(3, 4, 10, seed=9)
+    prompts = [p + p + p[:2] for p in base]  # prompt lookup finds drafts
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = _llm(gguf_files[name], speculative_config=config)
+    taken = count_stack_verifications(llm, monkeypatch)
+    speculative = greedy_outputs_with_logprobs(llm, prompts, NUM_STEPS)
+    assert taken and max(taken) > len(prompts)  # steps with drafts: more rows than requests
+    modules = _llm(gguf_files[name], native_decode_stack=False, speculative_config=config)
+    assert speculative == greedy_outputs_with_logprobs(modules, prompts, NUM_STEPS) \
+        == greedy_outputs_with_logprobs(_llm(gguf_files[name], native_decode_stack=False), prompts, NUM_STEPS)
 
 
 def test_bfloat16_gguf_model_keeps_the_modules(gguf_files) -> None:

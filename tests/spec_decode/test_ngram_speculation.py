@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from generation_helpers import generated_token_ids, random_prompts
+from generation_helpers import count_stack_verifications, generated_token_ids, random_prompts
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.metrics_reader import Counter, Vector
 
@@ -73,6 +73,24 @@ def test_greedy_equal_under_chunked_prefill_preemption_and_prefix_cache(folder, 
     # Prefix cache hits on the second pass read KV written by verification steps.
     assert generated_token_ids(llm, prompts, GREEDY) == reference["repetitive"]
     assert llm.llm_engine.engine_core.make_stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+def test_greedy_verification_runs_on_the_decode_stack(folder, reference, monkeypatch) -> None:
+    """Plain greedy verifications run as one native call (the layers and the LM head's argmax of every token:
+    NativeDecodeForward.greedy_targets) with the same tokens as without speculation and as the modules' verification
+    (native_decode_stack=False); a request asking for logprobs keeps the modules' verification."""
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(3))
+    taken = count_stack_verifications(llm, monkeypatch)
+    prompts = _repetitive_prompts(4, seed=3)
+    assert generated_token_ids(llm, prompts, GREEDY) == reference["repetitive"]
+    assert taken and max(taken) > len(prompts)  # steps with drafts: more rows than requests
+    modules = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(3),
+                  native_decode_stack=False)
+    assert generated_token_ids(modules, prompts, GREEDY) == reference["repetitive"]
+    taken.clear()
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    assert generated_token_ids(llm, prompts[:1], with_logprobs) == reference["repetitive"][:1]
+    assert taken == []
 
 
 def test_limits_stop_and_logprobs(folder) -> None:

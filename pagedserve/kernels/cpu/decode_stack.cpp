@@ -26,6 +26,9 @@
 //       num_one_region_steps() counts the steps that ran in one region
 //   llama_decode_stack(plan, input_ids [M] int64, positions [M] int64, block_table [M, B] int32, seq_lens [M] int32,
 //       slot_mapping [M] int64, max_positions (RotaryEmbedding.max_positions)) -> the final norm's output [M, H]
+//   llama_decode_stack_greedy(the same arguments) -> the LM head's greedy pick of every row [M] int64 (empty, nothing
+//       run, when the plan has no head or a float32 step would not take its one region): a greedy verification of
+//       drafts, every token of the step a row (spec_decode/speculator.py verify_targets)
 //   decode_rows_greedy(handle, rows, max_positions, allowed) -> token ids (the Python binding at the end of this file; the
 //       plan by DecodeStackPlan.handle(), rows and tokens as lists): a decode step of rows `rows` of the runner's
 //       persistent batch (DecodeStackPlan.bind_batch: worker/input_batch.py's arrays), its
@@ -922,6 +925,15 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
 
 // llama_decode_stack's and decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
 // head's first argmax of every row.
+// Whether a step runs its layers in one parallel region (run_layers_in_one_region), else op by op.
+bool takes_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
+  const at::Tensor& input_ids = step.input_ids;
+  const at::Tensor& slot_mapping = step.slot_mapping;
+  return input_ids.size(0) <= plan.one_region_rows_limit() && input_ids.scalar_type() == at::kLong &&
+         input_ids.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+         slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
+}
+
 at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t max_positions, bool is_greedy) {
   const at::Tensor& input_ids = step.input_ids;
   const at::Tensor& positions = step.positions;
@@ -941,12 +953,7 @@ at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t ma
   // The ops below need no autograd (inference): skip the autograd and view-tracking layers of each dispatch.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 
-  const at::Tensor& slot_mapping = step.slot_mapping;
-  const bool is_one_region = input_ids.size(0) <= plan.one_region_rows_limit() &&
-                             input_ids.scalar_type() == at::kLong && input_ids.is_contiguous() &&
-                             slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
-                             slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
-  if (is_one_region) {
+  if (takes_one_region(plan, step)) {
     // The head joins the region, in bfloat16 when its call reads x only as its units run.
     const bool is_greedy_in_region =
         is_greedy && (!plan.is_bfloat16_region() ||
@@ -972,6 +979,20 @@ at::Tensor llama_decode_stack(const c10::intrusive_ptr<DecodeStackPlan>& plan, c
                               const at::Tensor& slot_mapping, int64_t max_positions) {
   return decode_step(*plan, StepInputs{input_ids, positions, block_table, seq_lens, slot_mapping}, max_positions,
                      false);
+}
+
+// llama_decode_stack with the LM head's greedy pick of every row (a greedy verification of drafts, each token a
+// row): the token ids [M], or an empty tensor, with nothing run, when the plan has no head or a float32 step would
+// not take its one region (the float32 head samples only there).
+at::Tensor llama_decode_stack_greedy(const c10::intrusive_ptr<DecodeStackPlan>& plan, const at::Tensor& input_ids,
+                                     const at::Tensor& positions, const at::Tensor& block_table,
+                                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                                     int64_t max_positions) {
+  const StepInputs step{input_ids, positions, block_table, seq_lens, slot_mapping};
+  if (input_ids.dim() != 1 || !plan->can_sample_greedy(input_ids.size(0)) ||
+      !(plan->is_bfloat16_region() || takes_one_region(*plan, step)))
+    return at::empty({0}, at::TensorOptions().dtype(at::kLong));
+  return decode_step(*plan, step, max_positions, true);
 }
 
 // The runner's greedy decode step of rows `rows` of the bound batch (see the header): each row's inputs are its
@@ -1068,10 +1089,14 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "llama_decode_stack(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
       "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
+  m.def(
+      "llama_decode_stack_greedy(__torch__.torch.classes.pagedserve.DecodeStackPlan plan, Tensor input_ids, "
+      "Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping, int max_positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("llama_decode_stack", &llama_decode_stack);
+  m.impl("llama_decode_stack_greedy", &llama_decode_stack_greedy);
 }
 
 // The library is also a Python module (cpu_library.native_module()): calls that a batch-1 decode step makes
