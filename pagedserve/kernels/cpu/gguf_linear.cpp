@@ -256,12 +256,33 @@ constexpr int kQuantBlock = 32;
 // x's quants span [-kQuantMax, kQuantMax] (int16: a product error ~1e-5 of the float one).
 constexpr float kQuantMax = 32767.0f;
 
+// The largest |value| of a 32-value block. A maximum is exact in any order; a NaN value is skipped, as
+// std::max(absmax, NaN) skips it (MAXPS returns its second operand when either is NaN).
+inline float block_absmax(const float* values) {
+#if defined(PAGEDSERVE_GGUF_AVX512)
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512 low = _mm512_andnot_ps(sign, _mm512_loadu_ps(values));
+  const __m512 high = _mm512_andnot_ps(sign, _mm512_loadu_ps(values + 16));
+  return _mm512_reduce_max_ps(_mm512_max_ps(high, _mm512_max_ps(low, _mm512_setzero_ps())));
+#elif defined(PAGEDSERVE_GGUF_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 absmax = _mm256_setzero_ps();
+  for (int i = 0; i < kQuantBlock; i += 8) absmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(values + i)), absmax);
+  __m128 four = _mm_max_ps(_mm256_castps256_ps128(absmax), _mm256_extractf128_ps(absmax, 1));
+  four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+#else
+  float absmax = 0.0f;
+  for (int i = 0; i < kQuantBlock; ++i) absmax = std::max(absmax, std::fabs(values[i]));
+  return absmax;
+#endif
+}
+
 void quantize_row_of_x(const float* x, int64_t k, int16_t* quants, float* scales, float* sums) {
   for (int64_t block = 0; block < k / kQuantBlock; ++block) {
     const float* values = x + block * kQuantBlock;
     int16_t* q = quants + block * kQuantBlock;
-    float absmax = 0.0f;
-    for (int i = 0; i < kQuantBlock; ++i) absmax = std::max(absmax, std::fabs(values[i]));
+    const float absmax = block_absmax(values);
     const float d = absmax / kQuantMax, inverse = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < kQuantBlock; ++i) {
