@@ -75,21 +75,24 @@ def test_greedy_equal_under_chunked_prefill_preemption_and_prefix_cache(folder, 
     assert llm.llm_engine.engine_core.make_stats().prefix_cache_hits > stats.prefix_cache_hits
 
 
-def test_greedy_verification_runs_on_the_decode_stack(folder, reference, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_verification_runs_on_the_decode_stack(folder, reference, monkeypatch, dtype: str) -> None:
     """Plain greedy verifications run as one native call (the layers and the LM head's argmax of every token:
     NativeDecodeForward.greedy_targets) with the same tokens as without speculation and as the modules' verification
     (native_decode_stack=False); a request asking for logprobs keeps the modules' verification."""
-    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(3))
-    taken = count_stack_verifications(llm, monkeypatch)
     prompts = _repetitive_prompts(4, seed=3)
-    assert generated_token_ids(llm, prompts, GREEDY) == reference["repetitive"]
+    options = dict(dtype=dtype, max_model_len=256, num_kv_blocks=256)
+    expected = reference["repetitive"] if dtype == "float32" else \
+        generated_token_ids(LLM(folder, **options), prompts, GREEDY)
+    llm = LLM(folder, **options, speculative_config=_ngram(3))
+    taken = count_stack_verifications(llm, monkeypatch)
+    assert generated_token_ids(llm, prompts, GREEDY) == expected
     assert taken and max(taken) > len(prompts)  # steps with drafts: more rows than requests
-    modules = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_ngram(3),
-                  native_decode_stack=False)
-    assert generated_token_ids(modules, prompts, GREEDY) == reference["repetitive"]
+    modules = LLM(folder, **options, speculative_config=_ngram(3), native_decode_stack=False)
+    assert generated_token_ids(modules, prompts, GREEDY) == expected
     taken.clear()
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    assert generated_token_ids(llm, prompts[:1], with_logprobs) == reference["repetitive"][:1]
+    assert generated_token_ids(llm, prompts[:1], with_logprobs) == expected[:1]
     assert taken == []
 
 

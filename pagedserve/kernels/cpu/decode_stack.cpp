@@ -923,8 +923,6 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
   return token_ids;
 }
 
-// llama_decode_stack's and decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
-// head's first argmax of every row.
 // Whether a step runs its layers in one parallel region (run_layers_in_one_region), else op by op.
 bool takes_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
   const at::Tensor& input_ids = step.input_ids;
@@ -934,6 +932,8 @@ bool takes_one_region(const DecodeStackPlan& plan, const StepInputs& step) {
          slot_mapping.size(0) == input_ids.size(0) && !omp_in_parallel();
 }
 
+// llama_decode_stack's and decode_rows_greedy's step: the final norm's output, or with `is_greedy` the
+// head's first argmax of every row.
 at::Tensor decode_step(DecodeStackPlan& plan, const StepInputs& step, int64_t max_positions, bool is_greedy) {
   const at::Tensor& input_ids = step.input_ids;
   const at::Tensor& positions = step.positions;

@@ -857,8 +857,8 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
   const int16_t* const x_quants = s.x_group_quants.data() + first_input * 128;
   const float* const x_scales = s.x_group_scales.data() + first_input * 16;
   const float* const x_sums = s.x_group_sums.data() + first_input * 4;
-  // One weight row at a time, front to back: interleaving four rows' groups (four accumulators) cost less
-  // arithmetic on cache-resident weights but read the stream ~1.5x slower in a batch-1 decode of the default model.
+  // One weight row at a time, front to back: one sequential stream per thread (interleaving several rows' groups,
+  // though cheaper in arithmetic, read the weights markedly slower in a batch-1 decode).
   for (int64_t column = first_column; column < end_column; ++column) {
     __m512 acc[kInputs];
     __m128 offsets[kInputs];
@@ -979,9 +979,8 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
 
 // One A tile of x (input rows [first_input, first_input + kRows), kRows <= 16, a compile-time count so the
 // accumulators stay in registers) against a decoded 16-column unit: block by block, the two tile products into one
-// of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones), then the epilogue. Software-pipelined: the
-// next block's products are issued before this block's sums are stored and scaled, so the tile unit works while
-// the vector unit runs the epilogue (the epilogues still run block after block, in order).
+// of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones), then the epilogue, block after block in order;
+// the next block's products are issued before this block's epilogue.
 template <int64_t kType, int kRows>
 inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
                          int64_t first_input, __m512 (&acc)[kAmxTileRows]) {
