@@ -507,8 +507,7 @@ void split_quants_of_x(GgufLinearCall::State& s) {
   s.tile_rows = std::min<int64_t>(kAmxTileRows, s.m);
   s.padded_m = (s.m + s.tile_rows - 1) / s.tile_rows * s.tile_rows;
   s.x_tiles.assign(s.padded_m * s.k * 2, 0);
-  // The padding rows' scales and sums are read too (the epilogue of a full tile runs every row): zeros, as their
-  // quants. Past M, uninitialised floats would be read (denormal or NaN garbage slows the epilogue's arithmetic).
+  // The padding rows' scales and sums: zeros, as their quants (the epilogue skips them; no read past M's).
   s.x_scales.resize(s.padded_m * num_blocks, 0.0f);
   s.x_sums.resize(s.padded_m * num_blocks, 0.0f);
   for (int64_t r = 0; r < s.m; ++r) {
@@ -977,8 +976,8 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
 
 }  // namespace amx_unit
 
-// One A tile of x (input rows [first_input, first_input + kRows), kRows <= 16, a compile-time count so the
-// accumulators stay in registers) against a decoded 16-column unit: block by block, the two tile products into one
+// One A tile of x (tile_rows rows from first_input; the epilogue scales the first kRows <= tile_rows of them, a
+// compile-time count so the accumulators stay in registers) against a decoded 16-column unit: block by block, the two tile products into one
 // of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones), then the epilogue, block after block in order;
 // the next block's products are issued before this block's epilogue.
 template <int64_t kType, int kRows>
@@ -1060,7 +1059,7 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
   int8_t* const tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_storage.data()) + 63) & ~uintptr_t{63});
   float* const d_w = scales_storage.data();
   float* const m_w = d_w + num_blocks * 16;
-  // run_amx_tile's epilogue reads every row of a full tile, padding rows included (split_quants_of_x).
+  // x's scales and sums cover the padded rows (split_quants_of_x).
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(s.x_scales.size()) >= s.padded_m * num_blocks &&
                         static_cast<int64_t>(s.x_sums.size()) >= s.padded_m * num_blocks);
   amx_unit::configure(s.tile_rows);
@@ -1075,8 +1074,9 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
       const int64_t num_inputs = std::min<int64_t>(s.tile_rows, s.m - first_input);
       __m512 acc[kAmxTileRows];
       for (int64_t r = 0; r < kAmxTileRows; ++r) acc[r] = _mm512_setzero_ps();
-      // Every tile has tile_rows rows (x is padded to whole tiles once M > 16).
-      run_amx_tile_rows<kType>(s, tiles, d_w, m_w, first_input, s.tile_rows, acc);
+      // Every tile's products cover tile_rows rows (x is padded to whole tiles once M > 16); the epilogue scales
+      // only the rows that exist (a last tile's padding rows are skipped).
+      run_amx_tile_rows<kType>(s, tiles, d_w, m_w, first_input, num_inputs, acc);
       for (int64_t r = 0; r < num_inputs; ++r)
         _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
     }
