@@ -431,7 +431,7 @@ struct GgufLinearCall::State {
   // low bytes (64 bytes: one cache line per row, both A tiles of a block in tile_rows lines); rows padded with zeros
   // to whole tiles.
   bool is_amx = false;
-  int64_t tile_rows = 0, padded_m = 0;
+  int64_t tile_rows = 0;
   std::vector<uint8_t> x_tiles;
 };
 
@@ -505,11 +505,8 @@ bool uses_amx_products(const std::string& products, int64_t ggml_type, int64_t m
 void split_quants_of_x(GgufLinearCall::State& s) {
   const int64_t num_blocks = s.k / kQuantBlock;
   s.tile_rows = std::min<int64_t>(kAmxTileRows, s.m);
-  s.padded_m = (s.m + s.tile_rows - 1) / s.tile_rows * s.tile_rows;
-  s.x_tiles.assign(s.padded_m * s.k * 2, 0);
-  // The padding rows' scales and sums: zeros, as their quants (the epilogue skips them; no read past M's).
-  s.x_scales.resize(s.padded_m * num_blocks, 0.0f);
-  s.x_sums.resize(s.padded_m * num_blocks, 0.0f);
+  const int64_t padded_m = (s.m + s.tile_rows - 1) / s.tile_rows * s.tile_rows;
+  s.x_tiles.assign(padded_m * s.k * 2, 0);
   for (int64_t r = 0; r < s.m; ++r) {
     const int64_t tile = r / s.tile_rows, row = r % s.tile_rows;
     for (int64_t block = 0; block < num_blocks; ++block) {
@@ -1003,25 +1000,21 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
       if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
     }
   };
-  // The tile numbers are literals (the intrinsics take immediates): one function per pair.
-  const auto even_products = [&](int64_t block) {
-    _tile_loadd(0, x + block * block_bytes, kRowBytes);
-    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
-    _tile_loadd(2, tiles + block * 512, 64);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_dpbssd(3, 0, 2);
-    _tile_dpbusd(4, 1, 2);
-  };
-  const auto odd_products = [&](int64_t block) {
-    _tile_loadd(0, x + block * block_bytes, kRowBytes);
-    _tile_loadd(1, x + block * block_bytes + kQuantBlock, kRowBytes);
-    _tile_loadd(7, tiles + block * 512, 64);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_dpbssd(5, 0, 7);
-    _tile_dpbusd(6, 1, 7);
-  };
+  // A block's two tile products into C tiles `high` and `low`, its weight in B tile `b`. The tile numbers must be
+  // literals (the intrinsics paste them into the instruction's text), hence a macro over the two pairs.
+#define PAGEDSERVE_BLOCK_PRODUCTS(block, b, high, low)                          \
+  do {                                                                          \
+    _tile_loadd(0, x + (block) * block_bytes, kRowBytes);                       \
+    _tile_loadd(1, x + (block) * block_bytes + kQuantBlock, kRowBytes);         \
+    _tile_loadd(b, tiles + (block) * 512, 64);                                  \
+    _tile_zero(high);                                                           \
+    _tile_zero(low);                                                            \
+    _tile_dpbssd(high, 0, b);                                                   \
+    _tile_dpbusd(low, 1, b);                                                    \
+  } while (false)
+  const auto even_products = [&](int64_t block) { PAGEDSERVE_BLOCK_PRODUCTS(block, 2, 3, 4); };
+  const auto odd_products = [&](int64_t block) { PAGEDSERVE_BLOCK_PRODUCTS(block, 7, 5, 6); };
+#undef PAGEDSERVE_BLOCK_PRODUCTS
   even_products(0);
   for (int64_t block = 0; block < num_blocks; block += 2) {
     const bool has_odd = block + 1 < num_blocks;  // K's last block may be alone
@@ -1059,9 +1052,6 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
   int8_t* const tiles = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(tiles_storage.data()) + 63) & ~uintptr_t{63});
   float* const d_w = scales_storage.data();
   float* const m_w = d_w + num_blocks * 16;
-  // x's scales and sums cover the padded rows (split_quants_of_x).
-  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(s.x_scales.size()) >= s.padded_m * num_blocks &&
-                        static_cast<int64_t>(s.x_sums.size()) >= s.padded_m * num_blocks);
   amx_unit::configure(s.tile_rows);
   for (int64_t column = first_column; column < end_column; column += kAmxColumns) {
     const int64_t num_columns = std::min<int64_t>(kAmxColumns, end_column - column);
@@ -1074,8 +1064,8 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
       const int64_t num_inputs = std::min<int64_t>(s.tile_rows, s.m - first_input);
       __m512 acc[kAmxTileRows];
       for (int64_t r = 0; r < kAmxTileRows; ++r) acc[r] = _mm512_setzero_ps();
-      // Every tile's products cover tile_rows rows (x is padded to whole tiles once M > 16); the epilogue scales
-      // only the rows that exist (a last tile's padding rows are skipped).
+      // Every tile's products cover tile_rows rows (x's quants are padded to whole tiles once M > 16); the epilogue
+      // scales only the rows that exist: x's scales and sums have M rows, none for the padding.
       run_amx_tile_rows<kType>(s, tiles, d_w, m_w, first_input, num_inputs, acc);
       for (int64_t r = 0; r < num_inputs; ++r)
         _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
