@@ -9,7 +9,8 @@ NATIVE_KERNEL_TEST_MODULES: tuple[str, ...] = (
     "tests/layers/test_amx_linear.py", "tests/layers/test_native_elementwise.py",
     "tests/layers/test_small_batch_linear.py", "tests/models/test_native_decode_stack.py",
     "tests/sample/test_first_argmax.py", "tests/sample/test_fused_greedy_head.py",
-    "tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_decode_stack.py",
+    "tests/layers/test_gguf_linear.py", "tests/layers/test_gguf_interleaved.py",
+    "tests/model_loader/test_gguf_decode_stack.py",
     "tests/quantization/test_w8a8_native_kernel.py", "tests/quantization/test_w8a8_decode_stack.py",
     "tests/attention/test_native_int8_prefill.py", "tests/models/test_native_decode_stack_int8_kv.py",
 )

@@ -22,6 +22,13 @@ Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
 Because the unit depends on the batch size, batch_invariant=True dequantizes GGUF weights at load (config/engine.py).
 Embedding tables look up their rows the same way (`quantized_rows`).
 
+Interleaved layouts (`interleave_weight`): where the kernels read them with VNNI (`interleaves`), the loader
+rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of 16 rows 16 rows at a time (kernels/cpu/gguf_linear.h: one
+64-byte vector holds 4 consecutive quants of each of 16 rows) and its `ggml_type` becomes the interleaved type id
+(`INTERLEAVED_TYPES`). The blocks are the same bytes in another order; both product units read the layout with no
+transposes (the amx unit loads a Q8_0 group's quants as its B tiles in place), and they give a row the same bits
+on it whatever the batch size.
+
 The kernels need the native CPU library; without it (PAGEDSERVE_CPU_ISA=none, a CPU without a build) the loader
 dequantizes at load instead (model_loader/gguf_quantized_load.py says so in the log).
 """
@@ -46,7 +53,13 @@ BLOCK_FORMATS: dict[int, tuple[int, int]] = {8: (32, 34), 2: (32, 18), 3: (32, 2
 # rows reuse each decoded block only 8 (AVX2: 4) at a time, a GEMM reuses it across the whole batch), except where
 # the amx unit runs a type of AMX_TYPES: its tiles reuse each decoded block across the whole batch too.
 KERNEL_MAX_ROWS = 8
-AMX_TYPES = frozenset({8, 2, 3})  # Q8_0, Q4_0, Q4_1: kernels/cpu/gguf_linear.cpp is_integer_product_type
+# The interleaved layouts: {type id: the ggml type whose blocks it holds} (kernels/cpu/gguf_linear.h).
+INTERLEAVED_TYPE_OFFSET = 256
+INTERLEAVED_TYPES: dict[int, int] = {ggml_type + INTERLEAVED_TYPE_OFFSET: ggml_type for ggml_type in (8, 2, 3)}
+# Rows per group of an interleaved layout: its weights have a multiple of this many rows.
+INTERLEAVED_ROWS = 16
+# Q8_0, Q4_0, Q4_1 in either layout: kernels/cpu/gguf_linear.cpp is_integer_product_type.
+AMX_TYPES = frozenset({8, 2, 3, *INTERLEAVED_TYPES})
 # Values of the float32 tile a large batch dequantizes at once (16 MiB): bounds the memory a prefill chunk takes
 # for a vocabulary-sized LM head.
 DEQUANTIZE_TILE_VALUES = 1 << 22
@@ -67,9 +80,13 @@ def gguf_kernels_available() -> bool:
                 lambda weight, ggml_type, k: weight.new_empty((weight.shape[0], k), dtype=torch.float32))
             torch.library.register_fake("pagedserve::gguf_embedding")(
                 lambda weight, ggml_type, k, ids: weight.new_empty((*ids.shape, k), dtype=torch.float32))
+            torch.library.register_fake("pagedserve::gguf_interleave")(
+                lambda weight, ggml_type: torch.empty_like(weight))
             _ops = {"linear": linear, "dequantize": torch.ops.pagedserve.gguf_dequantize.default,
                     "embedding": torch.ops.pagedserve.gguf_embedding.default,
-                    "products": tuple(torch.ops.pagedserve.gguf_linear_products())}
+                    "interleave": torch.ops.pagedserve.gguf_interleave.default,
+                    "products": tuple(torch.ops.pagedserve.gguf_linear_products()),
+                    "interleaved_is_fast": bool(torch.ops.pagedserve.gguf_interleaved_is_fast())}
     return bool(_ops)
 
 
@@ -77,6 +94,24 @@ def gguf_linear_products() -> tuple[str, ...]:
     """The integer-product units of this build and process, preferred first: 'amx' (AMX-INT8 tiles: Q8_0, Q4_0 and
     Q4_1 products of any batch) where it runs, then 'vector'; empty without the native kernels."""
     return _ops["products"] if gguf_kernels_available() else ()
+
+
+def block_type(ggml_type: int) -> int:
+    """The ggml type whose blocks `ggml_type` holds (itself, or the type an interleaved layout rearranges)."""
+    return INTERLEAVED_TYPES.get(ggml_type, ggml_type)
+
+
+def interleaves(ggml_type: int, num_rows: int) -> bool:
+    """Whether a weight of `num_rows` rows of `ggml_type` blocks is interleaved at load: the kernels read the
+    interleaved layout with vector instructions here (VNNI), the type has one and the rows fill whole groups."""
+    return (gguf_kernels_available() and _ops["interleaved_is_fast"]
+            and ggml_type + INTERLEAVED_TYPE_OFFSET in INTERLEAVED_TYPES and num_rows % INTERLEAVED_ROWS == 0)
+
+
+def interleave_weight(weight: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
+    """A [rows, bytes per row] weight of Q8_0 / Q4_0 / Q4_1 blocks in its interleaved layout (a new tensor of the
+    same shape) and that layout's type id."""
+    return _ops["interleave"](weight, ggml_type), ggml_type + INTERLEAVED_TYPE_OFFSET
 
 
 def runs_on_kernel(num_rows: int, ggml_type: int) -> bool:
@@ -92,9 +127,9 @@ def _gguf_linear_fake(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bia
 
 def row_bytes(ggml_type: int, num_values: int) -> int:
     """Bytes one row of `num_values` values takes in `ggml_type` blocks (ValueError when it is not whole blocks)."""
-    values, num_bytes = BLOCK_FORMATS[ggml_type]
+    values, num_bytes = BLOCK_FORMATS[block_type(ggml_type)]
     if num_values % values:
-        raise ValueError(f"a {KERNEL_TYPES[ggml_type]} row of {num_values} values is not a whole number of "
+        raise ValueError(f"a {KERNEL_TYPES[block_type(ggml_type)]} row of {num_values} values is not a whole number of "
                          f"{values}-value blocks")
     return num_values // values * num_bytes
 
@@ -118,6 +153,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, ggml_type: int, num_
         output = _ops["linear"](rows, weight, ggml_type, float_bias)
     else:
         tile_rows = max(1, DEQUANTIZE_TILE_VALUES // num_values)
+        if ggml_type in INTERLEAVED_TYPES:  # slices keep whole row groups
+            tile_rows = max(INTERLEAVED_ROWS, tile_rows // INTERLEAVED_ROWS * INTERLEAVED_ROWS)
         if weight.shape[0] <= tile_rows:
             output = F.linear(rows, dequantize_weight(weight, ggml_type, num_values), float_bias)
         else:
@@ -151,6 +188,6 @@ GGUF_LINEAR_METHOD = GGUFLinearMethod()
 
 
 __all__ = ["BLOCK_FORMATS", "DEQUANTIZE_TILE_VALUES", "GGUFLinearMethod", "GGUF_LAYOUT", "GGUF_LINEAR_METHOD",
-           "KERNEL_MAX_ROWS", "KERNEL_TYPES", "AMX_TYPES", "dequantize_weight", "gguf_kernels_available",
-           "gguf_linear_products", "quantized_linear", "runs_on_kernel",
-           "quantized_rows", "row_bytes"]
+           "INTERLEAVED_ROWS", "INTERLEAVED_TYPES", "INTERLEAVED_TYPE_OFFSET", "KERNEL_MAX_ROWS", "KERNEL_TYPES",
+           "AMX_TYPES", "block_type", "dequantize_weight", "gguf_kernels_available", "gguf_linear_products",
+           "interleave_weight", "interleaves", "quantized_linear", "runs_on_kernel", "quantized_rows", "row_bytes"]

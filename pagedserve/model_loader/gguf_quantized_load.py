@@ -4,7 +4,8 @@ modules before the weights load (layers/gguf_linear.py computes with them).
 A module keeps its blocks when every checkpoint tensor it loads (a fused layer's parts: q/k/v, gate/up) has one
 ggml type the kernels read, it runs on the CPU on one tensor-parallel rank, and its rows are whole blocks. Anything
 else (norms, float tensors, a fused layer whose parts mix types, as Q4_K_M files do for attn_v) loads dequantized
-as before. A tied LM head shares its embedding's blocks.
+as before. A tied LM head shares its embedding's blocks. After loading, `interleave_kept_modules` puts each kept
+weight in the interleaved layout its kernels read fastest, where they have one (layers/gguf_linear.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.layers.gguf_linear import BLOCK_FORMATS, GGUF_LINEAR_METHOD, KERNEL_TYPES, row_bytes
+from pagedserve.layers.gguf_linear import (BLOCK_FORMATS, GGUF_LINEAR_METHOD, KERNEL_TYPES, interleave_weight,
+                                           interleaves, row_bytes)
 from pagedserve.layers.linear import UNQUANTIZED_LINEAR_METHOD, LinearBase
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,30 @@ def convert_kept_modules(model: nn.Module, kept: Iterable[KeptQuantizedModule]) 
             head.linear_method = GGUF_LINEAR_METHOD
 
 
+def interleave_kept_modules(model: nn.Module) -> int:
+    """Rearrange every loaded kept-quantized weight that `interleaves` into its interleaved layout, in place, and
+    give the modules holding it (a tied head and its embedding share one) the layout's type id; returns how many
+    weights changed."""
+    holders: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        if getattr(module, "ggml_type", None) is not None:
+            holders.setdefault(id(module.weight), []).append(module)
+    num_interleaved = 0
+    for modules in holders.values():
+        weight, ggml_type = modules[0].weight, modules[0].ggml_type
+        if not interleaves(ggml_type, weight.shape[0]):
+            continue
+        interleaved, interleaved_type = interleave_weight(weight.data, ggml_type)
+        weight.data.copy_(interleaved)
+        for module in modules:
+            module.ggml_type = interleaved_type
+        num_interleaved += 1
+    if num_interleaved:
+        logger.info("GGUF weights kept quantized: %d interleaved 16 rows at a time (the layout the VNNI / AMX "
+                    "products read)", num_interleaved)
+    return num_interleaved
+
+
 def describe_kept(kept: list[KeptQuantizedModule], num_tensors: int) -> str:
     """One log line: how many modules and tensors keep their blocks, by type."""
     by_type: dict[str, int] = {}
@@ -118,4 +144,5 @@ def describe_kept(kept: list[KeptQuantizedModule], num_tensors: int) -> str:
             f"the rest dequantized")
 
 
-__all__ = ["KeptQuantizedModule", "convert_kept_modules", "describe_kept", "plan_kept_quantized"]
+__all__ = ["KeptQuantizedModule", "convert_kept_modules", "describe_kept", "interleave_kept_modules",
+           "plan_kept_quantized"]

@@ -12,6 +12,7 @@ from pagedserve.layers.linear import LinearBase
 from pagedserve.layers.quantization.compressed_tensors_config import CompressedTensorsConfig
 from pagedserve.layers.quantization.quantization_context import building_with_quantization
 from pagedserve.layers.weight_layout import apply_weight_layout
+from pagedserve.model_loader.gguf_quantized_load import interleave_kept_modules
 from pagedserve.model_loader.load_strategies import load_checkpoint
 from pagedserve.model_loader.safetensors_loader import safetensors_weight_files
 from pagedserve.models.registry import resolve_model_class
@@ -70,5 +71,6 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     for module in model.modules():
         if isinstance(module, LinearBase) and module.linear_method.is_quantized:
             module.linear_method.process_weights_after_loading(module)
+    interleave_kept_modules(model)  # GGUF blocks kept quantized: the layout their kernels read fastest
     apply_weight_layout(model, weight_layout)
     return model.eval()

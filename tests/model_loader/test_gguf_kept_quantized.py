@@ -14,7 +14,7 @@ from hf_reference import hf_greedy_with_logprobs
 from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.embedding import VocabParallelEmbedding
-from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD
+from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, block_type
 from pagedserve.layers.linear import LinearBase
 from pagedserve.model_loader.gguf_loader import load_gguf
 from test_gguf_tiny_files import write_tiny_gguf
@@ -101,7 +101,8 @@ def test_tied_head_shares_the_embedding_blocks_and_memory_is_the_files(tiny_file
     path = tiny_files["llama-q4_1"]
     model = _model_of(LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128))
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert model.lm_head.ggml_type == GGMLQuantizationType.Q4_1.value
+    assert model.lm_head.ggml_type == model.model.embed_tokens.ggml_type
+    assert block_type(model.lm_head.ggml_type) == GGMLQuantizationType.Q4_1.value
     # The blocks themselves: the 2-D weights hold the file's payload bytes, the embedding padded to 64-row groups.
     file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(path).tensors if len(tensor.shape) == 2)
     embedding = model.model.embed_tokens

@@ -799,7 +799,7 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
       for (int64_t row = first_row; row < end_row; ++row) {
         if constexpr (std::is_same_v<scalar_t, float>) {
           if (embedding_blocks != nullptr)
-            pagedserve_native::gguf_decode_row(embedding_blocks + ids[row] * plan.embedding.size(1), plan.embedding_type,
+            pagedserve_native::gguf_decode_row(embedding_blocks, plan.embedding.size(1), ids[row], plan.embedding_type,
                                                hidden, residual_data + row * hidden);
         }
         if (embedding_data != nullptr)

@@ -298,6 +298,10 @@ inline bool is_integer_product_type(int64_t ggml_type) {
   return ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;
 }
 
+// The bytes of a Q8_0 / Q4_0 / Q4_1 block.
+template <int64_t kType>
+constexpr int64_t kBlockBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+
 using BlockDecoder = void (*)(const uint8_t*, float*);
 
 // A type's block decoder as a class, so the column loop below is compiled once per type with the decoder inlined.
@@ -389,7 +393,7 @@ int64_t grain_units(int64_t row_bytes) {
 }  // namespace
 
 GgmlBlockFormat ggml_block_format(int64_t ggml_type) {
-  switch (ggml_type) {
+  switch (block_type_of(ggml_type)) {
     case kGgmlQ8_0: return {32, 34};
     case kGgmlQ4_0: return {32, 18};
     case kGgmlQ4_1: return {32, 20};
@@ -404,6 +408,73 @@ GgmlBlockFormat ggml_block_format(int64_t ggml_type) {
   return {0, 0};
 }
 
+namespace {
+
+// Bytes of a Q8_0 / Q4_0 / Q4_1 block's float16 header (d, and Q4_1's m) and of its quants.
+struct BlockParts {
+  int64_t header;
+  int64_t quants;
+};
+inline BlockParts block_parts(int64_t block_type) {
+  return block_type == kGgmlQ8_0 ? BlockParts{2, 32} : block_type == kGgmlQ4_1 ? BlockParts{4, 16} : BlockParts{2, 16};
+}
+
+// Block `block` of row `c` (0 .. 15) of an interleaved row group, as ggml's bytes (the inverse of interleave_group).
+void interleaved_block(const uint8_t* group, int64_t block, int64_t c, int64_t block_type, uint8_t* out) {
+  const BlockParts parts = block_parts(block_type);
+  const uint8_t* blocks = group + block * kInterleavedRows * (parts.header + parts.quants);
+  for (int64_t word = 0; word < parts.header / 2; ++word)
+    std::memcpy(out + 2 * word, blocks + kInterleavedRows * parts.quants + 32 * word + 2 * c, 2);
+  for (int64_t chunk = 0; chunk < parts.quants / 4; ++chunk)
+    std::memcpy(out + parts.header + 4 * chunk, blocks + 64 * chunk + 4 * c, 4);
+}
+
+// Rows [0, 16) of `rows` (row_bytes each, ggml's layout) into `group` in the interleaved layout.
+void interleave_group(const uint8_t* rows, int64_t row_bytes, int64_t block_type, uint8_t* group) {
+  const BlockParts parts = block_parts(block_type);
+  const int64_t block_bytes = parts.header + parts.quants;
+  for (int64_t block = 0; block < row_bytes / block_bytes; ++block) {
+    uint8_t* blocks = group + block * kInterleavedRows * block_bytes;
+    for (int64_t c = 0; c < kInterleavedRows; ++c) {
+      const uint8_t* in = rows + c * row_bytes + block * block_bytes;
+      for (int64_t word = 0; word < parts.header / 2; ++word)
+        std::memcpy(blocks + kInterleavedRows * parts.quants + 32 * word + 2 * c, in + 2 * word, 2);
+      for (int64_t chunk = 0; chunk < parts.quants / 4; ++chunk)
+        std::memcpy(blocks + 64 * chunk + 4 * c, in + parts.header + 4 * chunk, 4);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor gguf_interleave(const at::Tensor& weight, int64_t ggml_type) {
+  TORCH_CHECK(ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1,
+              "gguf_interleave: Q8_0 (8), Q4_0 (2) or Q4_1 (3) blocks expected, got ggml type ", ggml_type);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.size(1) % ggml_block_format(ggml_type).bytes == 0,
+              "gguf_interleave: a contiguous uint8 weight [N, bytes per row] of whole blocks expected, got ",
+              weight.sizes(), " ", weight.scalar_type());
+  TORCH_CHECK(weight.size(0) % kInterleavedRows == 0, "gguf_interleave: N=", weight.size(0),
+              " rows is not a multiple of ", kInterleavedRows);
+  at::Tensor out = at::empty_like(weight);
+  const int64_t row_bytes = weight.size(1), group_bytes = kInterleavedRows * row_bytes;
+  const uint8_t* in = weight.data_ptr<uint8_t>();
+  uint8_t* interleaved = out.data_ptr<uint8_t>();
+  at::parallel_for(0, weight.size(0) / kInterleavedRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group)
+      interleave_group(in + group * group_bytes, row_bytes, ggml_type, interleaved + group * group_bytes);
+  });
+  return out;
+}
+
+bool gguf_interleaved_is_fast() {
+#if defined(PAGEDSERVE_GGUF_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 struct GgufLinearCall::State {
   const float* x = nullptr;
   int64_t x_stride = 0;
@@ -415,6 +486,9 @@ struct GgufLinearCall::State {
   int64_t m = 0, n = 0, k = 0;
   GgmlBlockFormat format{};
   int64_t format_type = 0;
+  // The ggml type of the blocks (format_type itself, or the type an interleaved layout holds).
+  int64_t block_type = 0;
+  bool is_interleaved = false;
   // The 32-value integer types' products (is_integer_product): x quantized per row and 32-value block to int16
   // (d = absmax / 32767, q = round(x / d)), with each block's d and d * sum(q).
   bool is_integer_product = false;
@@ -433,6 +507,9 @@ struct GgufLinearCall::State {
   bool is_amx = false;
   int64_t tile_rows = 0;
   std::vector<uint8_t> x_tiles;
+  // The interleaved layouts' vector products (run_interleaved_columns) read x_tiles too, and per row and block an
+  // integer their byte products leave over (interleaved_offsets_of_x): Q4_0's 8 sum(q_x), Q8_0's 2^15 sum(high bytes).
+  std::vector<int32_t> x_offsets;
 };
 
 namespace {
@@ -476,7 +553,8 @@ const std::vector<std::string>& gguf_linear_products() {
 
 bool gguf_amx_takes(int64_t ggml_type) {
   const std::vector<std::string>& units = gguf_linear_products();
-  return is_integer_product_type(ggml_type) && std::find(units.begin(), units.end(), kAmxProducts) != units.end();
+  return is_integer_product_type(block_type_of(ggml_type)) &&
+         std::find(units.begin(), units.end(), kAmxProducts) != units.end();
 }
 
 namespace {
@@ -520,6 +598,22 @@ void split_quants_of_x(GgufLinearCall::State& s) {
   }
 }
 
+// The interleaved vector products' integer remainder per row and block (State::x_offsets): with the weight's quants
+// as unsigned bytes (Q4: 0 .. 15; Q8_0: q + 128, for VPDPBUSD's unsigned operand), (256 high + low) products leave
+// 8 sum(q_x) over Q4_0's true sum((q - 8) q_x) and 2^15 sum(high bytes) over Q8_0's.
+void interleaved_offsets_of_x(GgufLinearCall::State& s) {
+  const int64_t num_blocks = s.k / kQuantBlock;
+  s.x_offsets.assign(s.m * num_blocks, 0);
+  for (int64_t r = 0; r < s.m; ++r)
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const int16_t* q = s.x_quants.data() + r * s.k + block * kQuantBlock;
+      int32_t sum = 0;
+      for (int i = 0; i < kQuantBlock; ++i)
+        sum += s.block_type == kGgmlQ4_0 ? q[i] : static_cast<int8_t>(static_cast<uint16_t>(q[i]) >> 8);
+      s.x_offsets[r * num_blocks + block] = s.block_type == kGgmlQ4_0 ? 8 * sum : sum * 32768;
+    }
+}
+
 // Checks `weight` holds [N, K / values * bytes] blocks of `ggml_type` and returns the format.
 GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int64_t k, const char* op) {
   const GgmlBlockFormat format = ggml_block_format(ggml_type);
@@ -530,6 +624,8 @@ GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int6
               " values");
   TORCH_CHECK(weight.size(1) == k / format.values * format.bytes, op, ": weight rows hold ", weight.size(1),
               " bytes, K=", k, " needs ", k / format.values * format.bytes);
+  TORCH_CHECK(!is_interleaved_type(ggml_type) || weight.size(0) % kInterleavedRows == 0, op, ": an interleaved ",
+              "weight (type ", ggml_type, ") has a multiple of ", kInterleavedRows, " rows, got ", weight.size(0));
   return format;
 }
 
@@ -543,7 +639,9 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
               x.scalar_type());
   State& s = *state_;
   s.format = checked_format(weight, ggml_type, x.size(1), "gguf_linear");
-  s.is_amx = uses_amx_products(products, ggml_type, x.size(0));
+  s.block_type = block_type_of(ggml_type);
+  s.is_interleaved = is_interleaved_type(ggml_type);
+  s.is_amx = uses_amx_products(products, s.block_type, x.size(0));
   TORCH_CHECK(s.is_amx || x.size(0) <= kMaxInputs, "gguf_linear: M=", x.size(0), " exceeds ", kMaxInputs,
               " (the limit of the vector products; the amx unit, where it runs, takes any M)");
   s.format_type = ggml_type;
@@ -563,7 +661,7 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
   s.x_stride = x.stride(0);
   s.weight = weight.data_ptr<uint8_t>();
   s.y = y.data_ptr<float>();
-  s.is_integer_product = is_integer_product_type(ggml_type);
+  s.is_integer_product = is_integer_product_type(s.block_type);
   if (s.is_integer_product) {
     const int64_t num_blocks = s.k / kQuantBlock;
     s.x_quants.resize(s.m * s.k);
@@ -572,8 +670,9 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     for (int64_t r = 0; r < s.m; ++r)
       quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
                         s.x_sums.data() + r * num_blocks);
-    if (s.is_amx) {
+    if (s.is_amx || s.is_interleaved) {
       split_quants_of_x(s);
+      if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
     } else {
 #if defined(PAGEDSERVE_GGUF_AVX512)
       group_layout_of_x(s);
@@ -586,12 +685,12 @@ GgufLinearCall::~GgufLinearCall() = default;
 
 int64_t GgufLinearCall::num_units() const {
   const State& s = *state_;
-  const int64_t columns = s.is_amx ? kAmxColumns : kRows;
+  const int64_t columns = s.is_amx || s.is_interleaved ? kAmxColumns : kRows;
   return s.m == 0 ? 0 : (s.n + columns - 1) / columns;
 }
 
 int64_t GgufLinearCall::grain() const {
-  return grain_units(state_->row_bytes * (state_->is_amx ? kAmxColumns / kRows : 1));
+  return grain_units(state_->row_bytes * (state_->is_amx || state_->is_interleaved ? kAmxColumns / kRows : 1));
 }
 
 namespace {
@@ -731,7 +830,7 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
 // kFull: a whole group (num_valid == 4), read with plain loads (every load stays inside its 72 to 136 bytes).
 template <int64_t kType, bool kFull>
 __attribute__((always_inline)) inline void group_weights(const uint8_t* group, int num_valid, __m512i weight[4], __m512* d, __m128* m) {
-  constexpr int64_t kBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+  constexpr int64_t kBytes = kBlockBytes<kType>;
   const auto valid_bytes = [num_valid](int64_t offset) -> __mmask64 {
     if constexpr (kFull) return ~__mmask64{0};
     const int64_t count = std::max<int64_t>(0, std::min<int64_t>(64, num_valid * kBytes - offset));
@@ -934,12 +1033,38 @@ inline void transpose_runs(const uint8_t* runs, int64_t stride, int64_t num_colu
   rows[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Block `block` of an interleaved row group (`group`: its first row's bytes) as the B tile's quants (Q4) and its 16
+// d_w (and Q4_1's m_w): the chunks are already the tile's rows, Q4 splits each in its two nibbles. A Q8_0 group's
+// quants are its B tile as they lie (run_amx_columns loads them in place): only the scales are read here.
+template <int64_t kType>
+inline void decode_interleaved_tile(const uint8_t* group, int64_t block, int8_t* tile, float* d, float* m) {
+  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  const uint8_t* blocks = group + block * kInterleavedRows * kBlockBytes<kType>;
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes))));
+  if constexpr (kType == kGgmlQ4_1)
+    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes + 32))));
+  if constexpr (kType != kGgmlQ8_0) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i chunk = _mm512_loadu_si512(blocks + 64 * r);
+      __m512i low = _mm512_and_si512(chunk, nibble);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
+      if constexpr (kType == kGgmlQ4_0) {
+        low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
+        high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
+      }
+      _mm512_store_si512(tile + 64 * r, low);
+      _mm512_store_si512(tile + 64 * (4 + r), high);
+    }
+  }
+}
+
 // Block `block` of weight rows [column, column + num_columns) as a B tile (8 rows of 64 bytes: row r holds values
 // 4r .. 4r + 3 of each of the 16 columns) and its 16 d_w (and Q4_1's m_w); columns past num_columns read as 0.
 template <int64_t kType>
 inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, int64_t num_columns, int64_t block,
                                int8_t* tile, float* d, float* m) {
-  constexpr int64_t kBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+  constexpr int64_t kBytes = kBlockBytes<kType>;
   const __mmask16 valid = num_columns >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << num_columns) - 1);
   const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(static_cast<int>(s.row_bytes)));
@@ -978,8 +1103,8 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
 // of two pairs of C tiles (3, 4 for even blocks, 5, 6 for odd ones), then the epilogue, block after block in order;
 // the next block's products are issued before this block's epilogue.
 template <int64_t kType, int kRows>
-inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
-                         int64_t first_input, __m512 (&acc)[kAmxTileRows]) {
+inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, int64_t tile_stride, const float* d_w,
+                         const float* m_w, int64_t first_input, __m512 (&acc)[kAmxTileRows]) {
   const int64_t num_blocks = s.k / kQuantBlock, k = s.k;
   alignas(64) int32_t sums[2][2][kAmxTileRows * 16];
   // This tile's rows, block after block: 64 bytes per row (high bytes, then low bytes).
@@ -1006,7 +1131,7 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
   do {                                                                          \
     _tile_loadd(0, x + (block) * block_bytes, kRowBytes);                       \
     _tile_loadd(1, x + (block) * block_bytes + kQuantBlock, kRowBytes);         \
-    _tile_loadd(b, tiles + (block) * 512, 64);                                  \
+    _tile_loadd(b, tiles + (block) * tile_stride, 64);                          \
     _tile_zero(high);                                                           \
     _tile_zero(low);                                                            \
     _tile_dpbssd(high, 0, b);                                                   \
@@ -1033,15 +1158,18 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, co
 
 // run_amx_tile with kRows = `rows` (1 .. 16), chosen at run time.
 template <int64_t kType, int kRows = 1>
-inline void run_amx_tile_rows(const GgufLinearCall::State& s, const int8_t* tiles, const float* d_w, const float* m_w,
-                              int64_t first_input, int64_t rows, __m512 (&acc)[kAmxTileRows]) {
+inline void run_amx_tile_rows(const GgufLinearCall::State& s, const int8_t* tiles, int64_t tile_stride,
+                              const float* d_w, const float* m_w, int64_t first_input, int64_t rows,
+                              __m512 (&acc)[kAmxTileRows]) {
   if constexpr (kRows < kAmxTileRows) {
-    if (rows != kRows) return run_amx_tile_rows<kType, kRows + 1>(s, tiles, d_w, m_w, first_input, rows, acc);
+    if (rows != kRows)
+      return run_amx_tile_rows<kType, kRows + 1>(s, tiles, tile_stride, d_w, m_w, first_input, rows, acc);
   }
-  run_amx_tile<kType, kRows>(s, tiles, d_w, m_w, first_input, acc);
+  run_amx_tile<kType, kRows>(s, tiles, tile_stride, d_w, m_w, first_input, acc);
 }
 
-template <int64_t kType>
+// kInterleaved: the weight in its interleaved layout (every unit 16 whole columns).
+template <int64_t kType, bool kInterleaved>
 void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
   const int64_t num_blocks = s.k / kQuantBlock;
   // This thread's decoded B tiles and scales of one 16-column unit (K / 32 x 512 bytes: 24 KiB at K = 1536).
@@ -1055,9 +1183,21 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
   amx_unit::configure(s.tile_rows);
   for (int64_t column = first_column; column < end_column; column += kAmxColumns) {
     const int64_t num_columns = std::min<int64_t>(kAmxColumns, end_column - column);
-    for (int64_t block = 0; block < num_blocks; ++block)
-      amx_unit::decode_weight_tile<kType>(s, column, num_columns, block, tiles + block * 512, d_w + block * 16,
-                                          m_w + block * 16);
+    const int8_t* unit_tiles = tiles;
+    int64_t tile_stride = 512;
+    if constexpr (kInterleaved) {
+      const uint8_t* group = s.weight + column * s.row_bytes;
+      for (int64_t block = 0; block < num_blocks; ++block)
+        amx_unit::decode_interleaved_tile<kType>(group, block, tiles + block * 512, d_w + block * 16, m_w + block * 16);
+      if constexpr (kType == kGgmlQ8_0) {  // the quants are the B tiles
+        unit_tiles = reinterpret_cast<const int8_t*>(group);
+        tile_stride = kInterleavedRows * kBlockBytes<kType>;
+      }
+    } else {
+      for (int64_t block = 0; block < num_blocks; ++block)
+        amx_unit::decode_weight_tile<kType>(s, column, num_columns, block, tiles + block * 512, d_w + block * 16,
+                                            m_w + block * 16);
+    }
     const __mmask16 valid = num_columns >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << num_columns) - 1);
     const __m512 bias = s.bias != nullptr ? _mm512_maskz_loadu_ps(valid, s.bias + column) : _mm512_setzero_ps();
     for (int64_t first_input = 0; first_input < s.m; first_input += s.tile_rows) {
@@ -1066,7 +1206,7 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
       for (int64_t r = 0; r < kAmxTileRows; ++r) acc[r] = _mm512_setzero_ps();
       // Every tile's products cover tile_rows rows (x's quants are padded to whole tiles once M > 16); the epilogue
       // scales only the rows that exist: x's scales and sums have M rows, none for the padding.
-      run_amx_tile_rows<kType>(s, tiles, d_w, m_w, first_input, num_inputs, acc);
+      run_amx_tile_rows<kType>(s, unit_tiles, tile_stride, d_w, m_w, first_input, num_inputs, acc);
       for (int64_t r = 0; r < num_inputs; ++r)
         _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
     }
@@ -1114,6 +1254,147 @@ void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_
   });
 }
 
+// The interleaved layouts' vector products (Q8_0 / Q4_0 / Q4_1 in 16-row groups; gguf_interleave): per group of 16
+// columns and 32-value block, the exact int32 sum(q_w q_x) of each column in one vector, as the amx unit's tile
+// products make it: x's int16 quants in bytes (State::x_tiles), high bytes signed and low bytes unsigned, each
+// product of 4 bytes a VPDPBUSD against a broadcast of 4 of x's bytes; the weight's chunks as unsigned bytes (Q4:
+// the nibbles 0 .. 15; Q8_0: q + 128) against the high bytes and as signed bytes against the low ones; then
+// 256 high + low - State::x_offsets. The epilogue is the amx unit's operation for operation (float(dot) * (d_w d_x)
+// fused-added into the column's accumulator, then Q4_1's m_w s_x, per block in order; then + bias), so the two units
+// give the same bits for a row whatever M is, and so does the scalar loop below on builds without VNNI.
+constexpr int kMaxInterleavedInputs = 4;  // input rows per pass over a group (their accumulators in registers)
+
+// Rows [first_input, first_input + kInputs) of x's byte quants: row r's block `block` at rows[r] + block * stride
+// (64 bytes: 32 high bytes, then 32 low bytes).
+template <int kInputs>
+inline int64_t x_tile_rows(const GgufLinearCall::State& s, int64_t first_input, const uint8_t* (&rows)[kInputs]) {
+  const int64_t num_blocks = s.k / kQuantBlock;
+  for (int r = 0; r < kInputs; ++r) {
+    const int64_t input = first_input + r, tile = input / s.tile_rows, row = input % s.tile_rows;
+    rows[r] = s.x_tiles.data() + (tile * num_blocks * s.tile_rows + row) * 2 * kQuantBlock;
+  }
+  return s.tile_rows * 2 * kQuantBlock;
+}
+
+#if defined(PAGEDSERVE_GGUF_VNNI)
+template <int64_t kType, int kInputs>
+void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                             int64_t first_input) {
+  constexpr int64_t kBytes = kBlockBytes<kType>;
+  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  const int64_t num_blocks = s.k / kQuantBlock;
+  const uint8_t* x_rows[kInputs];
+  const int64_t x_stride = x_tile_rows<kInputs>(s, first_input, x_rows);
+  const float* const x_scales = s.x_scales.data() + first_input * num_blocks;
+  const float* const x_sums = s.x_sums.data() + first_input * num_blocks;
+  const int32_t* const x_offsets = kType == kGgmlQ4_1 ? nullptr : s.x_offsets.data() + first_input * num_blocks;
+  const auto broadcast = [](const uint8_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, sizeof(word));
+    return _mm512_set1_epi32(word);
+  };
+  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+    const uint8_t* const group = s.weight + column * s.row_bytes;
+    __m512 acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t block = 0; block < num_blocks; ++block) {
+      const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
+      // Chunk j pairs with x's bytes 4j .. 4j + 3 (Q4: the low nibbles of chunk j < 4 are values 4j .., the high
+      // nibbles of chunk j - 4 values 16 + 4 (j - 4) ..).
+      __m512i as_unsigned[8], as_signed[8];
+      if constexpr (kType == kGgmlQ8_0) {
+        for (int j = 0; j < 8; ++j) {
+          as_signed[j] = _mm512_loadu_si512(blocks + 64 * j);
+          as_unsigned[j] = _mm512_xor_si512(as_signed[j], _mm512_set1_epi8(static_cast<char>(0x80)));
+        }
+      } else {
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i chunk = _mm512_loadu_si512(blocks + 64 * j);
+          as_unsigned[j] = as_signed[j] = _mm512_and_si512(chunk, nibble);
+          as_unsigned[j + 4] = as_signed[j + 4] = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes)));
+      const __m512 m = kType == kGgmlQ4_1
+                           ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes + 32)))
+                           : _mm512_setzero_ps();
+      for (int r = 0; r < kInputs; ++r) {
+        const uint8_t* const x = x_rows[r] + block * x_stride;
+        // Two chains each for the high and low bytes (even and odd chunks): shorter dependency chains.
+        __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i low[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int j = 0; j < 8; ++j) {
+          high[j & 1] = _mm512_dpbusd_epi32(high[j & 1], as_unsigned[j], broadcast(x + 4 * j));
+          low[j & 1] = _mm512_dpbusd_epi32(low[j & 1], broadcast(x + kQuantBlock + 4 * j), as_signed[j]);
+        }
+        __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(high[0], high[1]), 8),
+                                       _mm512_add_epi32(low[0], low[1]));
+        if constexpr (kType != kGgmlQ4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x_offsets[r * num_blocks + block]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * num_blocks + block])),
+                                 acc[r]);
+        if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
+      }
+    }
+    const __m512 bias = s.bias != nullptr ? _mm512_loadu_ps(s.bias + column) : _mm512_setzero_ps();
+    for (int r = 0; r < kInputs; ++r) _mm512_storeu_ps(s.y + (first_input + r) * s.n + column, _mm512_add_ps(acc[r], bias));
+  }
+}
+#else
+// Without VNNI: the same integers and the same float operations, a column and a row at a time.
+template <int64_t kType, int kInputs>
+void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                             int64_t first_input) {
+  constexpr int64_t kBytes = kBlockBytes<kType>;
+  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  const int64_t num_blocks = s.k / kQuantBlock;
+  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+    const uint8_t* const group = s.weight + column * s.row_bytes;
+    for (int r = 0; r < kInputs; ++r) {
+      const int64_t input = first_input + r;
+      float acc[kInterleavedRows] = {};
+      for (int64_t block = 0; block < num_blocks; ++block) {
+        const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
+        const int16_t* const x = s.x_quants.data() + input * s.k + block * kQuantBlock;
+        const float x_scale = s.x_scales[input * num_blocks + block], x_sum = s.x_sums[input * num_blocks + block];
+        for (int64_t c = 0; c < kInterleavedRows; ++c) {
+          int32_t dot = 0;
+          for (int i = 0; i < kQuantBlock; ++i) {
+            int32_t q;
+            if constexpr (kType == kGgmlQ8_0) {
+              q = static_cast<int8_t>(blocks[64 * (i / 4) + 4 * c + i % 4]);
+            } else {
+              const uint8_t byte = blocks[64 * ((i % 16) / 4) + 4 * c + i % 4];
+              q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+              if constexpr (kType == kGgmlQ4_0) q -= 8;
+            }
+            dot += q * x[i];
+          }
+          const float d = half_to_float(blocks + kQuantBytes + 2 * c);
+          acc[c] = std::fma(static_cast<float>(dot), d * x_scale, acc[c]);
+          if constexpr (kType == kGgmlQ4_1) acc[c] = std::fma(half_to_float(blocks + kQuantBytes + 32 + 2 * c), x_sum, acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < kInterleavedRows; ++c)
+        s.y[input * s.n + column + c] = acc[c] + (s.bias != nullptr ? s.bias[column + c] : 0.0f);
+    }
+  }
+}
+#endif
+
+template <int64_t kType>
+void run_all_interleaved_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  int64_t input = 0;
+  for (; input + kMaxInterleavedInputs <= s.m; input += kMaxInterleavedInputs)
+    run_interleaved_columns<kType, kMaxInterleavedInputs>(s, first_column, end_column, input);
+  switch (s.m - input) {
+    case 3: run_interleaved_columns<kType, 3>(s, first_column, end_column, input); break;
+    case 2: run_interleaved_columns<kType, 2>(s, first_column, end_column, input); break;
+    case 1: run_interleaved_columns<kType, 1>(s, first_column, end_column, input); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
@@ -1123,14 +1404,27 @@ void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
     const int64_t first_column = begin * kAmxColumns, end_column = std::min(s.n, end * kAmxColumns);
     if (first_column >= end_column) return;
     switch (s.format_type) {
-      case kGgmlQ8_0: run_amx_columns<kGgmlQ8_0>(s, first_column, end_column); break;
-      case kGgmlQ4_0: run_amx_columns<kGgmlQ4_0>(s, first_column, end_column); break;
-      case kGgmlQ4_1: run_amx_columns<kGgmlQ4_1>(s, first_column, end_column); break;
+      case kGgmlQ8_0: run_amx_columns<kGgmlQ8_0, false>(s, first_column, end_column); break;
+      case kGgmlQ4_0: run_amx_columns<kGgmlQ4_0, false>(s, first_column, end_column); break;
+      case kGgmlQ4_1: run_amx_columns<kGgmlQ4_1, false>(s, first_column, end_column); break;
+      case kGgmlQ8_0x16: run_amx_columns<kGgmlQ8_0, true>(s, first_column, end_column); break;
+      case kGgmlQ4_0x16: run_amx_columns<kGgmlQ4_0, true>(s, first_column, end_column); break;
+      case kGgmlQ4_1x16: run_amx_columns<kGgmlQ4_1, true>(s, first_column, end_column); break;
       default: break;  // uses_amx_products took an integer-product type
     }
     return;
   }
 #endif
+  if (s.is_interleaved) {
+    const int64_t first_column = begin * kAmxColumns, end_column = std::min(s.n, end * kAmxColumns);
+    switch (s.block_type) {
+      case kGgmlQ8_0: run_all_interleaved_inputs<kGgmlQ8_0>(s, first_column, end_column); break;
+      case kGgmlQ4_0: run_all_interleaved_inputs<kGgmlQ4_0>(s, first_column, end_column); break;
+      case kGgmlQ4_1: run_all_interleaved_inputs<kGgmlQ4_1>(s, first_column, end_column); break;
+      default: break;
+    }
+    return;
+  }
   const int64_t first_column = begin * kRows, end_column = std::min(s.n, end * kRows);
   if (first_column >= end_column) return;
   switch (s.format_type) {
@@ -1146,16 +1440,25 @@ void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
   }
 }
 
-void gguf_decode_row(const uint8_t* row, int64_t ggml_type, int64_t k, float* out) {
+void gguf_decode_row(const uint8_t* table, int64_t row_bytes, int64_t row, int64_t ggml_type, int64_t k, float* out) {
   const GgmlBlockFormat format = ggml_block_format(ggml_type);
-  const BlockDecoder decode = block_decoder(ggml_type);
+  const int64_t block_type = block_type_of(ggml_type);
+  const BlockDecoder decode = block_decoder(block_type);
+  if (is_interleaved_type(ggml_type)) {
+    const uint8_t* group = table + row / kInterleavedRows * kInterleavedRows * row_bytes;
+    uint8_t block_bytes[34];  // the largest interleaved type's block (Q8_0)
+    for (int64_t block = 0; block < k / format.values; ++block) {
+      interleaved_block(group, block, row % kInterleavedRows, block_type, block_bytes);
+      decode(block_bytes, out + block * format.values);
+    }
+    return;
+  }
   for (int64_t block = 0; block < k / format.values; ++block)
-    decode(row + block * format.bytes, out + block * format.values);
+    decode(table + row * row_bytes + block * format.bytes, out + block * format.values);
 }
 
 at::Tensor gguf_rows(const at::Tensor& weight, int64_t ggml_type, int64_t k, const at::Tensor& row_ids) {
   const GgmlBlockFormat format = checked_format(weight, ggml_type, k, "gguf_rows");
-  const BlockDecoder decode = block_decoder(ggml_type);
   const at::Tensor ids = row_ids.to(at::kLong).contiguous().reshape({-1});
   const int64_t num_rows = weight.size(0), num_ids = ids.size(0);
   const int64_t* id_data = ids.data_ptr<int64_t>();
@@ -1165,14 +1468,11 @@ at::Tensor gguf_rows(const at::Tensor& weight, int64_t ggml_type, int64_t k, con
   at::Tensor out = at::empty({num_ids, k}, at::TensorOptions().dtype(at::kFloat));
   float* out_data = out.data_ptr<float>();
   const uint8_t* table = weight.data_ptr<uint8_t>();
-  const int64_t row_bytes = weight.size(1), num_blocks = k / format.values;
+  const int64_t row_bytes = weight.size(1);
   at::parallel_for(0, num_ids, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_bytes)),
                    [&](int64_t begin, int64_t end) {
-                     for (int64_t i = begin; i < end; ++i) {
-                       const uint8_t* row = table + id_data[i] * row_bytes;
-                       for (int64_t block = 0; block < num_blocks; ++block)
-                         decode(row + block * format.bytes, out_data + i * k + block * format.values);
-                     }
+                     for (int64_t i = begin; i < end; ++i)
+                       gguf_decode_row(table, row_bytes, id_data[i], ggml_type, k, out_data + i * k);
                    });
   return out;
 }
@@ -1216,6 +1516,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_linear(Tensor x, Tensor weight, int ggml_type, Tensor? bias, str products='auto') -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int ggml_type, int k) -> Tensor");
   m.def("gguf_embedding(Tensor weight, int ggml_type, int k, Tensor ids) -> Tensor");
+  m.def("gguf_interleave(Tensor weight, int ggml_type) -> Tensor");
+  m.def("gguf_interleaved_is_fast() -> bool", &pagedserve_native::gguf_interleaved_is_fast);
   // No tensor arguments to dispatch on: a catch-all kernel.
   m.def("gguf_linear_max_rows() -> int", &gguf_linear_max_rows);
   m.def("gguf_linear_products() -> str[]", &gguf_linear_products);
@@ -1226,4 +1528,5 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
   m.impl("gguf_embedding", &gguf_embedding);
+  m.impl("gguf_interleave", &pagedserve_native::gguf_interleave);
 }
