@@ -1384,14 +1384,18 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
 
 template <int64_t kType>
 void run_all_interleaved_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
-  int64_t input = 0;
-  for (; input + kMaxInterleavedInputs <= s.m; input += kMaxInterleavedInputs)
-    run_interleaved_columns<kType, kMaxInterleavedInputs>(s, first_column, end_column, input);
-  switch (s.m - input) {
-    case 3: run_interleaved_columns<kType, 3>(s, first_column, end_column, input); break;
-    case 2: run_interleaved_columns<kType, 2>(s, first_column, end_column, input); break;
-    case 1: run_interleaved_columns<kType, 1>(s, first_column, end_column, input); break;
-    default: break;
+  // Group after group, every pass of rows over it: the group's blocks stay in L1 / L2 for the passes after the first.
+  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+    const int64_t end = column + kInterleavedRows;
+    int64_t input = 0;
+    for (; input + kMaxInterleavedInputs <= s.m; input += kMaxInterleavedInputs)
+      run_interleaved_columns<kType, kMaxInterleavedInputs>(s, column, end, input);
+    switch (s.m - input) {
+      case 3: run_interleaved_columns<kType, 3>(s, column, end, input); break;
+      case 2: run_interleaved_columns<kType, 2>(s, column, end, input); break;
+      case 1: run_interleaved_columns<kType, 1>(s, column, end, input); break;
+      default: break;
+    }
   }
 }
 
