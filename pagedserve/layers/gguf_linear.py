@@ -22,7 +22,8 @@ Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
 Because the unit depends on the batch size, batch_invariant=True dequantizes GGUF weights at load (config/engine.py).
 Embedding tables look up their rows the same way (`quantized_rows`).
 
-Interleaved layouts (`interleave_weight`): where the kernels read them with VNNI (`interleaves`), the loader
+Interleaved layouts (`interleave_weight`): where the kernels read them with vector instructions (`interleaves`:
+every type with VNNI, Q4_0 and Q4_1 at AVX2), the loader
 rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of 16 rows 16 rows at a time (kernels/cpu/gguf_linear.h: one
 64-byte vector holds 4 consecutive quants of each of 16 rows) and its `ggml_type` becomes the interleaved type id
 (`INTERLEAVED_TYPES`). The blocks are the same bytes in another order; both product units read the layout with no
@@ -86,7 +87,9 @@ def gguf_kernels_available() -> bool:
                     "embedding": torch.ops.pagedserve.gguf_embedding.default,
                     "interleave": torch.ops.pagedserve.gguf_interleave.default,
                     "products": tuple(torch.ops.pagedserve.gguf_linear_products()),
-                    "interleaved_is_fast": bool(torch.ops.pagedserve.gguf_interleaved_is_fast())}
+                    "fast_interleaved_types": frozenset(
+                        ggml_type for ggml_type in INTERLEAVED_TYPES.values()
+                        if torch.ops.pagedserve.gguf_interleaved_is_fast(ggml_type))}
     return bool(_ops)
 
 
@@ -102,10 +105,11 @@ def block_type(ggml_type: int) -> int:
 
 
 def interleaves(ggml_type: int, num_rows: int) -> bool:
-    """Whether a weight of `num_rows` rows of `ggml_type` blocks is interleaved at load: the kernels read the
-    interleaved layout with vector instructions here (VNNI), the type has one and the rows fill whole groups."""
-    return (gguf_kernels_available() and _ops["interleaved_is_fast"]
-            and ggml_type + INTERLEAVED_TYPE_OFFSET in INTERLEAVED_TYPES and num_rows % INTERLEAVED_ROWS == 0)
+    """Whether a weight of `num_rows` rows of `ggml_type` blocks is interleaved at load: the kernels read the type's
+    interleaved layout with vector instructions here (every type with VNNI, Q4_0 and Q4_1 at AVX2) and the rows fill
+    whole groups."""
+    return (gguf_kernels_available() and ggml_type in _ops["fast_interleaved_types"]
+            and num_rows % INTERLEAVED_ROWS == 0)
 
 
 def interleave_weight(weight: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:

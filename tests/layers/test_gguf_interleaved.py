@@ -168,4 +168,5 @@ def test_only_whole_groups_of_the_integer_types_interleave() -> None:
     with pytest.raises(RuntimeError, match="an interleaved weight .type 259. has a multiple of 16 rows, got 20"):
         op.gguf_linear(torch.randn(1, 64), blocks_of("Q4_1", 20, 64), 259, None)
     assert not interleaves(3, 20) and not interleaves(7, 32)
-    assert interleaves(3, 32) == bool(op.gguf_interleaved_is_fast())
+    for ggml_type in (8, 2, 3):
+        assert interleaves(ggml_type, 32) == bool(op.gguf_interleaved_is_fast(ggml_type))

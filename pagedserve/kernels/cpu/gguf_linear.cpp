@@ -467,9 +467,11 @@ at::Tensor gguf_interleave(const at::Tensor& weight, int64_t ggml_type) {
   return out;
 }
 
-bool gguf_interleaved_is_fast() {
+bool gguf_interleaved_is_fast(int64_t ggml_type) {
 #if defined(PAGEDSERVE_GGUF_VNNI)
-  return true;
+  return is_interleaved_type(ggml_type + kInterleavedTypeOffset);
+#elif defined(PAGEDSERVE_GGUF_AVX2)
+  return ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;  // Q8_0 takes the scalar loop without VNNI
 #else
   return false;
 #endif
@@ -1276,6 +1278,47 @@ inline int64_t x_tile_rows(const GgufLinearCall::State& s, int64_t first_input, 
   return s.tile_rows * 2 * kQuantBlock;
 }
 
+// The same integers and the same float operations, a column and a row at a time: builds without VNNI (and Q8_0
+// without it; the Q4 types below take AVX2).
+template <int64_t kType, int kInputs>
+void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                             int64_t first_input) {
+  constexpr int64_t kBytes = kBlockBytes<kType>;
+  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  const int64_t num_blocks = s.k / kQuantBlock;
+  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+    const uint8_t* const group = s.weight + column * s.row_bytes;
+    for (int r = 0; r < kInputs; ++r) {
+      const int64_t input = first_input + r;
+      float acc[kInterleavedRows] = {};
+      for (int64_t block = 0; block < num_blocks; ++block) {
+        const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
+        const int16_t* const x = s.x_quants.data() + input * s.k + block * kQuantBlock;
+        const float x_scale = s.x_scales[input * num_blocks + block], x_sum = s.x_sums[input * num_blocks + block];
+        for (int64_t c = 0; c < kInterleavedRows; ++c) {
+          int32_t dot = 0;
+          for (int i = 0; i < kQuantBlock; ++i) {
+            int32_t q;
+            if constexpr (kType == kGgmlQ8_0) {
+              q = static_cast<int8_t>(blocks[64 * (i / 4) + 4 * c + i % 4]);
+            } else {
+              const uint8_t byte = blocks[64 * ((i % 16) / 4) + 4 * c + i % 4];
+              q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+              if constexpr (kType == kGgmlQ4_0) q -= 8;
+            }
+            dot += q * x[i];
+          }
+          const float d = half_to_float(blocks + kQuantBytes + 2 * c);
+          acc[c] = std::fma(static_cast<float>(dot), d * x_scale, acc[c]);
+          if constexpr (kType == kGgmlQ4_1) acc[c] = std::fma(half_to_float(blocks + kQuantBytes + 32 + 2 * c), x_sum, acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < kInterleavedRows; ++c)
+        s.y[input * s.n + column + c] = acc[c] + (s.bias != nullptr ? s.bias[column + c] : 0.0f);
+    }
+  }
+}
+
 #if defined(PAGEDSERVE_GGUF_VNNI)
 template <int64_t kType, int kInputs>
 void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
@@ -1340,45 +1383,78 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
     for (int r = 0; r < kInputs; ++r) _mm512_storeu_ps(s.y + (first_input + r) * s.n + column, _mm512_add_ps(acc[r], bias));
   }
 }
-#else
-// Without VNNI: the same integers and the same float operations, a column and a row at a time.
+#elif defined(PAGEDSERVE_GGUF_AVX2)
+// AVX2 without VNNI, the Q4 types (Q8_0 takes the scalar loop): a group's 16 rows as two halves of 8 in 256-bit
+// vectors, VPMADDUBSW for the byte products (exact here: a pair of the high bytes' products is at most
+// 2 x 15 x 128 = 3840 and eight chunks' pairs sum to 30720 in int16; a pair of the low bytes' at most
+// 2 x 255 x 15 = 7650, four chunks at a time), VPMADDWD by ones into int32, then the same epilogue per lane.
 template <int64_t kType, int kInputs>
 void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
                              int64_t first_input) {
-  constexpr int64_t kBytes = kBlockBytes<kType>;
-  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
-  const int64_t num_blocks = s.k / kQuantBlock;
-  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
-    const uint8_t* const group = s.weight + column * s.row_bytes;
-    for (int r = 0; r < kInputs; ++r) {
-      const int64_t input = first_input + r;
-      float acc[kInterleavedRows] = {};
+  if constexpr (kType == kGgmlQ8_0) {
+    run_interleaved_columns_scalar<kType, kInputs>(s, first_column, end_column, first_input);
+  } else {
+    constexpr int64_t kBytes = kBlockBytes<kType>;
+    constexpr int64_t kQuantBytes = 256;
+    const int64_t num_blocks = s.k / kQuantBlock;
+    const uint8_t* x_rows[kInputs];
+    const int64_t x_stride = x_tile_rows<kInputs>(s, first_input, x_rows);
+    const float* const x_scales = s.x_scales.data() + first_input * num_blocks;
+    const float* const x_sums = s.x_sums.data() + first_input * num_blocks;
+    const int32_t* const x_offsets = kType == kGgmlQ4_1 ? nullptr : s.x_offsets.data() + first_input * num_blocks;
+    const auto broadcast = [](const uint8_t* p) {
+      int32_t word;
+      std::memcpy(&word, p, sizeof(word));
+      return _mm256_set1_epi32(word);
+    };
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+      const uint8_t* const group = s.weight + column * s.row_bytes;
+      __m256 acc[kInputs][2];
+      for (int r = 0; r < kInputs; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t block = 0; block < num_blocks; ++block) {
         const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
-        const int16_t* const x = s.x_quants.data() + input * s.k + block * kQuantBlock;
-        const float x_scale = s.x_scales[input * num_blocks + block], x_sum = s.x_sums[input * num_blocks + block];
-        for (int64_t c = 0; c < kInterleavedRows; ++c) {
-          int32_t dot = 0;
-          for (int i = 0; i < kQuantBlock; ++i) {
-            int32_t q;
-            if constexpr (kType == kGgmlQ8_0) {
-              q = static_cast<int8_t>(blocks[64 * (i / 4) + 4 * c + i % 4]);
-            } else {
-              const uint8_t byte = blocks[64 * ((i % 16) / 4) + 4 * c + i % 4];
-              q = i < 16 ? (byte & 0x0F) : (byte >> 4);
-              if constexpr (kType == kGgmlQ4_0) q -= 8;
-            }
-            dot += q * x[i];
+        for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7: bytes 32 half .. of each chunk
+          __m256i weight[8];  // chunk j < 4's low nibbles, then chunk j - 4's high ones (x's bytes 4j ..)
+          for (int j = 0; j < 4; ++j) {
+            const __m256i chunk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + 64 * j + 32 * half));
+            weight[j] = _mm256_and_si256(chunk, nibble);
+            weight[j + 4] = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), nibble);
           }
-          const float d = half_to_float(blocks + kQuantBytes + 2 * c);
-          acc[c] = std::fma(static_cast<float>(dot), d * x_scale, acc[c]);
-          if constexpr (kType == kGgmlQ4_1) acc[c] = std::fma(half_to_float(blocks + kQuantBytes + 32 + 2 * c), x_sum, acc[c]);
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + kQuantBytes + 16 * half)));
+          const __m256 m = kType == kGgmlQ4_1
+                               ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + kQuantBytes + 32 + 16 * half)))
+                               : _mm256_setzero_ps();
+          for (int r = 0; r < kInputs; ++r) {
+            const uint8_t* const x = x_rows[r] + block * x_stride;
+            __m256i high = _mm256_setzero_si256(), low[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int j = 0; j < 8; ++j) {
+              high = _mm256_add_epi16(high, _mm256_maddubs_epi16(weight[j], broadcast(x + 4 * j)));
+              low[j / 4] = _mm256_add_epi16(low[j / 4], _mm256_maddubs_epi16(broadcast(x + kQuantBlock + 4 * j), weight[j]));
+            }
+            __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high, ones), 8),
+                                           _mm256_add_epi32(_mm256_madd_epi16(low[0], ones), _mm256_madd_epi16(low[1], ones)));
+            if constexpr (kType != kGgmlQ4_1) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(x_offsets[r * num_blocks + block]));
+            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r * num_blocks + block])),
+                                           acc[r][half]);
+            if constexpr (kType == kGgmlQ4_1)
+              acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x_sums[r * num_blocks + block]), acc[r][half]);
+          }
         }
       }
-      for (int64_t c = 0; c < kInterleavedRows; ++c)
-        s.y[input * s.n + column + c] = acc[c] + (s.bias != nullptr ? s.bias[column + c] : 0.0f);
+      for (int half = 0; half < 2; ++half) {
+        const __m256 bias = s.bias != nullptr ? _mm256_loadu_ps(s.bias + column + 8 * half) : _mm256_setzero_ps();
+        for (int r = 0; r < kInputs; ++r)
+          _mm256_storeu_ps(s.y + (first_input + r) * s.n + column + 8 * half, _mm256_add_ps(acc[r][half], bias));
+      }
     }
   }
+}
+#else
+template <int64_t kType, int kInputs>
+void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                             int64_t first_input) {
+  run_interleaved_columns_scalar<kType, kInputs>(s, first_column, end_column, first_input);
 }
 #endif
 
@@ -1521,7 +1597,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("gguf_dequantize(Tensor weight, int ggml_type, int k) -> Tensor");
   m.def("gguf_embedding(Tensor weight, int ggml_type, int k, Tensor ids) -> Tensor");
   m.def("gguf_interleave(Tensor weight, int ggml_type) -> Tensor");
-  m.def("gguf_interleaved_is_fast() -> bool", &pagedserve_native::gguf_interleaved_is_fast);
+  m.def("gguf_interleaved_is_fast(int ggml_type) -> bool", &pagedserve_native::gguf_interleaved_is_fast);
   // No tensor arguments to dispatch on: a catch-all kernel.
   m.def("gguf_linear_max_rows() -> int", &gguf_linear_max_rows);
   m.def("gguf_linear_products() -> str[]", &gguf_linear_products);
