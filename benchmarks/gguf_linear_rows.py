@@ -6,9 +6,13 @@ rows: a decode step's linear time at batch M (a 5-row call is a batch-1 ngram ve
 interleave the row counts; the best round of each is reported, as ms per step and as the ratio to M=1.
 
 Each product unit of the build (`--products`, default every unit gguf_linear_products() lists: 'amx' where AMX-INT8
-runs, 'vector') is timed on the same inputs; a unit's column past the vector products' 64 rows is left out.
+runs, 'vector') is timed on the same inputs, on each weight layout (`--layouts`): 'file' (the blocks as the file
+holds them) and 'interleaved' (layers/gguf_linear.py interleave_weight, for the weights the loader interleaves on
+this machine: `interleaves`; the others stay in the file's layout, as in the engine). A unit's rows past the vector
+products' 64 are left out.
 
     python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1] [--products amx vector]
+        [--layouts file interleaved]
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 from gguf import GGUFReader
 
 from pagedserve.kernels import cpu_isa
-from pagedserve.layers.gguf_linear import KERNEL_TYPES, gguf_kernels_available, gguf_linear_products
+from pagedserve.layers.gguf_linear import (KERNEL_TYPES, block_type, gguf_kernels_available, gguf_linear_products,
+                                           interleave_weight, interleaves)
 from pagedserve.model_loader.default_model import resolve_model_path
 
 import native_guard
@@ -58,26 +63,32 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--products", nargs="+", default=None, help="units to time (default: every unit of the build)")
+    parser.add_argument("--layouts", nargs="+", default=["file", "interleaved"], choices=["file", "interleaved"])
     args = parser.parse_args()
     native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not gguf_kernels_available():
         raise SystemExit("the native GGUF kernels are not available on this machine")
     units = args.products or list(gguf_linear_products())
     torch.set_num_threads(args.threads)
-    products = step_weights(resolve_model_path(None))
+    file_products = step_weights(resolve_model_path(None))
+    layouts = {"file": file_products,
+               "interleaved": [(*interleave_weight(blocks, ggml_type), k) if interleaves(ggml_type, blocks.shape[0])
+                               else (blocks, ggml_type, k) for blocks, ggml_type, k in file_products]}
+    products = file_products
     linear = torch.ops.pagedserve.gguf_linear
     generator = torch.Generator().manual_seed(0)
     inputs = {m: {k: torch.randn(m, k, generator=generator) for k in {k for _, _, k in products}} for m in args.rows}
 
-    def run(m: int, unit: str) -> float:
+    def run(m: int, unit: str, layout: str) -> float:
         x = inputs[m]
         clock = time.thread_time if args.threads == 1 else time.perf_counter
         start = clock()
-        for blocks, ggml_type, k in products:
+        for blocks, ggml_type, k in layouts[layout]:
             linear(x[k], blocks, ggml_type, None, unit)
         return clock() - start
 
-    cases = [(m, unit) for m in args.rows for unit in units if unit == "amx" or m <= VECTOR_MAX_ROWS]
+    cases = [(m, unit, layout) for m in args.rows for layout in args.layouts for unit in units
+             if unit == "amx" or m <= VECTOR_MAX_ROWS]
     for case in cases:
         run(*case)  # warm-up (and the library build)
     best = dict.fromkeys(cases, float("inf"))
@@ -86,15 +97,17 @@ def main() -> None:
             best[case] = min(best[case], run(*case))
     num_bytes = sum(blocks.numel() for blocks, _, _ in products)
     types = sorted({KERNEL_TYPES[t] for _, t, _ in products})
-    print(f"ISA level {cpu_isa.describe()}; {len(products)} products ({', '.join(types)}), {num_bytes / 1e6:.1f} MB "
-          f"of blocks, {args.threads} threads; {'CPU' if args.threads == 1 else 'wall'} ms per decode step's products "
-          f"(best of {args.repeats}); 'vs 1 row': against the same unit at {args.rows[0]} rows")
-    print(f"{'rows':>4} {'unit':>7} {'ms':>8} {'vs 1 row':>8} {'GB/s':>6} {'ms/row':>7}")
-    for m, unit in cases:
-        seconds = best[(m, unit)]
-        first = best.get((args.rows[0], unit), float("nan"))
-        print(f"{m:>4} {unit:>7} {seconds * 1e3:8.2f} {seconds / first:7.2f}x {num_bytes / seconds / 1e9:6.1f} "
-              f"{seconds * 1e3 / m:7.2f}")
+    interleaved = sorted({KERNEL_TYPES[block_type(t)] for _, t, _ in layouts["interleaved"] if block_type(t) != t})
+    print(f"ISA level {cpu_isa.describe()}; {len(products)} products ({', '.join(types)}; interleaved here: "
+          f"{', '.join(interleaved) or 'none'}), {num_bytes / 1e6:.1f} MB of blocks, {args.threads} threads; "
+          f"{'CPU' if args.threads == 1 else 'wall'} ms per decode step's products (best of {args.repeats}); "
+          f"'vs 1 row': against the same unit and layout at {args.rows[0]} rows")
+    print(f"{'rows':>4} {'layout':>11} {'unit':>7} {'ms':>8} {'vs 1 row':>8} {'GB/s':>6} {'ms/row':>7}")
+    for m, unit, layout in cases:
+        seconds = best[(m, unit, layout)]
+        first = best.get((args.rows[0], unit, layout), float("nan"))
+        print(f"{m:>4} {layout:>11} {unit:>7} {seconds * 1e3:8.2f} {seconds / first:7.2f}x "
+              f"{num_bytes / seconds / 1e9:6.1f} {seconds * 1e3 / m:7.2f}")
 
 if __name__ == "__main__":
     main()
