@@ -411,14 +411,17 @@ FEATURES: tuple[Feature, ...] = (
                                                     "their blocks (int16 activation dot products for Q8_0/Q4_0/Q4_1, "
                                                     "on AMX-INT8 tiles from 5 rows and for prefill where the CPU "
                                                     "has them; decoded blocks for the others, dequantized tiles for "
-                                                    "their prefill), "
+                                                    "their prefill; Q8_0/Q4_0/Q4_1 interleaved 16 rows at a time at "
+                                                    "load where the CPU has VNNI, Q4_0/Q4_1 at AVX2: the same bits "
+                                                    "on every unit and batch size), "
                                                     "in the native decode stack too; gguf_dequantize=True keeps the "
                                                     "float path",
         modules=("pagedserve.layers.gguf_linear", "pagedserve.model_loader.gguf_quantized_load",
                  "pagedserve.models.native_decode_stack"),
         knobs=("gguf_dequantize",),
         docs="docs/quantization.md",
-        tests=("tests/layers/test_gguf_linear.py", "tests/model_loader/test_gguf_kept_quantized.py",
+        tests=("tests/layers/test_gguf_linear.py", "tests/layers/test_gguf_interleaved.py",
+               "tests/model_loader/test_gguf_kept_quantized.py",
                "tests/model_loader/test_gguf_decode_stack.py", "tests/accuracy/test_quantized_perplexity.py"),
     ),
     Feature(

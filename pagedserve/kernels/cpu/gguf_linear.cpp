@@ -5,8 +5,11 @@
 // per value where float32 is 32, so keeping the blocks and decoding them in registers reads 6.4x fewer bytes.
 //
 // Work split and numerics:
-// - Weight rows (output columns) are split between threads in units of kRows rows (kAmxColumns on the amx unit);
-//   each thread walks its rows' blocks front to back and decodes each block once for every input row.
+// - Weight rows (output columns) are split between threads in units of kRows rows (kAmxColumns on the amx unit and
+//   on the interleaved layouts, whose groups of 16 rows are the units); each thread walks its rows' blocks front to
+//   back and decodes each block once for every input row.
+// - The interleaved layouts (gguf_linear.h; run_interleaved_columns, run_amx_columns<kType, true>) give a row the
+//   same bits on every unit, at every batch size and ISA level (the same exact integers, the same float operations).
 // - Dequantization is ggml's reference arithmetic operation for operation (dequantize_row_* in ggml-quants.c:
 //   d * q + m as a product then a sum, never a fused multiply-add; this file is compiled with fp-contract off), so
 //   `gguf_dequantize` is bitwise the values model_loader/gguf_dequant.py (and llama.cpp's reference) produce.

@@ -1,7 +1,8 @@
 // GGUF-quantized linear cut into the pieces a caller's own parallel region runs (gguf_linear.cpp).
 //
 // pagedserve::gguf_linear is: check the product (this class's constructor), then run its work units, blocks of
-// kRows output columns (at::parallel_for over num_units() with grain()). A column's result never depends on which
+// output columns (4; 16 on the amx unit and on the interleaved layouts) (at::parallel_for over num_units() with
+// grain()). A column's result never depends on which
 // thread computes it or on the other columns, so a caller running the units in its own region gets the op's bits.
 #pragma once
 
