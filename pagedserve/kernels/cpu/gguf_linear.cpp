@@ -564,12 +564,15 @@ bool gguf_amx_takes(int64_t ggml_type) {
 
 namespace {
 
-// 'auto' takes the amx unit from this many input rows (benchmarks/gguf_linear_rows.py --products).
+// 'auto' takes the amx unit from this many input rows (benchmarks/gguf_linear_rows.py --products); on the interleaved
+// layouts, whose vector products need no decoding, from more (both units give the same bits there).
 constexpr int64_t kAmxMinRows = 5;
+constexpr int64_t kAmxMinRowsInterleaved = 8;
 
 // Whether this call's products run on the amx unit: `products` is 'auto', 'amx' or 'vector' (raises c10::Error for
 // another name, or for 'amx' where gguf_linear_products() does not list it or the type is not an integer-product type).
-bool uses_amx_products(const std::string& products, int64_t ggml_type, int64_t m) {
+bool uses_amx_products(const std::string& products, int64_t format_type, int64_t m) {
+  const int64_t ggml_type = block_type_of(format_type);
   TORCH_CHECK(products == "auto" || products == kAmxProducts || products == kVectorProducts,
               "gguf_linear: products must be 'auto', 'amx' or 'vector', got '", products, "'");
   const std::vector<std::string>& units = gguf_linear_products();
@@ -581,7 +584,8 @@ bool uses_amx_products(const std::string& products, int64_t ggml_type, int64_t m
                 "blocks, got ggml type ", ggml_type);
     return true;
   }
-  return products == "auto" && has_amx && is_integer_product_type(ggml_type) && m >= kAmxMinRows;
+  return products == "auto" && has_amx && is_integer_product_type(ggml_type) &&
+         m >= (is_interleaved_type(format_type) ? kAmxMinRowsInterleaved : kAmxMinRows);
 }
 
 // x's int16 quants as the amx unit's A tiles (State::x_tiles), rows padded to whole tiles.
@@ -646,7 +650,7 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
   s.format = checked_format(weight, ggml_type, x.size(1), "gguf_linear");
   s.block_type = block_type_of(ggml_type);
   s.is_interleaved = is_interleaved_type(ggml_type);
-  s.is_amx = uses_amx_products(products, s.block_type, x.size(0));
+  s.is_amx = uses_amx_products(products, ggml_type, x.size(0));
   TORCH_CHECK(s.is_amx || x.size(0) <= kMaxInputs, "gguf_linear: M=", x.size(0), " exceeds ", kMaxInputs,
               " (the limit of the vector products; the amx unit, where it runs, takes any M)");
   s.format_type = ggml_type;
