@@ -13,8 +13,8 @@ Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
   (`gguf_linear_products()`): 'vector' (AVX2: one block at a time; AVX-512: four blocks per vector, VPDPWSSD where
   the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, at the amx level, 'amx' (AMX-INT8
   tiles: x's quants split in bytes, two tile products per 32-value block, the weight decoded into B tiles once per
-  call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts); the other types decode each block with ggml's reference
-  arithmetic and multiply it into every row in float32. Within a unit a row's result does not depend on the other
+  call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts); the other types decode
+  each block with ggml's reference arithmetic and multiply it into every row in float32. Within a unit a row's result does not depend on the other
   rows or the thread count (its float summation order depends on the unit and the ISA level);
 - larger batches (prefill chunks): Q8_0, Q4_0 and Q4_1 on the kernel's amx unit where it runs (`runs_on_kernel`);
   otherwise the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time (the same values, bitwise,
