@@ -1273,16 +1273,35 @@ void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_
 // give the same bits for a row whatever M is, and so does the scalar loop below on builds without VNNI.
 constexpr int kMaxInterleavedInputs = 4;  // input rows per pass over a group (their accumulators in registers)
 
-// Rows [first_input, first_input + kInputs) of x's byte quants: row r's block `block` at rows[r] + block * stride
-// (64 bytes: 32 high bytes, then 32 low bytes).
+// Rows [first_input, first_input + kInputs) of x as the interleaved vector products read them: row r's block b in
+// bytes at rows[r] + b * stride (64 bytes: 32 high bytes, then 32 low bytes), its scale, sum and integer remainder
+// at [r * num_blocks + b] of scales, sums and offsets (offsets: null for Q4_1).
 template <int kInputs>
-inline int64_t x_tile_rows(const GgufLinearCall::State& s, int64_t first_input, const uint8_t* (&rows)[kInputs]) {
-  const int64_t num_blocks = s.k / kQuantBlock;
-  for (int r = 0; r < kInputs; ++r) {
-    const int64_t input = first_input + r, tile = input / s.tile_rows, row = input % s.tile_rows;
-    rows[r] = s.x_tiles.data() + (tile * num_blocks * s.tile_rows + row) * 2 * kQuantBlock;
+struct InterleavedInputs {
+  const uint8_t* rows[kInputs];
+  int64_t stride;
+  const float* scales;
+  const float* sums;
+  const int32_t* offsets;
+
+  InterleavedInputs(const GgufLinearCall::State& s, int64_t first_input)
+      : stride(s.tile_rows * 2 * kQuantBlock),
+        scales(s.x_scales.data() + first_input * (s.k / kQuantBlock)),
+        sums(s.x_sums.data() + first_input * (s.k / kQuantBlock)),
+        offsets(s.x_offsets.empty() ? nullptr : s.x_offsets.data() + first_input * (s.k / kQuantBlock)) {
+    const int64_t num_blocks = s.k / kQuantBlock;
+    for (int r = 0; r < kInputs; ++r) {
+      const int64_t input = first_input + r, tile = input / s.tile_rows, row = input % s.tile_rows;
+      rows[r] = s.x_tiles.data() + (tile * num_blocks * s.tile_rows + row) * 2 * kQuantBlock;
+    }
   }
-  return s.tile_rows * 2 * kQuantBlock;
+};
+
+// Four of x's bytes as one int32 (the broadcast operand of the byte products).
+inline int32_t four_bytes(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return word;
 }
 
 // The same integers and the same float operations, a column and a row at a time: builds without VNNI (and Q8_0
@@ -1333,16 +1352,8 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
   constexpr int64_t kBytes = kBlockBytes<kType>;
   constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
   const int64_t num_blocks = s.k / kQuantBlock;
-  const uint8_t* x_rows[kInputs];
-  const int64_t x_stride = x_tile_rows<kInputs>(s, first_input, x_rows);
-  const float* const x_scales = s.x_scales.data() + first_input * num_blocks;
-  const float* const x_sums = s.x_sums.data() + first_input * num_blocks;
-  const int32_t* const x_offsets = kType == kGgmlQ4_1 ? nullptr : s.x_offsets.data() + first_input * num_blocks;
-  const auto broadcast = [](const uint8_t* p) {
-    int32_t word;
-    std::memcpy(&word, p, sizeof(word));
-    return _mm512_set1_epi32(word);
-  };
+  const InterleavedInputs<kInputs> in(s, first_input);
+  const auto broadcast = [](const uint8_t* p) { return _mm512_set1_epi32(four_bytes(p)); };
   for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
     const uint8_t* const group = s.weight + column * s.row_bytes;
     __m512 acc[kInputs];
@@ -1370,7 +1381,7 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
                            ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes + 32)))
                            : _mm512_setzero_ps();
       for (int r = 0; r < kInputs; ++r) {
-        const uint8_t* const x = x_rows[r] + block * x_stride;
+        const uint8_t* const x = in.rows[r] + block * in.stride;
         // Two chains each for the high and low bytes (even and odd chunks): shorter dependency chains.
         __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         __m512i low[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -1380,10 +1391,10 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
         }
         __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(high[0], high[1]), 8),
                                        _mm512_add_epi32(low[0], low[1]));
-        if constexpr (kType != kGgmlQ4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(x_offsets[r * num_blocks + block]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * num_blocks + block])),
+        if constexpr (kType != kGgmlQ4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(in.offsets[r * num_blocks + block]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(in.scales[r * num_blocks + block])),
                                  acc[r]);
-        if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
+        if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(in.sums[r * num_blocks + block]), acc[r]);
       }
     }
     const __m512 bias = s.bias != nullptr ? _mm512_loadu_ps(s.bias + column) : _mm512_setzero_ps();
@@ -1404,16 +1415,8 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
     constexpr int64_t kBytes = kBlockBytes<kType>;
     constexpr int64_t kQuantBytes = 256;
     const int64_t num_blocks = s.k / kQuantBlock;
-    const uint8_t* x_rows[kInputs];
-    const int64_t x_stride = x_tile_rows<kInputs>(s, first_input, x_rows);
-    const float* const x_scales = s.x_scales.data() + first_input * num_blocks;
-    const float* const x_sums = s.x_sums.data() + first_input * num_blocks;
-    const int32_t* const x_offsets = kType == kGgmlQ4_1 ? nullptr : s.x_offsets.data() + first_input * num_blocks;
-    const auto broadcast = [](const uint8_t* p) {
-      int32_t word;
-      std::memcpy(&word, p, sizeof(word));
-      return _mm256_set1_epi32(word);
-    };
+    const InterleavedInputs<kInputs> in(s, first_input);
+    const auto broadcast = [](const uint8_t* p) { return _mm256_set1_epi32(four_bytes(p)); };
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
       const uint8_t* const group = s.weight + column * s.row_bytes;
@@ -1433,7 +1436,7 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
                                ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + kQuantBytes + 32 + 16 * half)))
                                : _mm256_setzero_ps();
           for (int r = 0; r < kInputs; ++r) {
-            const uint8_t* const x = x_rows[r] + block * x_stride;
+            const uint8_t* const x = in.rows[r] + block * in.stride;
             __m256i high = _mm256_setzero_si256(), low[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int j = 0; j < 8; ++j) {
               high = _mm256_add_epi16(high, _mm256_maddubs_epi16(weight[j], broadcast(x + 4 * j)));
@@ -1441,11 +1444,11 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
             }
             __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high, ones), 8),
                                            _mm256_add_epi32(_mm256_madd_epi16(low[0], ones), _mm256_madd_epi16(low[1], ones)));
-            if constexpr (kType != kGgmlQ4_1) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(x_offsets[r * num_blocks + block]));
-            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r * num_blocks + block])),
+            if constexpr (kType != kGgmlQ4_1) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(in.offsets[r * num_blocks + block]));
+            acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(in.scales[r * num_blocks + block])),
                                            acc[r][half]);
             if constexpr (kType == kGgmlQ4_1)
-              acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(x_sums[r * num_blocks + block]), acc[r][half]);
+              acc[r][half] = _mm256_fmadd_ps(m, _mm256_set1_ps(in.sums[r * num_blocks + block]), acc[r][half]);
           }
         }
       }
