@@ -11,8 +11,8 @@ holds them) and 'interleaved' (layers/gguf_linear.py interleave_weight, for the 
 this machine: `interleaves`; the others stay in the file's layout, as in the engine). A unit's rows past the vector
 products' 64 are left out.
 
-    python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1] [--products amx vector]
-        [--layouts file interleaved]
+    python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1]
+        [--products amx vector] [--layouts file interleaved]
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
   the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, at the amx level, 'amx' (AMX-INT8
   tiles: x's quants split in bytes, two tile products per 32-value block, the weight decoded into B tiles once per
   call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts); the other types decode
-  each block with ggml's reference arithmetic and multiply it into every row in float32. Within a unit a row's result does not depend on the other
-  rows or the thread count (its float summation order depends on the unit and the ISA level);
+  each block with ggml's reference arithmetic and multiply it into every row in float32. Within a unit a row's
+  result does not depend on the other rows or the thread count (its float summation order depends on the unit and
+  the ISA level);
 - larger batches (prefill chunks): Q8_0, Q4_0 and Q4_1 on the kernel's amx unit where it runs (`runs_on_kernel`);
   otherwise the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time (the same values, bitwise,
   as the file dequantized at load) and multiplied with F.linear.
@@ -23,12 +24,11 @@ Because the unit depends on the batch size, batch_invariant=True dequantizes GGU
 Embedding tables look up their rows the same way (`quantized_rows`).
 
 Interleaved layouts (`interleave_weight`): where the kernels read them with vector instructions (`interleaves`:
-every type with VNNI, Q4_0 and Q4_1 at AVX2), the loader
-rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of 16 rows 16 rows at a time (kernels/cpu/gguf_linear.h: one
-64-byte vector holds 4 consecutive quants of each of 16 rows) and its `ggml_type` becomes the interleaved type id
-(`INTERLEAVED_TYPES`). The blocks are the same bytes in another order; both product units read the layout with no
-transposes (the amx unit loads a Q8_0 group's quants as its B tiles in place), and they give a row the same bits
-on it whatever the batch size.
+every type with VNNI, Q4_0 and Q4_1 at AVX2), the loader rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of
+16 rows 16 rows at a time (kernels/cpu/gguf_linear.h: one 64-byte vector holds 4 consecutive quants of each of 16
+rows) and its `ggml_type` becomes the interleaved type id (`INTERLEAVED_TYPES`). The blocks are the same bytes in
+another order; both product units read the layout with no transposes (the amx unit loads a Q8_0 group's quants as
+its B tiles in place), and they give a row the same bits on it whatever the batch size.
 
 The kernels need the native CPU library; without it (PAGEDSERVE_CPU_ISA=none, a CPU without a build) the loader
 dequantizes at load instead (model_loader/gguf_quantized_load.py says so in the log).
@@ -133,8 +133,8 @@ def row_bytes(ggml_type: int, num_values: int) -> int:
     """Bytes one row of `num_values` values takes in `ggml_type` blocks (ValueError when it is not whole blocks)."""
     values, num_bytes = BLOCK_FORMATS[block_type(ggml_type)]
     if num_values % values:
-        raise ValueError(f"a {KERNEL_TYPES[block_type(ggml_type)]} row of {num_values} values is not a whole number of "
-                         f"{values}-value blocks")
+        raise ValueError(f"a {KERNEL_TYPES[block_type(ggml_type)]} row of {num_values} values is not a whole number "
+                         f"of {values}-value blocks")
     return num_values // values * num_bytes
 
 

@@ -128,8 +128,8 @@ def interleave_kept_modules(model: nn.Module) -> int:
             module.ggml_type = interleaved_type
         num_interleaved += 1
     if num_interleaved:
-        logger.info("GGUF weights kept quantized: %d interleaved 16 rows at a time (the layout the VNNI / AMX "
-                    "products read)", num_interleaved)
+        logger.info("GGUF weights kept quantized: %d interleaved 16 rows at a time (the layout the kernels' byte "
+                    "products read fastest here)", num_interleaved)
     return num_interleaved
 
 
