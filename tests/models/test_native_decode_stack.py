@@ -423,7 +423,7 @@ def test_greedy_steps_sample_in_the_stack(tiny_model_dir, monkeypatch, num_promp
     """Steps whose requests only sample greedily take greedy_rows: the batch's inputs, the stack, the LM head's
     argmax and the append in one call (bfloat16: in the region, or after the layers op by op; float32: in the region
     only, else the general path). The tokens equal those of the stack with the head sampled separately and of the
-    modules. Prompts reach past the 256-token partition."""
+    modules. Prompts reach past the first 128-token partition (DECODE_PARTITION_TOKENS)."""
     import pagedserve.models.native_decode_stack as stack_module
 
     if not in_region:
