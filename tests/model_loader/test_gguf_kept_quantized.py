@@ -14,7 +14,7 @@ from hf_reference import hf_greedy_with_logprobs
 from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.embedding import VocabParallelEmbedding
-from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, block_type
+from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, INTERLEAVED_TYPE_OFFSET, block_type, interleaves
 from pagedserve.layers.linear import LinearBase
 from pagedserve.model_loader.gguf_loader import load_gguf
 from test_gguf_tiny_files import write_tiny_gguf
@@ -95,6 +95,27 @@ def test_greedy_picks_are_transformers_argmax_on_the_dequantized_weights(tiny_fi
     assert all(module.weight.dtype == torch.uint8 for module in quantized)
     assert model.model.embed_tokens.ggml_type is not None and model.lm_head.linear_method is GGUF_LINEAR_METHOD
     assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(llm))
+
+
+@pytest.mark.parametrize("name", ["llama-q4_1", "llama-q8_0-head"])
+def test_interleaving_on_and_off_both_pick_transformers_argmax(tiny_files, tmp_path, monkeypatch, name: str) -> None:
+    """The interleaved layout (on: where the kernels read the type fast) and the file's layout (off): each engine's
+    greedy picks are transformers' argmax on the dequantized weights, and the modules name their layout."""
+    import pagedserve.model_loader.model_factory as model_factory
+
+    path = tiny_files[name]
+    interleaved = _model_of(LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128))
+    monkeypatch.setattr(model_factory, "interleave_kept_modules", lambda model: 0)
+    file_layout_llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    file_layout = _model_of(file_layout_llm)
+    for module_on, module_off in zip(interleaved.modules(), file_layout.modules()):
+        if getattr(module_off, "ggml_type", None) is None:
+            continue
+        assert block_type(module_off.ggml_type) == module_off.ggml_type  # the file's layout
+        expected = (module_off.ggml_type + INTERLEAVED_TYPE_OFFSET
+                    if interleaves(module_off.ggml_type, module_off.weight.shape[0]) else module_off.ggml_type)
+        assert module_on.ggml_type == expected
+    assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(file_layout_llm))
 
 
 def test_tied_head_shares_the_embedding_blocks_and_memory_is_the_files(tiny_files) -> None:
