@@ -304,6 +304,9 @@ inline bool is_integer_product_type(int64_t ggml_type) {
 // The bytes of a Q8_0 / Q4_0 / Q4_1 block.
 template <int64_t kType>
 constexpr int64_t kBlockBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+// The quant bytes of an interleaved group's block (gguf_linear.h): 16 rows' quants, before their d (and m).
+template <int64_t kType>
+constexpr int64_t kInterleavedQuantBytes = kInterleavedRows * (kType == kGgmlQ8_0 ? 32 : 16);
 
 using BlockDecoder = void (*)(const uint8_t*, float*);
 
@@ -1042,29 +1045,37 @@ inline void transpose_runs(const uint8_t* runs, int64_t stride, int64_t num_colu
   rows[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Four 64-byte rows of Q4 quant bytes (row r: bytes 4r .. 4r + 3 of 16 columns' blocks; byte i holds value i in its
+// low nibble, 16 + i in its high one) as a B tile: its rows r (values 4r ..) and 4 + r (values 16 + 4r ..).
+template <int64_t kType>
+inline void store_nibble_tile(const __m512i rows[4], int8_t* tile) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    __m512i low = _mm512_and_si512(rows[r], nibble);
+    __m512i high = _mm512_and_si512(_mm512_srli_epi16(rows[r], 4), nibble);
+    if constexpr (kType == kGgmlQ4_0) {
+      low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
+      high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
+    }
+    _mm512_store_si512(tile + 64 * r, low);
+    _mm512_store_si512(tile + 64 * (4 + r), high);
+  }
+}
+
 // Block `block` of an interleaved row group (`group`: its first row's bytes) as the B tile's quants (Q4) and its 16
 // d_w (and Q4_1's m_w): the chunks are already the tile's rows, Q4 splits each in its two nibbles. A Q8_0 group's
 // quants are its B tile as they lie (run_amx_columns loads them in place): only the scales are read here.
 template <int64_t kType>
 inline void decode_interleaved_tile(const uint8_t* group, int64_t block, int8_t* tile, float* d, float* m) {
-  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kType>;
   const uint8_t* blocks = group + block * kInterleavedRows * kBlockBytes<kType>;
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes))));
   if constexpr (kType == kGgmlQ4_1)
     _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + kQuantBytes + 32))));
   if constexpr (kType != kGgmlQ8_0) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < 4; ++r) {
-      const __m512i chunk = _mm512_loadu_si512(blocks + 64 * r);
-      __m512i low = _mm512_and_si512(chunk, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(chunk, 4), nibble);
-      if constexpr (kType == kGgmlQ4_0) {
-        low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
-        high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
-      }
-      _mm512_store_si512(tile + 64 * r, low);
-      _mm512_store_si512(tile + 64 * (4 + r), high);
-    }
+    __m512i rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = _mm512_loadu_si512(blocks + 64 * r);
+    store_nibble_tile<kType>(rows, tile);
   }
 }
 
@@ -1089,19 +1100,8 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
       for (int r = 0; r < 4; ++r) _mm512_store_si512(tile + 64 * (4 * half + r), rows[r]);
     }
   } else {
-    // Byte i < 16 holds value i in its low nibble and value 16 + i in its high one.
     transpose_runs(base + (kType == kGgmlQ4_1 ? 4 : 2), s.row_bytes, num_columns, rows);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < 4; ++r) {
-      __m512i low = _mm512_and_si512(rows[r], nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(rows[r], 4), nibble);
-      if constexpr (kType == kGgmlQ4_0) {
-        low = _mm512_sub_epi8(low, _mm512_set1_epi8(8));  // Q4_0's values are q - 8
-        high = _mm512_sub_epi8(high, _mm512_set1_epi8(8));
-      }
-      _mm512_store_si512(tile + 64 * r, low);
-      _mm512_store_si512(tile + 64 * (4 + r), high);
-    }
+    store_nibble_tile<kType>(rows, tile);
   }
 }
 
@@ -1308,9 +1308,9 @@ inline int32_t four_bytes(const uint8_t* p) {
 // without it; the Q4 types below take AVX2).
 template <int64_t kType, int kInputs>
 void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
-                             int64_t first_input) {
+                                    int64_t first_input) {
   constexpr int64_t kBytes = kBlockBytes<kType>;
-  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kType>;
   const int64_t num_blocks = s.k / kQuantBlock;
   for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
     const uint8_t* const group = s.weight + column * s.row_bytes;
@@ -1350,7 +1350,7 @@ template <int64_t kType, int kInputs>
 void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
                              int64_t first_input) {
   constexpr int64_t kBytes = kBlockBytes<kType>;
-  constexpr int64_t kQuantBytes = kType == kGgmlQ8_0 ? 512 : 256;
+  constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kType>;
   const int64_t num_blocks = s.k / kQuantBlock;
   const InterleavedInputs<kInputs> in(s, first_input);
   const auto broadcast = [](const uint8_t* p) { return _mm512_set1_epi32(four_bytes(p)); };
@@ -1413,7 +1413,7 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
     run_interleaved_columns_scalar<kType, kInputs>(s, first_column, end_column, first_input);
   } else {
     constexpr int64_t kBytes = kBlockBytes<kType>;
-    constexpr int64_t kQuantBytes = 256;
+    constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kType>;
     const int64_t num_blocks = s.k / kQuantBlock;
     const InterleavedInputs<kInputs> in(s, first_input);
     const auto broadcast = [](const uint8_t* p) { return _mm256_set1_epi32(four_bytes(p)); };
