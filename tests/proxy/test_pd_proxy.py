@@ -297,6 +297,9 @@ def test_a_dead_decode_instance_fails_its_stream_and_the_others_serve(cluster, c
 
     served_before = {instance.base_url: served(instance) for instance in cluster["decode"]}
     long_stream = open_stream(1500)  # to `doomed` (both idle, it has served no more than the survivor)
+    # Frozen mid-answer, so that the stream is still in flight when it dies however fast the machine decodes (a
+    # stopped server's late /health answers keep it up on the proxy's side).
+    os.killpg(doomed.process.pid, signal.SIGSTOP)
     short_stream = open_stream(100)  # to the survivor (least-loaded: `doomed` has one in flight)
     metrics = proxy_metrics(cluster)
     # Each instance got one stream; the short one may already be whole on the proxy's side (no longer in flight).
