@@ -14,11 +14,17 @@ median, the ratio of medians, and the acceptance counters (vllm:spec_decode_*) o
              batch-size table num_speculative_tokens_per_batch_size (--table), which turns it off where it
              does not pay
 
+  --gguf-dequantize  every pagedserve engine runs the default model's GGUF file dequantized to float32 at load (as
+             the vLLM side always does) instead of its Q4_1 blocks kept quantized: decode then streams 540 MB of
+             weights per step, far past the last-level cache, and a K + 1 token verification reads them once as a
+             one-token step does; kept quantized (96 MB, integer products on int16 activations), a verification is
+             bound by its products' arithmetic and costs several decode steps
+
   vLLM       (--vllm-python) vLLM CPU on the same prompts (token ids), weights (pagedserve's float32
              dequantization of the default model, exported as an HF folder) and dtype, batch 1, without and with
              its own ngram speculation (same K and lookup bounds), in its own process after pagedserve's rounds
 
-    python benchmarks/spec_decode.py --rounds 3 --batch-sizes 16 64 [--vllm-python DIR/bin/python]
+    python benchmarks/spec_decode.py --rounds 3 --batch-sizes 16 64 [--gguf-dequantize] [--vllm-python DIR/bin/python]
 """
 from __future__ import annotations
 
@@ -158,6 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--gguf-dequantize", action="store_true",
+                        help="pagedserve runs the GGUF file dequantized at load (float32 weights), as vLLM does")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
@@ -175,7 +183,7 @@ def main() -> None:
     workload = json.load(open(WORKLOAD))
     ngram = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
-    common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0)
+    common = dict(model=args.model, dtype=args.dtype, max_model_len=1024, seed=0, gguf_dequantize=args.gguf_dequantize)
     from pagedserve.model_loader.default_model import DEFAULT_MODEL_NAME
 
     self_draft = {"method": "draft_model", "model": args.model or DEFAULT_MODEL_NAME,
@@ -190,6 +198,7 @@ def main() -> None:
         timed_run(llm, prompts[:1], 8, 1)
 
     results = {"native_kernels": native_kernels, "workload": os.path.relpath(WORKLOAD), "speculative_config": ngram,
+               "gguf_dequantize": args.gguf_dequantize,
                "table": json.loads(args.table),
                "runs": []}
     batch_one = compare({name: engines[name] for name in ("plain", "ngram", "self_draft")}, prompts,
@@ -201,7 +210,8 @@ def main() -> None:
         batched = {name: engines[name] for name in ("plain", "ngram", "ngram_table")}
         results["runs"].append(compare(batched, batch_prompts, workload["max_tokens"], batch_size, args.rounds))
 
-    path = args.json_out or result_path("spec_decode", "auto" if args.dtype == "auto" else args.dtype)
+    label = ("auto" if args.dtype == "auto" else args.dtype) + ("-dequantized" if args.gguf_dequantize else "")
+    path = args.json_out or result_path("spec_decode", label)
     write_result_file(results, path)  # before vLLM, whose engines take minutes to load on a small machine
     if args.vllm_python:
         dtype = "float32" if args.dtype == "auto" else args.dtype
