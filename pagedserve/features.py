@@ -412,7 +412,7 @@ FEATURES: tuple[Feature, ...] = (
                                                     "on AMX-INT8 tiles from 5 rows and for prefill where the CPU "
                                                     "has them; decoded blocks for the others, dequantized tiles for "
                                                     "their prefill; Q8_0/Q4_0/Q4_1 interleaved 16 rows at a time at "
-                                                    "load where the CPU has VNNI, Q4_0/Q4_1 at AVX2: the same bits "
+                                                    "load where the CPU has AVX2: the same bits "
                                                     "on every unit and batch size), "
                                                     "in the native decode stack too; gguf_dequantize=True keeps the "
                                                     "float path",

@@ -24,7 +24,7 @@ Because the unit depends on the batch size, batch_invariant=True dequantizes GGU
 Embedding tables look up their rows the same way (`quantized_rows`).
 
 Interleaved layouts (`interleave_weight`): where the kernels read them with vector instructions (`interleaves`:
-every type with VNNI, Q4_0 and Q4_1 at AVX2), the loader rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of
+every type at AVX2 and above), the loader rearranges a Q8_0 / Q4_0 / Q4_1 weight of a multiple of
 16 rows 16 rows at a time (kernels/cpu/gguf_linear.h: one 64-byte vector holds 4 consecutive quants of each of 16
 rows) and its `ggml_type` becomes the interleaved type id (`INTERLEAVED_TYPES`). The blocks are the same bytes in
 another order; both product units read the layout with no transposes (the amx unit loads a Q8_0 group's quants as
@@ -106,7 +106,7 @@ def block_type(ggml_type: int) -> int:
 
 def interleaves(ggml_type: int, num_rows: int) -> bool:
     """Whether a weight of `num_rows` rows of `ggml_type` blocks is interleaved at load: the kernels read the type's
-    interleaved layout with vector instructions here (every type with VNNI, Q4_0 and Q4_1 at AVX2) and the rows fill
+    interleaved layout with vector instructions here (every type at AVX2 and above) and the rows fill
     whole groups."""
     return (gguf_kernels_available() and ggml_type in _ops["fast_interleaved_types"]
             and num_rows % INTERLEAVED_ROWS == 0)

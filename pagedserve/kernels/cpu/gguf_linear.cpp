@@ -477,7 +477,7 @@ bool gguf_interleaved_is_fast(int64_t ggml_type) {
 #if defined(PAGEDSERVE_GGUF_VNNI)
   return is_interleaved_type(ggml_type + kInterleavedTypeOffset);
 #elif defined(PAGEDSERVE_GGUF_AVX2)
-  return ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;  // Q8_0 takes the scalar loop without VNNI
+  return is_interleaved_type(ggml_type + kInterleavedTypeOffset);  // VPMADDUBSW (Q4), VPMADDWD (Q8_0)
 #else
   return false;
 #endif
@@ -515,8 +515,9 @@ struct GgufLinearCall::State {
   bool is_amx = false;
   int64_t tile_rows = 0;
   std::vector<uint8_t> x_tiles;
-  // The interleaved layouts' vector products (run_interleaved_columns) read x_tiles too, and per row and block an
-  // integer their byte products leave over (interleaved_offsets_of_x): Q4_0's 8 sum(q_x), Q8_0's 2^15 sum(high bytes).
+  // The interleaved layouts' byte products (run_interleaved_columns; reads_split_quants) read x_tiles too, and per row
+  // and block an integer their byte products leave over (interleaved_offsets_of_x): Q4_0's 8 sum(q_x), Q8_0's 2^15
+  // sum(high bytes).
   std::vector<int32_t> x_offsets;
 };
 
@@ -626,6 +627,21 @@ void interleaved_offsets_of_x(GgufLinearCall::State& s) {
     }
 }
 
+// Whether the products read x's quants split in bytes (State::x_tiles, and x_offsets for Q4_0 / Q8_0): the amx unit
+// and the interleaved vector products that multiply bytes (VNNI: every type; AVX2: Q4_0 and Q4_1). The others read
+// x_quants as they are.
+bool reads_split_quants(const GgufLinearCall::State& s) {
+  if (s.is_amx) return true;
+  if (!s.is_interleaved) return false;
+#if defined(PAGEDSERVE_GGUF_VNNI)
+  return true;
+#elif defined(PAGEDSERVE_GGUF_AVX2)
+  return s.block_type != kGgmlQ8_0;
+#else
+  return false;
+#endif
+}
+
 // Checks `weight` holds [N, K / values * bytes] blocks of `ggml_type` and returns the format.
 GgmlBlockFormat checked_format(const at::Tensor& weight, int64_t ggml_type, int64_t k, const char* op) {
   const GgmlBlockFormat format = ggml_block_format(ggml_type);
@@ -683,8 +699,10 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
       quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
                         s.x_sums.data() + r * num_blocks);
     if (s.is_amx || s.is_interleaved) {
-      split_quants_of_x(s);
-      if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
+      if (reads_split_quants(s)) {
+        split_quants_of_x(s);
+        if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
+      }
     } else {
 #if defined(PAGEDSERVE_GGUF_AVX512)
       group_layout_of_x(s);
@@ -1304,8 +1322,7 @@ inline int32_t four_bytes(const uint8_t* p) {
   return word;
 }
 
-// The same integers and the same float operations, a column and a row at a time: builds without VNNI (and Q8_0
-// without it; the Q4 types below take AVX2).
+// The same integers and the same float operations, a column and a row at a time: builds without AVX2.
 template <int64_t kType, int kInputs>
 void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
                                     int64_t first_input) {
@@ -1402,15 +1419,71 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
   }
 }
 #elif defined(PAGEDSERVE_GGUF_AVX2)
-// AVX2 without VNNI, the Q4 types (Q8_0 takes the scalar loop): a group's 16 rows as two halves of 8 in 256-bit
-// vectors, VPMADDUBSW for the byte products (exact here: a pair of the high bytes' products is at most
-// 2 x 15 x 128 = 3840 and eight chunks' pairs sum to 30720 in int16; a pair of the low bytes' at most
-// 2 x 255 x 15 = 7650, four chunks at a time), VPMADDWD by ones into int32, then the same epilogue per lane.
+// AVX2 without VNNI, Q8_0: a group's 16 rows as two halves of 8, one half after the other over the group's blocks
+// (the second pass reads them from L1). A chunk's 32 bytes of a half (4 quants of each of 8 rows) widened to int16,
+// rows 0-3 and rows 4-7 of the half, and multiplied by x's int16 quants 4j .. 4j + 3 broadcast (VPMADDWD: each lane
+// a row's pair of products, at most 2 x 128 x 32768 = 2^23; eight chunks' pairs sum to at most 2^26 in int32); per
+// block a row's two lanes are summed (VPHADDD, then a fixed lane permutation back into row order): the exact
+// sum(q_w q_x) of the other units, then the same epilogue per lane.
+template <int kInputs>
+void run_interleaved_q8_0_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                                  int64_t first_input) {
+  constexpr int64_t kBytes = kBlockBytes<kGgmlQ8_0>;
+  constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kGgmlQ8_0>;
+  const int64_t num_blocks = s.k / kQuantBlock;
+  const int16_t* x_rows[kInputs];
+  const float* x_scales[kInputs];
+  for (int r = 0; r < kInputs; ++r) {
+    x_rows[r] = s.x_quants.data() + (first_input + r) * s.k;
+    x_scales[r] = s.x_scales.data() + (first_input + r) * num_blocks;
+  }
+  // VPHADDD of rows 0-3 (a) and rows 4-7 (b) leaves the rows in lanes 0, 1, 4, 5, 2, 3, 6, 7.
+  const __m256i row_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  for (int64_t column = first_column; column < end_column; column += kInterleavedRows) {
+    const uint8_t* const group = s.weight + column * s.row_bytes;
+    for (int half = 0; half < 2; ++half) {  // rows 8 half .. 8 half + 7: bytes 32 half .. of each chunk
+      __m256 acc[kInputs];
+      for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t block = 0; block < num_blocks; ++block) {
+        const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
+        __m256i first[kInputs], second[kInputs];  // rows 0-3 and 4-7 of the half: two lanes per row
+        for (int r = 0; r < kInputs; ++r) first[r] = second[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t* const chunk = blocks + 64 * j + 32 * half;
+          const __m256i rows_low = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+          const __m256i rows_high = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16)));
+          for (int r = 0; r < kInputs; ++r) {
+            int64_t four;  // x's quants 4j .. 4j + 3 of this block
+            std::memcpy(&four, x_rows[r] + block * kQuantBlock + 4 * j, sizeof(four));
+            const __m256i x = _mm256_set1_epi64x(four);
+            first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(rows_low, x));
+            second[r] = _mm256_add_epi32(second[r], _mm256_madd_epi16(rows_high, x));
+          }
+        }
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blocks + kQuantBytes + 16 * half)));
+        for (int r = 0; r < kInputs; ++r) {
+          const __m256i dot = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(first[r], second[r]), row_order);
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r][block]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+        }
+      }
+      const __m256 bias = s.bias != nullptr ? _mm256_loadu_ps(s.bias + column + 8 * half) : _mm256_setzero_ps();
+      for (int r = 0; r < kInputs; ++r)
+        _mm256_storeu_ps(s.y + (first_input + r) * s.n + column + 8 * half, _mm256_add_ps(acc[r], bias));
+    }
+  }
+}
+
+// AVX2 without VNNI, the Q4 types: a group's 16 rows as two halves of 8 in 256-bit vectors, VPMADDUBSW for the byte
+// products (exact here: a pair of the high bytes' products is at most 2 x 15 x 128 = 3840 and eight chunks' pairs
+// sum to 30720 in int16; a pair of the low bytes' at most 2 x 255 x 15 = 7650, four chunks at a time), VPMADDWD by
+// ones into int32, then the same epilogue per lane.
 template <int64_t kType, int kInputs>
 void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
                              int64_t first_input) {
   if constexpr (kType == kGgmlQ8_0) {
-    run_interleaved_columns_scalar<kType, kInputs>(s, first_column, end_column, first_input);
+    run_interleaved_q8_0_columns<kInputs>(s, first_column, end_column, first_input);
   } else {
     constexpr int64_t kBytes = kBlockBytes<kType>;
     constexpr int64_t kQuantBytes = kInterleavedQuantBytes<kType>;

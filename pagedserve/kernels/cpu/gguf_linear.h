@@ -62,8 +62,8 @@ GgmlBlockFormat ggml_block_format(int64_t ggml_type);
 // the same shape; raises c10::Error unless N is a multiple of 16 and the type has an interleaved layout).
 at::Tensor gguf_interleave(const at::Tensor& weight, int64_t ggml_type);
 
-// Whether this build's products read `ggml_type`'s interleaved blocks with vector instructions (every type with VNNI,
-// Q4_0 and Q4_1 at AVX2; elsewhere a scalar loop computes the same bits): where the model loader interleaves.
+// Whether this build's products read `ggml_type`'s interleaved blocks with vector instructions (every type at AVX2
+// and above; a build without AVX2 runs a scalar loop that computes the same bits): where the model loader interleaves.
 bool gguf_interleaved_is_fast(int64_t ggml_type);
 
 class GgufLinearCall {
