@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 def load_draft_model(config: "EngineConfig", device: torch.device, *, read_slices: bool, weight_layout: str,
                      target: nn.Module) -> nn.Module | None:
     """The drafter (None for methods without one and without speculation), in the target's dtype and weight
-    layout, sliced for tensor parallelism like the target."""
+    layout, sliced for tensor parallelism like the target; a GGUF drafter keeps its blocks quantized as the target
+    does (unless gguf_dequantize)."""
     speculative = config.speculative_config
     if speculative.method not in DRAFTER_METHODS:
         return None
@@ -42,7 +43,8 @@ def load_draft_model(config: "EngineConfig", device: torch.device, *, read_slice
     source = open_model_source(speculative.model)
     drafter_config = ModelConfig(model=source.path, dtype=model_config.dtype, max_model_len=model_config.max_model_len,
                                  hf_config=source.hf_config)
-    return load_model(drafter_config, device, weights=source.weights(model_config.dtype),
+    weights = source.weights(model_config.dtype, keep_quantized=not config.load_config.gguf_dequantize)
+    return load_model(drafter_config, device, weights=weights,
                       load_config=config.load_config, read_slices=read_slices, weight_layout=weight_layout)
 
 

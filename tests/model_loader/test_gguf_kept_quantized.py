@@ -118,6 +118,27 @@ def test_interleaving_on_and_off_both_pick_transformers_argmax(tiny_files, tmp_p
     assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(file_layout_llm))
 
 
+@pytest.mark.parametrize("gguf_dequantize", [False, True])
+def test_a_gguf_drafter_keeps_its_blocks_as_the_target_does(tiny_files, gguf_dequantize: bool) -> None:
+    """Speculative decoding's draft_model from a GGUF file loads as the target does (kept quantized by default,
+    dequantized with gguf_dequantize): the target as its own drafter then computes the target's own picks, so it
+    accepts every draft, and the output is the plain engine's."""
+    path = tiny_files["llama-q4_1"]
+    common = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, gguf_dequantize=gguf_dequantize)
+    plain = _greedy(LLM(path, **common))
+    llm = LLM(path, **common, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    drafter = runner.kv_cache_modules[1]
+    assert drafter is not runner.model
+    quantized = [module for module in drafter.modules() if isinstance(module, LinearBase)
+                 and module.linear_method is GGUF_LINEAR_METHOD]
+    assert len(quantized) == (0 if gguf_dequantize else 8)
+    assert _greedy(llm) == plain
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"].value
+    assert draft_tokens > 0 and metrics["vllm:spec_decode_num_accepted_tokens"].value == draft_tokens
+
+
 def test_tied_head_shares_the_embedding_blocks_and_memory_is_the_files(tiny_files) -> None:
     path = tiny_files["llama-q4_1"]
     model = _model_of(LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128))
