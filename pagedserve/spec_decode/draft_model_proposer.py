@@ -10,8 +10,11 @@ prompt the first time, then the tokens the last step emitted), whose last logits
 one-token forwards, each feeding the previous draft. Greedy requests draft the argmax; sampled requests sample
 each draft from the drafter's distribution under their own temperature / top-k / top-p / min-p, with their own
 generator when seeded, and keep that distribution (q) for the rejection sampler, so verification stays lossless
-and a drafter equal to the target accepts everything. The KV the drafter wrote at draft positions is recomputed
-by the next catch-up, which starts at the first position it had not seen as a known token.
+and a drafter equal to the target accepts everything. The drafter's KV at a position its draft went in at is that
+of the token there once the draft is accepted (the same input token at the same position, after the same valid
+KV), so the next catch-up starts after the accepted drafts that went in: at high acceptance it runs over the last
+token or two instead of every token the verification emitted. From the first rejected draft on, the catch-up
+recomputes.
 """
 from __future__ import annotations
 
@@ -58,9 +61,10 @@ class DraftModelProposer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device
         self.sampler = Sampler()
-        # request id -> (the batch's state object, positions whose drafter KV holds known tokens). A new state
-        # object (the request was preempted and came back, or the id was reused) starts from 0 again.
-        self._num_computed: dict[str, tuple[RequestState, int]] = {}
+        # request id -> (the batch's state object, positions whose drafter KV held known tokens at the last propose,
+        # the drafts it made then). A new state object (the request was preempted and came back, or the id was
+        # reused) starts from 0 again.
+        self._num_computed: dict[str, tuple[RequestState, int, list[int]]] = {}
 
     def propose(self, batch: InputBatch, request_ids: list[str], sampled_token_ids: list[list[int]],
                 num_speculative_tokens: int, generators: dict[str, torch.Generator],
@@ -90,7 +94,7 @@ class DraftModelProposer:
                       for s in states]
 
         # Catch-up: every known token the drafter has not computed; draft 1 from the last one.
-        starts = [self._start(state) for state in states]
+        starts = [self._start(batch, state, known) for state, known in zip(states, num_known)]
         self._catch_up(batch, states, starts, num_known, build_attention_metadata)
         logits = self._forward(batch, states, starts, num_known, build_attention_metadata)
         tokens, probs = self._draft(logits, metadata, is_sampled)
@@ -113,7 +117,7 @@ class DraftModelProposer:
             drafts.token_ids[i] = [int(column[b]) for column in columns_tokens[:k]]
             if is_sampled[b]:
                 drafts.probs[state.request_id] = torch.stack([column[b] for column in columns_probs[:k]])
-            self._num_computed[state.request_id] = (state, num_known[b])
+            self._num_computed[state.request_id] = (state, num_known[b], drafts.token_ids[i])
         return drafts
 
     def _catch_up(self, batch: InputBatch, states: list[RequestState], starts: list[int], num_known: list[int],
@@ -131,9 +135,19 @@ class DraftModelProposer:
             for b, end in zip(lagging, ends):
                 starts[b] = end
 
-    def _start(self, state: RequestState) -> int:
+    def _start(self, batch: InputBatch, state: RequestState, known: int) -> int:
+        """The first position of the catch-up: after the positions the drafter computed from known tokens, and after
+        those its drafts went in at (drafts 1 .. k - 1, from the last known position on) while the tokens there are
+        the drafts; at most known - 1, so that the forward also gives the next draft's logits."""
         seen = self._num_computed.get(state.request_id)
-        return seen[1] if seen is not None and seen[0] is state else 0
+        if seen is None or seen[0] is not state:
+            return 0
+        _, start, previous_drafts = seen
+        for draft in previous_drafts[:-1]:  # the last draft never went in
+            if start >= known - 1 or int(batch.token_ids[state.row, start]) != draft:
+                break
+            start += 1
+        return start
 
     def _forget_departed(self, batch: InputBatch) -> None:
         for request_id in [rid for rid in self._num_computed if rid not in batch.requests]:

@@ -37,6 +37,30 @@ def test_target_as_its_own_drafter_accepts_everything(folder, prompts, reference
     assert len(per_position) == num_speculative_tokens and per_position[0] == stats.spec_decode_num_drafts
 
 
+def test_catch_up_starts_after_the_accepted_drafts(folder, prompts, reference, monkeypatch) -> None:
+    """The drafter's KV at the positions its accepted drafts went in at is kept: with the target as its own drafter
+    (every draft accepted) each catch-up after a request's first runs over its last two tokens (the last draft,
+    which never went in, and the bonus token), not over the K + 1 the verification emitted; and the output is
+    still the reference."""
+    from pagedserve.spec_decode.draft_model_proposer import DraftModelProposer
+
+    catch_up_lengths: list[int] = []
+    start = DraftModelProposer._start
+
+    def recording_start(self, batch, state, known):  # type: ignore[no-untyped-def]
+        first = start(self, batch, state, known)
+        if first > 0:
+            catch_up_lengths.append(known - first)
+        return first
+
+    monkeypatch.setattr(DraftModelProposer, "_start", recording_start)
+    llm = LLM(folder, max_model_len=256, num_kv_blocks=256, speculative_config=_drafter(folder, 4))
+    assert generated_token_ids(llm, prompts, GREEDY) == reference
+    stats = _stats(llm)
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert catch_up_lengths and max(catch_up_lengths) <= 2, catch_up_lengths
+
+
 def test_sampled_drafts_from_the_target_itself_are_accepted(folder, prompts) -> None:
     """Sampled requests draw their drafts from the drafter's distribution (q) and verify against the target's (p):
     with the target as drafter p = q up to rounding, so every draft passes (u < p/q ~ 1)."""
