@@ -266,8 +266,11 @@ def _wait_for_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, fl
 
 def test_disconnect_mid_stream_frees_blocks(server, model_name):
     aborted_before = metrics_values(server).get("vllm:request_success_total", 0)
-    body = {"model": model_name, "prompt": "a long story", "max_tokens": 2000, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    # Sampled with logprobs, so the steps take the general path: ~1.1 s for the 2000 tokens on a 2-core VM (greedy
+    # decode of the tiny model from the persistent batch writes them in ~0.4 s), far longer than the three events and
+    # the metrics read below.
+    body = {"model": model_name, "prompt": "a long story", "max_tokens": 2000, "temperature": 1.0, "seed": 0,
+            "logprobs": 5, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.base_url}/v1/completions", headers=server.headers, json=body) as response:
             assert response.status_code == 200
@@ -283,10 +286,9 @@ def test_disconnect_mid_stream_frees_blocks(server, model_name):
     _wait_for_idle(server)
     assert metrics_values(server)["vllm:request_success_total"] == aborted_before + 1  # counted as 'abort'
 
-    # Non-streaming: the client gives up (timeout) before the answer; the server aborts the request. Sampled with
-    # logprobs, so the steps take the general path: greedy decode of the tiny model from the persistent batch
-    # (models/native_decode_stack.py) writes 2000 tokens within the client's timeout.
-    body.update(stream=False, temperature=1.0, seed=0, logprobs=5)
+    # Non-streaming: the client gives up (timeout) before the answer; the server aborts the request (sampled with
+    # logprobs as above: greedy decode would write the 2000 tokens within the client's timeout).
+    body.update(stream=False)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/completions", headers=server.headers, json=body, timeout=0.5)
     _wait_for_idle(server)
