@@ -698,12 +698,10 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     for (int64_t r = 0; r < s.m; ++r)
       quantize_row_of_x(s.x + r * s.x_stride, s.k, s.x_quants.data() + r * s.k, s.x_scales.data() + r * num_blocks,
                         s.x_sums.data() + r * num_blocks);
-    if (s.is_amx || s.is_interleaved) {
-      if (reads_split_quants(s)) {
-        split_quants_of_x(s);
-        if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
-      }
-    } else {
+    if (reads_split_quants(s)) {
+      split_quants_of_x(s);
+      if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
+    } else if (!s.is_interleaved) {  // the file layout's vector products
 #if defined(PAGEDSERVE_GGUF_AVX512)
       group_layout_of_x(s);
 #endif
