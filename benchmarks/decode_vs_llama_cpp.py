@@ -9,6 +9,8 @@ package, on the same weights in the same format:
   q8_0      both engines on a Q8_0 file of the same weights (llama.cpp's llama_model_quantize of the F32 file)
   q4_1-dequantized  pagedserve float32 on the Q4_1 file dequantized (gguf_dequantize=True) / llama.cpp on the Q4_1
             file (not the same format: llama.cpp reads ~5x fewer bytes per token; labelled so)
+With --gguf FILE (and --dtype q4_1 or q8_0) both engines run FILE instead, blocks kept: large_gguf.py makes a
+random model of the same family larger than the last-level cache, whose decode streams its weights from memory.
 The F32 and BF16 files are made once: pagedserve's dequantized float32 weights are exported to an HF folder
 (safetensors + config + tokenizer, in a temporary folder) and llama.cpp's convert_hf_to_gguf.py turns that
 into GGUF (--outtype f32 / bf16). Each tensor of the new file is then checked bit for bit against pagedserve's
@@ -105,7 +107,7 @@ MODES: dict[str, Mode] = {
                              "dequantization"),
 }
 # llama_model_quantize's ftype (enum llama_ftype in llama.h) by --dtype name.
-LLAMA_FTYPES = {"q8_0": 7}
+LLAMA_FTYPES = {"q4_1": 3, "q8_0": 7}
 
 LLAMA_QUANTIZE_SCRIPT = textwrap.dedent("""
     import ctypes, sys
@@ -115,6 +117,8 @@ LLAMA_QUANTIZE_SCRIPT = textwrap.dedent("""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(sys.argv[3])
     params.nthread = 2
+    if len(sys.argv) > 4:  # the token embedding's ggml type (else llama.cpp's choice for the ftype)
+        params.token_embedding_type = int(sys.argv[4])
     code = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
     sys.exit(code)
 """)
@@ -179,6 +183,15 @@ def check_benchmark_shape(model: GGUFModel) -> None:
                    and getattr(config, key, None) != value}
     if differences:
         raise RuntimeError(f"the default model's shape differs from SMOLLM2_SHAPE (model, expected): {differences}")
+
+
+def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype, context_len: int) -> int:
+    """The KV cache bytes a decode token reads at `context_len` (every layer's K and V rows of every KV head)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * context_len * element_size
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
@@ -273,9 +286,9 @@ def converted_gguf(model: GGUFModel, outtype: str, convert_script: str | None, g
     return path, check
 
 
-def quantized_gguf(llama_python: str, source: str, quantize_to: str) -> str:
+def quantized_gguf(llama_python: str, source: str, quantize_to: str, token_embedding_type: int | None = None) -> str:
     """llama.cpp's `quantize_to` file made from the F32 GGUF `source` (llama_model_quantize in its venv), kept
-    beside it."""
+    beside it; `token_embedding_type` (a ggml type id) overrides the type llama.cpp gives the token embedding."""
     path = source.replace("-f32.gguf", f"-{quantize_to}.gguf")
     if os.path.isfile(path):
         return path
@@ -283,7 +296,8 @@ def quantized_gguf(llama_python: str, source: str, quantize_to: str) -> str:
         script, quantized = os.path.join(scratch, "quantize.py"), os.path.join(scratch, "model.gguf")
         with open(script, "w") as f:
             f.write(LLAMA_QUANTIZE_SCRIPT)
-        completed = subprocess.run([llama_python, script, source, quantized, str(LLAMA_FTYPES[quantize_to])],
+        extra = [] if token_embedding_type is None else [str(token_embedding_type)]
+        completed = subprocess.run([llama_python, script, source, quantized, str(LLAMA_FTYPES[quantize_to]), *extra],
                                    capture_output=True, text=True)
         if completed.returncode != 0:
             raise RuntimeError(f"llama_model_quantize failed (exit {completed.returncode}):\n"
@@ -437,6 +451,9 @@ def main() -> None:
                         help="llama.cpp's convert_hf_to_gguf.py; needed once per dtype, to make the GGUF file")
     parser.add_argument("--gguf-dir", default=os.path.join(cache_root(), "llama-cpp"),
                         help="where the converted GGUF files are kept (default: %(default)s)")
+    parser.add_argument("--gguf", default=None,
+                        help="with --dtype q4_1 / q8_0: another llama-architecture GGUF file both engines run as it "
+                             "is, blocks kept (large_gguf.py makes one larger than the last-level cache)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine and of the probe")
     parser.add_argument("--tokens", type=int, default=256, help="generated tokens per timed run")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, one timed run per engine each")
@@ -456,16 +473,22 @@ def main() -> None:
     mode = MODES[args.dtype]
     kv_dtype = mode.kv_dtype if args.llama_kv_cache == "same" else "float16"
 
-    source = resolve_model_path(None)
-    model = load_gguf(source, torch.float32)
-    check_benchmark_shape(model)
-    if mode.gguf_outtype is None:
-        gguf_path, weights_check = source, None
+    if args.gguf is not None:
+        if not mode.pagedserve_runs_the_file:
+            parser.error(f"--gguf runs the file in both engines, blocks kept: --dtype q4_1 or q8_0, not {args.dtype}")
+        source = gguf_path = args.gguf
+        model, weights_check, model_name = load_gguf(source, torch.float32), None, os.path.basename(source)
     else:
-        gguf_path, weights_check = converted_gguf(model, mode.gguf_outtype, args.convert_script, args.gguf_dir)
-    if mode.quantize_to is not None:
-        gguf_path = quantized_gguf(args.llama_python, gguf_path, mode.quantize_to)
-        weights_check = None  # the engines read one file
+        source, model_name = resolve_model_path(None), DEFAULT_MODEL_NAME
+        model = load_gguf(source, torch.float32)
+        check_benchmark_shape(model)
+        if mode.gguf_outtype is None:
+            gguf_path, weights_check = source, None
+        else:
+            gguf_path, weights_check = converted_gguf(model, mode.gguf_outtype, args.convert_script, args.gguf_dir)
+        if mode.quantize_to is not None:
+            gguf_path = quantized_gguf(args.llama_python, gguf_path, mode.quantize_to)
+            weights_check = None  # the engines read one file
 
     context = PROMPT_LEN + args.tokens // 2
     llama = LlamaCppEngine(args.llama_python, gguf_path, args.threads, kv_dtype, args.llama_flash_attn)
@@ -475,11 +498,8 @@ def main() -> None:
                                 gguf_path if mode.pagedserve_runs_the_file else None, mode.gguf_dequantize)
         engines.insert(0, ours)
         info = llama.wait_ready()
-        # KV bytes: recipe B's count at the KV dtype, less the same count without context.
-        kv_bytes = bytes_per_decode_token(getattr(torch, kv_dtype), context) - \
-            bytes_per_decode_token(getattr(torch, kv_dtype), 0)
-        pagedserve_kv_bytes = bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), context) - \
-            bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), 0)
+        kv_bytes = kv_bytes_per_token(model.hf_config, getattr(torch, kv_dtype), context)
+        pagedserve_kv_bytes = kv_bytes_per_token(model.hf_config, getattr(torch, mode.pagedserve_dtype), context)
         # Kept blocks: the parameters' bytes (the tied table once, as llama_model_size counts it).
         bytes_per_token = {"pagedserve": ours.weight_bytes() + pagedserve_kv_bytes if not mode.gguf_dequantize
                            else bytes_per_decode_token(getattr(torch, mode.pagedserve_dtype), context),
@@ -512,9 +532,10 @@ def main() -> None:
                              "runs": [{key: value for key, value in run.items() if key != "token_ids"}
                                       for run in result["runs"]]}
     ratio = engines_out["pagedserve"]["tokens_per_s"] / engines_out["llama.cpp"]["tokens_per_s"]
+    comparison = mode.label if args.gguf is None else f"{model_name} in both engines, its blocks kept quantized"
     results = {
         "native_kernels": native_kernels,
-        "dtype": args.dtype, "comparison": mode.label, "model": DEFAULT_MODEL_NAME, "source_gguf": source,
+        "dtype": args.dtype, "comparison": comparison, "model": model_name, "source_gguf": source,
         "llama_cpp_gguf": gguf_path, "weights_check": weights_check, "threads": args.threads,
         "prompt_len": PROMPT_LEN, "tokens": args.tokens, "rounds": args.rounds,
         "llama_cpp": {"version": info["version"], "kv_cache_dtype": kv_dtype, "flash_attn": args.llama_flash_attn,
@@ -524,7 +545,7 @@ def main() -> None:
         "greedy_agreement": {"leading_tokens_equal": agreement, "of": args.tokens},
     }
 
-    print(f"\n{args.dtype}: {mode.label}; {args.threads} threads each, a {PROMPT_LEN}-token prompt, {args.tokens} "
+    print(f"\n{args.dtype}: {comparison}; {args.threads} threads each, a {PROMPT_LEN}-token prompt, {args.tokens} "
           f"greedy tokens, {args.rounds} interleaved round(s); llama.cpp {info['version']}, KV cache {kv_dtype}")
     print(f"{'engine':<11} {'MB/token':>9} {'median tok/s':>13} {'roofline tok/s':>15} {'(GB/s)':>7} {'share':>7}  "
           f"runs (tok/s)  weights")
