@@ -7,6 +7,7 @@ package, on the same weights in the same format:
             1-D norm weights in F32 there: 61 tensors, 0.14 MB)
   q4_1      both engines on the original Q4_1 file, its blocks kept quantized (float32 activations and KV cache)
   q8_0      both engines on a Q8_0 file of the same weights (llama.cpp's llama_model_quantize of the F32 file)
+  q4_k_m    both engines on a Q4_K_M file made the same way (K-quants: Q4_K, Q6_K for some tensors)
   q4_1-dequantized  pagedserve float32 on the Q4_1 file dequantized (gguf_dequantize=True) / llama.cpp on the Q4_1
             file (not the same format: llama.cpp reads ~5x fewer bytes per token; labelled so)
 With --gguf FILE (and --dtype q4_1 or q8_0) both engines run FILE instead, blocks kept: large_gguf.py makes a
@@ -102,12 +103,14 @@ MODES: dict[str, Mode] = {
                  pagedserve_runs_the_file=True, gguf_dequantize=False),
     "q8_0": Mode("float32", "f32", "float32", "a Q8_0 file of the same weights in both engines, blocks kept",
                  quantize_to="q8_0", pagedserve_runs_the_file=True, gguf_dequantize=False),
+    "q4_k_m": Mode("float32", "f32", "float32", "a Q4_K_M file of the same weights in both engines, blocks kept",
+                   quantize_to="q4_k_m", pagedserve_runs_the_file=True, gguf_dequantize=False),
     "q4_1-dequantized": Mode("float32", None, "float32",
                              "NOT the same format: llama.cpp runs the original Q4_1 file, pagedserve its float32 "
                              "dequantization"),
 }
-# llama_model_quantize's ftype (enum llama_ftype in llama.h) by --dtype name.
-LLAMA_FTYPES = {"q4_1": 3, "q8_0": 7}
+# llama_model_quantize's ftype (enum llama_ftype in llama.h) by name (--dtype here, large_gguf.py's --type).
+LLAMA_FTYPES = {"q4_1": 3, "q8_0": 7, "q4_k_m": 15}
 
 LLAMA_QUANTIZE_SCRIPT = textwrap.dedent("""
     import ctypes, sys
@@ -452,8 +455,9 @@ def main() -> None:
     parser.add_argument("--gguf-dir", default=os.path.join(cache_root(), "llama-cpp"),
                         help="where the converted GGUF files are kept (default: %(default)s)")
     parser.add_argument("--gguf", default=None,
-                        help="with --dtype q4_1 / q8_0: another llama-architecture GGUF file both engines run as it "
-                             "is, blocks kept (large_gguf.py makes one larger than the last-level cache)")
+                        help="with --dtype q4_1, q8_0 or q4_k_m (any: the file's own types run): another "
+                             "llama-architecture GGUF file both engines run as it is, blocks kept (large_gguf.py "
+                             "makes one larger than the last-level cache)")
     parser.add_argument("--threads", type=int, default=2, help="threads of each engine and of the probe")
     parser.add_argument("--tokens", type=int, default=256, help="generated tokens per timed run")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, one timed run per engine each")
