@@ -46,8 +46,7 @@ def write_hf_folder(folder: str, hidden: int, layers: int, intermediate: int, he
     config = LlamaConfig(**{**default.hf_config.to_dict(), "hidden_size": hidden, "num_hidden_layers": layers,
                             "intermediate_size": intermediate, "num_attention_heads": heads,
                             "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "torch_dtype": "float32"})
-    torch.manual_seed(seed)
-    with torch.device("meta"):
+    with torch.device("meta"):  # shapes and names only: the weights come from `generator`
         model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)
     weights = {}

@@ -414,8 +414,9 @@ FEATURES: tuple[Feature, ...] = (
                                                     "their prefill; Q8_0/Q4_0/Q4_1 interleaved 16 rows at a time at "
                                                     "load where the CPU has AVX2: the same bits "
                                                     "on every unit and batch size), "
-                                                    "in the native decode stack too; gguf_dequantize=True keeps the "
-                                                    "float path",
+                                                    "in the native decode stack too; a fused layer whose parts "
+                                                    "have different types (Q4_K_M's Q6_K v beside Q4_K q, k) is "
+                                                    "dequantized at load; gguf_dequantize=True keeps the float path",
         modules=("pagedserve.layers.gguf_linear", "pagedserve.model_loader.gguf_quantized_load",
                  "pagedserve.models.native_decode_stack"),
         knobs=("gguf_dequantize",),

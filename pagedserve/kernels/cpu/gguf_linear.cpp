@@ -1363,9 +1363,10 @@ void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t firs
 #if defined(PAGEDSERVE_GGUF_AVX2)
 // The interleaved products stream each thread's rows front to back, one contiguous run of groups. The hardware
 // prefetchers stop at 4 KiB page boundaries and run only a few lines ahead, so a product unit asks for the bytes
-// kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode of a
-// 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36 -> 57 tok/s at 8 KiB (12-16
-// KiB: 58-59, 32 KiB: 54); the default model, in L3: 458 -> 472 tok/s (4 KiB: 475).
+// kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode on the
+// Emerald Rapids VM of a 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36.8 -> 57
+// tok/s at amx, 29.5 -> 51 at the avx2 cap (other distances at amx: 12-16 KiB 58-59, 32 KiB 54); the default model,
+// in L3: 448 -> 500 tok/s at amx, 345 -> 376 at the avx2 cap (4 KiB did ~1% better there).
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Prefetches the `num_bytes` bytes kPrefetchBytes past `bytes` into every cache level.
@@ -1459,7 +1460,7 @@ void run_interleaved_q8_0_columns(const GgufLinearCall::State& s, int64_t first_
       for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t block = 0; block < num_blocks; ++block) {
         const uint8_t* const blocks = group + block * kInterleavedRows * kBytes;
-        if (half == 0) prefetch_ahead(blocks, kInterleavedRows * kBytes);  // the second half reads them from L1
+        if (half == 0) prefetch_ahead(blocks, kInterleavedRows * kBytes);  // the second half's pass finds them cached
         __m256i first[kInputs], second[kInputs];  // rows 0-3 and 4-7 of the half: two lanes per row
         for (int r = 0; r < kInputs; ++r) first[r] = second[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
