@@ -266,11 +266,12 @@ def _wait_for_idle(server: ServerProcess, timeout: float = 10.0) -> dict[str, fl
 
 def test_disconnect_mid_stream_frees_blocks(server, model_name):
     aborted_before = metrics_values(server).get("vllm:request_success_total", 0)
-    # Sampled with logprobs, so the steps take the general path: ~1.1 s for the 2000 tokens on a 2-core VM (greedy
-    # decode of the tiny model from the persistent batch writes them in ~0.4 s), far longer than the three events and
-    # the metrics read below.
+    # Sampled with the most logprobs a request may ask (20, each one detokenized), so the steps take the general path
+    # and the stream's output is slow to make: the 2000 tokens take far longer than the three events and the metrics
+    # read below (with 5 logprobs, ~1.1 s on a 2-core VM, a loaded run once finished first; greedy decode of the tiny
+    # model from the persistent batch writes them in ~0.4 s).
     body = {"model": model_name, "prompt": "a long story", "max_tokens": 2000, "temperature": 1.0, "seed": 0,
-            "logprobs": 5, "ignore_eos": True, "stream": True}
+            "logprobs": 20, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.base_url}/v1/completions", headers=server.headers, json=body) as response:
             assert response.status_code == 200
