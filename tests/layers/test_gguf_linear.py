@@ -1,10 +1,12 @@
 """The GGUF kernels (kernels/cpu/gguf_linear.cpp) against their references, for every type the kernels read, on
 synthetic blocks and on every tensor of the SmolLM2 file:
 - dequantization bitwise equal to ggml's reference decoders (model_loader/gguf_dequant.py);
-- products of the K types and Q5_0 / Q5_1 (float32 x times the decoded blocks) within float32 rounding of a float64
-  product on the dequantized weight;
-- products of Q8_0, Q4_0 and Q4_1 (x quantized to int16 per 32-value block, integer dot products) equal to an exact
-  integer reference of that arithmetic within float32 rounding, and within the activation quantization's bound,
+- products of Q5_0 / Q5_1 (float32 x times the decoded blocks) within float32 rounding of a float64 product on the
+  dequantized weight;
+- products of Q8_0, Q4_0, Q4_1 and the K types (x quantized to int16 per 32-value block, integer dot products per
+  32-value block or K sub-block) equal to an exact integer reference of that arithmetic (the K types' sub-block
+  quants, scales and mins decoded with gguf-py's own code) within float32 rounding, and within the activation
+  quantization's bound,
   sum over blocks of absmax(x) / 65534 * sum |w|, of the float64 product on the dequantized weight; and bitwise
   equal to an int64 reference where every value, scale and partial sum is an integer float32 holds exactly (the
   integer sums are exact whatever the ISA level's lane layout or summation order).
@@ -32,9 +34,11 @@ QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # A product's error bound relative to sum(|x| |w|): float32 accumulation over K <= 4096 values in 8 lanes.
 RELATIVE_TOLERANCE = 1e-5
-# The types whose products quantize x to int16 (kernels/cpu/gguf_linear.cpp is_integer_product_type).
+# The types whose products quantize x to int16 (kernels/cpu/gguf_linear.cpp is_integer_product_type and
+# is_k_quant_type).
+K_QUANT_TYPES = {GGMLQuantizationType.Q4_K.value, GGMLQuantizationType.Q5_K.value, GGMLQuantizationType.Q6_K.value}
 INTEGER_PRODUCT_TYPES = {GGMLQuantizationType.Q8_0.value, GGMLQuantizationType.Q4_0.value,
-                      GGMLQuantizationType.Q4_1.value}
+                         GGMLQuantizationType.Q4_1.value, *K_QUANT_TYPES}
 
 
 # The integer-product units (kernels/cpu/gguf_linear.cpp): 'amx' runs at the amx level only.
@@ -86,16 +90,52 @@ def assert_close_to_float64(output: torch.Tensor, x: torch.Tensor, weight: torch
     assert bool((error <= allowed).all()), float((error / allowed).max())
 
 
+def k_quant_parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A K-quant weight [N, bytes per row] as 32-value sub-blocks: int64 quants q [N, B, 32], float32 scales and
+    offsets [N, B] with values = scale * q + offset (Q4_K / Q5_K: the quants, d * sc and -(dmin * m); Q6_K: the 6-bit
+    quants minus 32 times their 16-value half's int8 scale, d and 0), unpacked as gguf-py's dequantize_blocks does."""
+    num_rows = blocks.shape[0]
+    raw = blocks.numpy().reshape(-1, BLOCK_FORMATS[ggml_type][1])
+    if ggml_type == GGMLQuantizationType.Q6_K.value:
+        ql, qh, scales, d = np.hsplit(raw, [128, 192, 208])
+        ql = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        qh = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
+        q = (ql.reshape(-1, 2, 4, 32) | (qh.reshape(-1, 2, 4, 32) << 4)).astype(np.int64) - 32  # [blocks, 256]
+        q = q.reshape(-1, 16, 16) * scales.view(np.int8).astype(np.int64).reshape(-1, 16, 1)
+        scale = np.repeat(d.view(np.float16).astype(np.float32), 8, axis=1)
+        offset = np.zeros_like(scale)
+    else:
+        d, dmin, packed, rest = np.hsplit(raw, [2, 4, 16])
+        sc, m = quants.Q4_K.get_scale_min(packed)
+        if ggml_type == GGMLQuantizationType.Q5_K.value:
+            qh, qs = np.hsplit(rest, [32])
+            high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        else:
+            qs, high = rest, 0
+        low = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        q = low.reshape(-1, 8, 32).astype(np.int64) + 16 * np.asarray(high, np.int64)
+        scale = d.view(np.float16).astype(np.float32) * sc.astype(np.float32)
+        offset = -(dmin.view(np.float16).astype(np.float32) * m.astype(np.float32))
+    return (torch.from_numpy(q.reshape(num_rows, -1, 32)), torch.from_numpy(scale.reshape(num_rows, -1)),
+            torch.from_numpy(offset.reshape(num_rows, -1)))
+
+
 def integer_product_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The integer-product arithmetic in float64 with exact integer dot products: x quantized per 32-value block as the
     kernel does (d = absmax / 32767 in float32, q = round-half-even(x * (1 / d))), then per block
-    d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w d_x sum(q_x) for Q4_0)."""
+    d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w d_x sum(q_x) for Q4_0; for a K sub-block
+    scale d_x sum(q_w q_x) + offset d_x sum(q_x))."""
     num_rows, k = x.shape
     x_blocks = x.float().reshape(num_rows, -1, 32)
     d_x = x_blocks.abs().amax(-1) / 32767
     inverse = torch.where(d_x != 0, 1 / d_x, torch.zeros_like(d_x))
     q_x = torch.round(x_blocks * inverse.unsqueeze(-1)).to(torch.int64)  # [M, B, 32]
     s_x = (d_x * q_x.sum(-1).float()).double()  # d * sum(q), in float32 as the kernel
+    if ggml_type in K_QUANT_TYPES:
+        q_w, scale_w, offset_w = k_quant_parts(blocks, ggml_type)
+        dots = torch.einsum("mbi,nbi->mnb", q_x, q_w).double()
+        scale = (scale_w.unsqueeze(0) * d_x.unsqueeze(1)).double()  # in float32, as the kernel
+        return (scale * dots).sum(-1) + (offset_w.double().unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
     raw = blocks.numpy().reshape(blocks.shape[0], -1, BLOCK_FORMATS[ggml_type][1])
     d_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float64))
     if ggml_type == GGMLQuantizationType.Q8_0.value:
@@ -163,6 +203,29 @@ def test_integer_products_equal_the_exact_integer_reference(unit: str, type_name
     expected = integer_product_reference(x, blocks, ggml_type)
     scale = x.double().abs() @ reference_values(blocks, ggml_type, k).double().abs().T
     assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("k", [256, 1280])
+def test_k_quant_products_equal_the_exact_integer_reference(type_name: str, num_rows: int, k: int) -> None:
+    ggml_type = GGMLQuantizationType[type_name].value
+    n = 21  # five four-row units and a short one
+    blocks = blocks_of(type_name, n, k, seed=7 * num_rows)
+    weight = reference_values(blocks, ggml_type, k)
+    q_w, scale_w, offset_w = k_quant_parts(blocks, ggml_type)
+    parts = (scale_w.unsqueeze(-1) * q_w.float() + offset_w.unsqueeze(-1)).reshape(n, k)
+    if type_name == "Q6_K":  # the reference rounds (d * sc) * q, the parts d * (sc * q)
+        torch.testing.assert_close(parts, weight, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(parts, weight)
+    x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)) * 3
+    x[0, :32] = 0  # an all-zero block: d = 0
+    output = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, "vector")
+    expected = integer_product_reference(x, blocks, ggml_type)
+    scale = x.double().abs() @ weight.double().abs().T
+    assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
+    assert_close_to_float64(output, x, weight, ggml_type=ggml_type)
 
 
 def integer_blocks(type_name: str, quants: np.ndarray, d: float, m: float = 0.0) -> torch.Tensor:

@@ -301,6 +301,11 @@ inline bool is_integer_product_type(int64_t ggml_type) {
   return ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;
 }
 
+// The K-quants, whose products are integer too (run_k_quant_columns; the vector unit only).
+inline bool is_k_quant_type(int64_t ggml_type) {
+  return ggml_type == kGgmlQ4_K || ggml_type == kGgmlQ5_K || ggml_type == kGgmlQ6_K;
+}
+
 // The bytes of a Q8_0 / Q4_0 / Q4_1 block.
 template <int64_t kType>
 constexpr int64_t kBlockBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
@@ -689,7 +694,7 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
   s.x_stride = x.stride(0);
   s.weight = weight.data_ptr<uint8_t>();
   s.y = y.data_ptr<float>();
-  s.is_integer_product = is_integer_product_type(s.block_type);
+  s.is_integer_product = is_integer_product_type(s.block_type) || is_k_quant_type(s.block_type);
   if (s.is_integer_product) {
     const int64_t num_blocks = s.k / kQuantBlock;
     s.x_quants.resize(s.m * s.k);
@@ -701,7 +706,7 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     if (reads_split_quants(s)) {
       split_quants_of_x(s);
       if (!s.is_amx && s.block_type != kGgmlQ4_1) interleaved_offsets_of_x(s);
-    } else if (!s.is_interleaved) {  // the file layout's vector products
+    } else if (!s.is_interleaved) {  // the file layout's vector products (the K-quants' too)
 #if defined(PAGEDSERVE_GGUF_AVX512)
       group_layout_of_x(s);
 #endif
@@ -772,6 +777,13 @@ inline void weight_quants(const uint8_t* block, __m256i* first, __m256i* second)
   }
 }
 
+// The sum of eight float lanes (the same pairing as sum_lanes at AVX2).
+inline float sum_eight_lanes(__m256 v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
 // sum(q_w q_x) of one block, in eight int32 lanes, as float.
 inline __m256 block_dot(__m256i first, __m256i second, const int16_t* x_quants) {
   const __m256i low = _mm256_madd_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x_quants)));
@@ -828,6 +840,227 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
     for (int r = 0; r < kInputs; ++r) {
 #if defined(PAGEDSERVE_GGUF_AVX2)
       const float sum = sum_lanes(acc[r]);
+#else
+      const float sum = acc[r];
+#endif
+      s.y[(first_input + r) * s.n + column] = (sum + offsets[r]) + bias;
+    }
+  }
+}
+
+#if defined(PAGEDSERVE_GGUF_AVX2)
+// The interleaved and K-quant products stream each thread's rows front to back, one contiguous run of blocks. The hardware
+// prefetchers stop at 4 KiB page boundaries and run only a few lines ahead, so a product unit asks for the bytes
+// kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode on the
+// Emerald Rapids VM of a 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36.8 -> 57
+// tok/s at amx, 29.5 -> 51 at the avx2 cap (other distances at amx: 12-16 KiB 58-59, 32 KiB 54); the default model,
+// in L3: 448 -> 500 tok/s at amx, 345 -> 376 at the avx2 cap (4 KiB did ~1% better there).
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Prefetches the `num_bytes` bytes kPrefetchBytes past `bytes` into every cache level.
+inline void prefetch_ahead(const uint8_t* bytes, int64_t num_bytes) {
+  for (int64_t line = 0; line < num_bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T0);
+}
+#endif
+
+#if !defined(PAGEDSERVE_GGUF_AVX2)
+// A K super-block's eight sub-blocks as int16 quants (sub-block j at 32 j), scales and offsets (the reference
+// build's form of k_pair_quants and k_block_scales).
+template <int64_t kType>
+void k_block_quants(const uint8_t* block, int16_t quants[256], float scales[8], float offsets[8]) {
+  if constexpr (kType == kGgmlQ6_K) {
+    const int8_t* sixteen_scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* low = block + 64 * half;
+      const uint8_t* high = block + 128 + 32 * half;
+      int16_t* q = quants + 128 * half;
+      for (int l = 0; l < 32; ++l) {
+        const int8_t* scale = sixteen_scales + 8 * half + l / 16;
+        q[l] = static_cast<int16_t>((((low[l] & 0x0F) | ((high[l] & 3) << 4)) - 32) * scale[0]);
+        q[l + 32] = static_cast<int16_t>((((low[l + 32] & 0x0F) | (((high[l] >> 2) & 3) << 4)) - 32) * scale[2]);
+        q[l + 64] = static_cast<int16_t>((((low[l] >> 4) | (((high[l] >> 4) & 3) << 4)) - 32) * scale[4]);
+        q[l + 96] = static_cast<int16_t>((((low[l + 32] >> 4) | (((high[l] >> 6) & 3) << 4)) - 32) * scale[6]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      scales[j] = half_to_float(block + 208);
+      offsets[j] = 0.0f;
+    }
+  } else {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    const uint8_t* high = block + 16;
+    const uint8_t* q = block + (kType == kGgmlQ5_K ? 48 : 16);
+    for (int pair = 0; pair < 4; ++pair)
+      for (int l = 0; l < 32; ++l) {
+        int first = q[32 * pair + l] & 0x0F, second = q[32 * pair + l] >> 4;
+        if constexpr (kType == kGgmlQ5_K) {
+          first += ((high[l] >> (2 * pair)) & 1) << 4;
+          second += ((high[l] >> (2 * pair + 1)) & 1) << 4;
+        }
+        quants[64 * pair + l] = static_cast<int16_t>(first);
+        quants[64 * pair + 32 + l] = static_cast<int16_t>(second);
+      }
+    for (int j = 0; j < 8; ++j) {
+      uint8_t scale, minimum;
+      k_scale_min(j, block + 4, &scale, &minimum);
+      scales[j] = d * static_cast<float>(scale);
+      offsets[j] = -(dmin * static_cast<float>(minimum));
+    }
+  }
+}
+#endif
+
+// Q4_K, Q5_K and Q6_K multiply integer quants too (is_k_quant_type): a 256-value super-block is eight 32-value
+// sub-blocks, each aligned with one of x's quantization blocks, whose values are scale * q_w + offset with integer q_w:
+//   Q4_K / Q5_K: q_w the 4-bit (5-bit) quant, scale d * sc_j, offset -(dmin * m_j) (ggml's d1 q - m1);
+//   Q6_K: q_w = sc * (q - 32) with the int8 scale of the value's 16-value half folded in (|q_w| <= 4096), scale d.
+// A sub-block's product with x's block is then scale d_x sum(q_w q_x) + offset s_x, the integer sum exact (a lane
+// sums at most 8 products of |q_w| <= 4096 and |q_x| <= 32767: < 2^31), as the 32-value types' above. Each
+// super-block is decoded once per weight row, in registers, for every input row of the group.
+//
+// AVX2 (run_k_quant_columns): two sub-blocks at a time as four vectors of 16 int16, block_dot per sub-block and
+// input row. AVX-512 (run_k_quant_group_columns): half a super-block (four sub-blocks) as run_group_columns' four
+// int16 vectors against x in group_layout_of_x's order, one conversion and one FMA per input row.
+#if defined(PAGEDSERVE_GGUF_AVX2)
+// Q4_K / Q5_K: the eight sub-blocks' scales d * sc_j and offsets -(dmin * m_j) of a super-block, lane j each.
+inline void k_scales_and_offsets(const uint8_t* block, __m256* scales, __m256* offsets) {
+  uint32_t word[3];
+  std::memcpy(word, block + 4, sizeof(word));
+  constexpr uint32_t kLowSix = 0x3F3F3F3F, kLowFour = 0x0F0F0F0F, kLowTwo = 0x03030303;
+  // The 6-bit scale and min of sub-block j, four bytes per 32-bit word (ggml's get_scale_min_k4, k_scale_min above):
+  // j < 4, the low six bits of bytes j and j + 4; j >= 4, the nibbles of byte j + 4 under the top two bits of bytes
+  // j - 4 (scale) and j (min).
+  const uint64_t scale_bytes = (word[0] & kLowSix) |
+                               static_cast<uint64_t>((word[2] & kLowFour) | (((word[0] >> 6) & kLowTwo) << 4)) << 32;
+  const uint64_t min_bytes = (word[1] & kLowSix) |
+                             static_cast<uint64_t>(((word[2] >> 4) & kLowFour) | (((word[1] >> 6) & kLowTwo) << 4))
+                                 << 32;
+  const auto as_floats = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+  };
+  *scales = _mm256_mul_ps(_mm256_set1_ps(half_to_float(block)), as_floats(scale_bytes));
+  // -(dmin m) as (-dmin) m: the same float (negation is exact)
+  *offsets = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(block + 2)), as_floats(min_bytes));
+}
+
+// Bits [shift, shift + width) of every byte of `bits`, moved to bits 4 .. 4 + width (a 16-bit shift: a byte's bits
+// below 8 - shift stay in it, and the mask drops what the next byte shifted in).
+inline __m256i high_bits_of_bytes(__m256i bits, int shift, int width) {
+  const __m256i mask = _mm256_set1_epi8(static_cast<char>((1 << width) - 1));
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(shift)), mask), 4);
+}
+
+// Sub-blocks 2 pair and 2 pair + 1 of a K super-block as 16-value int16 vectors: w[0], w[1] the first's values
+// 0 .. 15 and 16 .. 31, w[2], w[3] the second's.
+template <int64_t kType>
+inline void k_pair_quants(const uint8_t* block, int pair, __m256i w[4]) {
+  const __m256i four = _mm256_set1_epi8(0x0F);
+  if constexpr (kType == kGgmlQ6_K) {
+    // Half `pair / 2` of the super-block: sub-blocks (t0, t1) take the low nibbles of ql[0 .. 32) and ql[32 .. 64)
+    // with qh's bits 0-1 and 2-3 above them, (t2, t3) the high nibbles with bits 4-5 and 6-7; minus 32, then times
+    // the int8 scale of each 16 values (scales[v / 16] for value v of the super-block).
+    const int half = pair / 2, shift = 4 * (pair % 2);
+    const uint8_t* low = block + 64 * half;
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half));
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m256i centre = _mm256_set1_epi8(32);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192) + 4 * pair;
+    for (int t = 0; t < 2; ++t) {
+      const __m256i nibbles = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + 32 * t)), count), four);
+      const __m256i quants =
+          _mm256_sub_epi8(_mm256_or_si256(nibbles, high_bits_of_bytes(bits, shift + 2 * t, 2)), centre);
+      w[2 * t] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(quants)),
+                                    _mm256_set1_epi16(scales[2 * t]));
+      w[2 * t + 1] = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(quants, 1)),
+                                        _mm256_set1_epi16(scales[2 * t + 1]));
+    }
+  } else {
+    const __m256i bytes =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (kType == kGgmlQ5_K ? 48 : 16) + 32 * pair));
+    __m256i first = _mm256_and_si256(bytes, four);                          // sub-block 2 pair
+    __m256i second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), four);  // sub-block 2 pair + 1
+    if constexpr (kType == kGgmlQ5_K) {  // the fifth bit of value l of sub-block j: bit j of qh[l]
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+      first = _mm256_or_si256(first, high_bits_of_bytes(bits, 2 * pair, 1));
+      second = _mm256_or_si256(second, high_bits_of_bytes(bits, 2 * pair + 1, 1));
+    }
+    w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(first));
+    w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(first, 1));
+    w[2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(second));
+    w[3] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(second, 1));
+  }
+}
+
+// The eight sub-blocks' scales and offsets of a super-block (k_scales_and_offsets; Q6_K: d and 0).
+template <int64_t kType>
+inline void k_block_scales(const uint8_t* block, __m256* scales, __m256* offsets) {
+  if constexpr (kType == kGgmlQ6_K) {
+    *scales = _mm256_set1_ps(half_to_float(block + 208));
+    *offsets = _mm256_setzero_ps();
+  } else {
+    k_scales_and_offsets(block, scales, offsets);
+  }
+}
+#endif
+
+// Columns [first_column, end_column) of a K-quant weight for input rows [first_input, first_input + kInputs).
+template <int64_t kType, int kInputs>
+void run_k_quant_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                         int64_t first_input) {
+  constexpr bool kHasOffsets = kType != kGgmlQ6_K;
+  const int64_t num_blocks = s.k / kQuantBlock, num_super_blocks = s.k / 256, block_bytes = s.format.bytes;
+  for (int64_t column = first_column; column < end_column; ++column) {
+    const uint8_t* row = s.weight + column * s.row_bytes;
+    float offsets[kInputs] = {};
+#if defined(PAGEDSERVE_GGUF_AVX2)
+    __m256 acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
+#else
+    float acc[kInputs] = {};
+#endif
+    for (int64_t super_block = 0; super_block < num_super_blocks; ++super_block) {
+      const uint8_t* block = row + super_block * block_bytes;
+#if defined(PAGEDSERVE_GGUF_AVX2)
+      prefetch_ahead(block, block_bytes);
+      alignas(32) float scales[8], block_offsets[8];
+      __m256 scale_vector, offset_vector;
+      k_block_scales<kType>(block, &scale_vector, &offset_vector);
+      _mm256_store_ps(scales, scale_vector);
+      _mm256_store_ps(block_offsets, offset_vector);
+      for (int pair = 0; pair < 4; ++pair) {
+        __m256i w[4];
+        k_pair_quants<kType>(block, pair, w);
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * pair + half;
+          for (int r = 0; r < kInputs; ++r) {
+            const int64_t index = (first_input + r) * num_blocks + 8 * super_block + j;
+            acc[r] = _mm256_fmadd_ps(block_dot(w[2 * half], w[2 * half + 1], s.x_quants.data() + index * kQuantBlock),
+                                     _mm256_set1_ps(scales[j] * s.x_scales[index]), acc[r]);
+            if constexpr (kHasOffsets) offsets[r] += block_offsets[j] * s.x_sums[index];
+          }
+        }
+      }
+#else
+      int16_t quants[256];
+      float scales[8], block_offsets[8];
+      k_block_quants<kType>(block, quants, scales, block_offsets);
+      for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < kInputs; ++r) {
+          const int64_t index = (first_input + r) * num_blocks + 8 * super_block + j;
+          const int16_t* x_block = s.x_quants.data() + index * kQuantBlock;
+          int dot = 0;
+          for (int i = 0; i < kQuantBlock; ++i) dot += quants[32 * j + i] * x_block[i];
+          acc[r] += static_cast<float>(dot) * (scales[j] * s.x_scales[index]);
+          if constexpr (kHasOffsets) offsets[r] += block_offsets[j] * s.x_sums[index];
+        }
+#endif
+    }
+    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+    for (int r = 0; r < kInputs; ++r) {
+#if defined(PAGEDSERVE_GGUF_AVX2)
+      const float sum = sum_eight_lanes(acc[r]);
 #else
       const float sum = acc[r];
 #endif
@@ -1001,6 +1234,129 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
     }
   }
 }
+
+// The AVX-512 K-quant products: half a super-block (sub-blocks 4 half .. 4 half + 3, x's group 2 super-block + half)
+// in group_weights' layout, so each input row takes group_dot, one conversion and one FMA per four sub-blocks.
+// Vector i's quarter j holds values 8i .. 8i + 7 of sub-block 4 half + j (int16); d (lanes 4j .. 4j + 3) and m
+// (lane j) its scale and offset.
+template <int64_t kType>
+__attribute__((always_inline)) inline void k_group_weights(const uint8_t* block, int half, __m256 scales,
+                                                           __m256 offsets, __m512i weight[4], __m512* d, __m128* m) {
+  const __m512i four = _mm512_set1_epi8(0x0F);
+  // 64 quant bytes each, 32 per sub-block. Q4_K / Q5_K: first the low nibbles (sub-blocks 0 and 2 of the half),
+  // second the high ones (1 and 3). Q6_K: first the low nibbles (t0, t1), second the high (t2, t3).
+  __m512i first, second, order_first, order_second;
+  if constexpr (kType == kGgmlQ6_K) {
+    const __m512i bytes = _mm512_loadu_si512(block + 64 * half);
+    const __m512i bits =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * half)));
+    // qh's bits 0-1 (t0), 2-3 (t1), 4-5 (t2), 6-7 (t3) under the nibbles: 16-bit shifts by lane, masked per byte.
+    const __m512i low_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i two = _mm512_set1_epi8(3), centre = _mm512_set1_epi8(32);
+    const auto sixes = [&](__m512i nibbles, __m512i shift) {
+      const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(bits, shift), two), 4);
+      return _mm512_sub_epi8(_mm512_or_si512(nibbles, top), centre);
+    };
+    first = sixes(_mm512_and_si512(bytes, four), low_shift);
+    second = sixes(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), four), high_shift);
+    // quarter j of vector i: first's 8-byte word i (j = 0), 4 + i (j = 1), then second's (j = 2, 3)
+    order_first = _mm512_set_epi64(13, 9, 5, 1, 12, 8, 4, 0);
+    order_second = _mm512_set_epi64(15, 11, 7, 3, 14, 10, 6, 2);
+  } else {
+    const __m512i bytes = _mm512_loadu_si512(block + (kType == kGgmlQ5_K ? 48 : 16) + 64 * half);
+    first = _mm512_and_si512(bytes, four);
+    second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), four);
+    if constexpr (kType == kGgmlQ5_K) {  // + 16 where bit (sub-block) of qh[l] is set
+      const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)));
+      const auto bit = [](int j) { return static_cast<char>(1 << j); };
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      const __m512i first_bits = _mm512_inserti64x4(_mm512_set1_epi8(bit(4 * half)), _mm256_set1_epi8(bit(4 * half + 2)), 1);
+      const __m512i second_bits =
+          _mm512_inserti64x4(_mm512_set1_epi8(bit(4 * half + 1)), _mm256_set1_epi8(bit(4 * half + 3)), 1);
+      first = _mm512_mask_add_epi8(first, _mm512_test_epi8_mask(bits, first_bits), first, sixteen);
+      second = _mm512_mask_add_epi8(second, _mm512_test_epi8_mask(bits, second_bits), second, sixteen);
+    }
+    // quarter j of vector i: first's word i (j = 0), second's word i (j = 1), first's 4 + i, second's 4 + i
+    order_first = _mm512_set_epi64(13, 5, 9, 1, 12, 4, 8, 0);
+    order_second = _mm512_set_epi64(15, 7, 11, 3, 14, 6, 10, 2);
+  }
+  const __m512i values_01 = _mm512_permutex2var_epi64(first, order_first, second);   // vectors 0, 1
+  const __m512i values_23 = _mm512_permutex2var_epi64(first, order_second, second);  // vectors 2, 3
+  const auto widen = [](__m256i bytes) {
+    return kType == kGgmlQ6_K ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes);
+  };
+  weight[0] = widen(_mm512_castsi512_si256(values_01));
+  weight[1] = widen(_mm512_extracti64x4_epi64(values_01, 1));
+  weight[2] = widen(_mm512_castsi512_si256(values_23));
+  weight[3] = widen(_mm512_extracti64x4_epi64(values_23, 1));
+  if constexpr (kType == kGgmlQ6_K) {
+    // values 0 .. 15 of sub-block 4 half + j take scale 8 half + 2j, values 16 .. 31 scale 8 half + 2j + 1
+    const __m512i sixteen_scales = _mm512_castsi128_si512(
+        _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 192 + 8 * half))));
+    const __m512i first_half = _mm512_set_epi16(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low_scales = _mm512_permutexvar_epi16(first_half, sixteen_scales);
+    const __m512i high_scales = _mm512_permutexvar_epi16(_mm512_add_epi16(first_half, _mm512_set1_epi16(1)),
+                                                         sixteen_scales);
+    weight[0] = _mm512_mullo_epi16(weight[0], low_scales);
+    weight[1] = _mm512_mullo_epi16(weight[1], low_scales);
+    weight[2] = _mm512_mullo_epi16(weight[2], high_scales);
+    weight[3] = _mm512_mullo_epi16(weight[3], high_scales);
+  }
+  const __m512i lanes = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                         _mm512_set1_epi32(4 * half));
+  *d = _mm512_permutexvar_ps(lanes, _mm512_castps256_ps512(scales));
+  *m = half == 0 ? _mm256_castps256_ps128(offsets) : _mm256_extractf128_ps(offsets, 1);
+}
+
+template <int64_t kType, int kInputs>
+void run_k_quant_group_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
+                               int64_t first_input) {
+  constexpr bool kHasOffsets = kType != kGgmlQ6_K;
+  const int16_t* const x_quants = s.x_group_quants.data() + first_input * 128;
+  const float* const x_scales = s.x_group_scales.data() + first_input * 16;
+  const float* const x_sums = s.x_group_sums.data() + first_input * 4;
+  const int64_t num_super_blocks = s.k / 256, block_bytes = s.format.bytes, m = s.m;
+  for (int64_t column = first_column; column < end_column; ++column) {
+    __m512 acc[kInputs];
+    __m128 offsets[kInputs];
+    for (int r = 0; r < kInputs; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      offsets[r] = _mm_setzero_ps();
+    }
+    const uint8_t* row = s.weight + column * s.row_bytes;
+    for (int64_t super_block = 0; super_block < num_super_blocks; ++super_block) {
+      const uint8_t* block = row + super_block * block_bytes;
+      prefetch_ahead(block, block_bytes);
+      __m256 scales, block_offsets;
+      k_block_scales<kType>(block, &scales, &block_offsets);
+      for (int half = 0; half < 2; ++half) {
+        __m512i weight[4];
+        __m512 d;
+        __m128 mins;
+        k_group_weights<kType>(block, half, scales, block_offsets, weight, &d, &mins);
+        const int64_t group = 2 * super_block + half;
+        for (int r = 0; r < kInputs; ++r) {
+          const __m512 dot = _mm512_cvtepi32_ps(group_dot(weight, x_quants + (group * m + r) * 128));
+          acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(x_scales + (group * m + r) * 16)), acc[r]);
+          if constexpr (kHasOffsets)
+            offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(x_sums + (group * m + r) * 4), offsets[r]);
+        }
+      }
+    }
+    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+    for (int r = 0; r < kInputs; ++r) {
+      float sum = _mm512_reduce_add_ps(acc[r]);
+      if constexpr (kHasOffsets) {
+        const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
+        sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+      }
+      s.y[(first_input + r) * s.n + column] = sum + bias;
+    }
+  }
+}
+
 #endif
 
 #if defined(PAGEDSERVE_GGUF_AMX)
@@ -1272,6 +1628,17 @@ void run_all_integer_inputs(const GgufLinearCall::State& s, int64_t first_column
   });
 }
 
+template <int64_t kType>
+void run_all_k_quant_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
+  in_groups(s, [&](auto inputs, int64_t input) {
+#if defined(PAGEDSERVE_GGUF_AVX512)
+    run_k_quant_group_columns<kType, decltype(inputs)::value>(s, first_column, end_column, input);
+#else
+    run_k_quant_columns<kType, decltype(inputs)::value>(s, first_column, end_column, input);
+#endif
+  });
+}
+
 template <class BlockDecoder>
 void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
   in_groups(s, [&](auto inputs, int64_t input) {
@@ -1360,21 +1727,6 @@ void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t firs
   }
 }
 
-#if defined(PAGEDSERVE_GGUF_AVX2)
-// The interleaved products stream each thread's rows front to back, one contiguous run of groups. The hardware
-// prefetchers stop at 4 KiB page boundaries and run only a few lines ahead, so a product unit asks for the bytes
-// kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode on the
-// Emerald Rapids VM of a 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36.8 -> 57
-// tok/s at amx, 29.5 -> 51 at the avx2 cap (other distances at amx: 12-16 KiB 58-59, 32 KiB 54); the default model,
-// in L3: 448 -> 500 tok/s at amx, 345 -> 376 at the avx2 cap (4 KiB did ~1% better there).
-constexpr int64_t kPrefetchBytes = 8192;
-
-// Prefetches the `num_bytes` bytes kPrefetchBytes past `bytes` into every cache level.
-inline void prefetch_ahead(const uint8_t* bytes, int64_t num_bytes) {
-  for (int64_t line = 0; line < num_bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(bytes + kPrefetchBytes + line), _MM_HINT_T0);
-}
-#endif
 #if defined(PAGEDSERVE_GGUF_VNNI)
 template <int64_t kType, int kInputs>
 void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column,
@@ -1612,9 +1964,9 @@ void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
     case kGgmlQ4_1: run_all_integer_inputs<kGgmlQ4_1>(s, first_column, end_column); break;
     case kGgmlQ5_0: run_all_inputs<DecoderQ5_0>(s, first_column, end_column); break;
     case kGgmlQ5_1: run_all_inputs<DecoderQ5_1>(s, first_column, end_column); break;
-    case kGgmlQ4_K: run_all_inputs<DecoderQ4_K>(s, first_column, end_column); break;
-    case kGgmlQ5_K: run_all_inputs<DecoderQ5_K>(s, first_column, end_column); break;
-    case kGgmlQ6_K: run_all_inputs<DecoderQ6_K>(s, first_column, end_column); break;
+    case kGgmlQ4_K: run_all_k_quant_inputs<kGgmlQ4_K>(s, first_column, end_column); break;
+    case kGgmlQ5_K: run_all_k_quant_inputs<kGgmlQ5_K>(s, first_column, end_column); break;
+    case kGgmlQ6_K: run_all_k_quant_inputs<kGgmlQ6_K>(s, first_column, end_column); break;
     default: break;  // the constructor checked the type
   }
 }
