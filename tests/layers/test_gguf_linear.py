@@ -1,9 +1,7 @@
 """The GGUF kernels (kernels/cpu/gguf_linear.cpp) against their references, for every type the kernels read, on
 synthetic blocks and on every tensor of the SmolLM2 file:
 - dequantization bitwise equal to ggml's reference decoders (model_loader/gguf_dequant.py);
-- products of Q5_0 / Q5_1 (float32 x times the decoded blocks) within float32 rounding of a float64 product on the
-  dequantized weight;
-- products of Q8_0, Q4_0, Q4_1 and the K types (x quantized to int16 per 32-value block, integer dot products per
+- products of every type (x quantized to int16 per 32-value block, integer dot products per
   32-value block or K sub-block) equal to an exact integer reference of that arithmetic (the K types' sub-block
   quants, scales and mins decoded with gguf-py's own code) within float32 rounding, and within the activation
   quantization's bound,
@@ -38,7 +36,8 @@ RELATIVE_TOLERANCE = 1e-5
 # is_k_quant_type).
 K_QUANT_TYPES = {GGMLQuantizationType.Q4_K.value, GGMLQuantizationType.Q5_K.value, GGMLQuantizationType.Q6_K.value}
 INTEGER_PRODUCT_TYPES = {GGMLQuantizationType.Q8_0.value, GGMLQuantizationType.Q4_0.value,
-                         GGMLQuantizationType.Q4_1.value, *K_QUANT_TYPES}
+                         GGMLQuantizationType.Q4_1.value, GGMLQuantizationType.Q5_0.value,
+                         GGMLQuantizationType.Q5_1.value, *K_QUANT_TYPES}
 
 
 # The integer-product units (kernels/cpu/gguf_linear.cpp): 'amx' runs at the amx level only.
@@ -123,7 +122,7 @@ def k_quant_parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, t
 def integer_product_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The integer-product arithmetic in float64 with exact integer dot products: x quantized per 32-value block as the
     kernel does (d = absmax / 32767 in float32, q = round-half-even(x * (1 / d))), then per block
-    d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w d_x sum(q_x) for Q4_0; for a K sub-block
+    d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1 / Q5_1, - 8 (16) d_w d_x sum(q_x) for Q4_0 (Q5_0); for a K sub-block
     scale d_x sum(q_w q_x) + offset d_x sum(q_x))."""
     num_rows, k = x.shape
     x_blocks = x.float().reshape(num_rows, -1, 32)
@@ -138,19 +137,24 @@ def integer_product_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: 
         return (scale * dots).sum(-1) + (offset_w.double().unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
     raw = blocks.numpy().reshape(blocks.shape[0], -1, BLOCK_FORMATS[ggml_type][1])
     d_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float64))
+    name = GGMLQuantizationType(ggml_type).name
     if ggml_type == GGMLQuantizationType.Q8_0.value:
         q_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:34]).view(np.int8).astype(np.int64))
     else:
-        packed = raw[:, :, 4:20] if ggml_type == GGMLQuantizationType.Q4_1.value else raw[:, :, 2:18]
+        nibbles_at = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+        packed = raw[:, :, nibbles_at:nibbles_at + 16]
         q_w = torch.from_numpy(np.concatenate((packed & 0x0F, packed >> 4), axis=-1).astype(np.int64))
+        if name.startswith("Q5"):  # the fifth bits: bit i of the little-endian 32 bits before the nibbles, value i
+            bits = np.ascontiguousarray(raw[:, :, nibbles_at - 4:nibbles_at]).view("<u4")[..., 0].astype(np.int64)
+            q_w += torch.from_numpy(((bits[..., None] >> np.arange(32)) & 1) << 4)
     dots = torch.einsum("mbi,nbi->mnb", q_x, q_w).double()  # exact integers
     scale = (d_w.float().unsqueeze(0) * d_x.unsqueeze(1)).double()  # d_w d_x in float32, as the kernel
     result = (scale * dots).sum(-1)
-    if ggml_type == GGMLQuantizationType.Q4_1.value:
+    if name in ("Q4_1", "Q5_1"):
         m_w = torch.from_numpy(np.ascontiguousarray(raw[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float64))
         result += (m_w.unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
-    elif ggml_type == GGMLQuantizationType.Q4_0.value:
-        result -= (8 * d_w.unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
+    elif name in ("Q4_0", "Q5_0"):
+        result -= ((8 if name == "Q4_0" else 16) * d_w.unsqueeze(0) * s_x.unsqueeze(1)).sum(-1)
     return result
 
 
@@ -189,8 +193,12 @@ def test_product_matches_float64_on_the_dequantized_weight(type_name: str, num_r
     assert_close_to_float64(quantized_linear(x, blocks, ggml_type, k, bias), x, weight, bias, ggml_type=product_type)
 
 
-@pytest.mark.parametrize("unit", PRODUCT_UNITS)
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+# The amx unit takes Q8_0, Q4_0 and Q4_1; the vector unit every 32-value type.
+UNITS_AND_TYPES = [(unit, type_name) for unit in PRODUCT_UNITS for type_name in ("Q8_0", "Q4_0", "Q4_1")] + [
+    ("vector", "Q5_0"), ("vector", "Q5_1")]
+
+
+@pytest.mark.parametrize("unit, type_name", UNITS_AND_TYPES)
 @pytest.mark.parametrize("num_rows", [1, 3, 6, 8, 17, 64])  # amx: one short tile, whole tiles of 16 and a short one
 @pytest.mark.parametrize("k", [32, 96, 1024, 1120])  # 1, 3, 32 and 35 blocks: the AVX-512 kernel's four-block groups
 def test_integer_products_equal_the_exact_integer_reference(unit: str, type_name: str, num_rows: int, k: int) -> None:

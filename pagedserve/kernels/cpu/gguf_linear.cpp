@@ -297,18 +297,39 @@ void quantize_row_of_x(const float* x, int64_t k, int16_t* quants, float* scales
   }
 }
 
+// The types the amx unit and the interleaved layouts take (their products are integer on every unit).
 inline bool is_integer_product_type(int64_t ggml_type) {
   return ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;
 }
+
+// Q5_0 / Q5_1: integer products on the vector unit (run_integer_columns, run_group_columns), as Q4_0 / Q4_1's with a
+// fifth bit per quant.
+inline bool is_five_bit_type(int64_t ggml_type) { return ggml_type == kGgmlQ5_0 || ggml_type == kGgmlQ5_1; }
 
 // The K-quants, whose products are integer too (run_k_quant_columns; the vector unit only).
 inline bool is_k_quant_type(int64_t ggml_type) {
   return ggml_type == kGgmlQ4_K || ggml_type == kGgmlQ5_K || ggml_type == kGgmlQ6_K;
 }
 
-// The bytes of a Q8_0 / Q4_0 / Q4_1 block.
+// The bytes of a Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block.
 template <int64_t kType>
-constexpr int64_t kBlockBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : 18;
+constexpr int64_t kBlockBytes = kType == kGgmlQ8_0 ? 34 : kType == kGgmlQ4_1 ? 20 : kType == kGgmlQ5_0 ? 22
+                                : kType == kGgmlQ5_1 ? 24 : 18;
+// Whether the type's values are d q + m (Q4_1, Q5_1), and the zero point the others subtract (Q4_0: 8, Q5_0: 16).
+template <int64_t kType>
+constexpr bool kHasMin = kType == kGgmlQ4_1 || kType == kGgmlQ5_1;
+template <int64_t kType>
+constexpr int kZeroPoint = kType == kGgmlQ4_0 ? 8 : kType == kGgmlQ5_0 ? 16 : 0;
+// Where a 32-value block's 16 nibble bytes start (after d, m and Q5's 32 fifth bits).
+template <int64_t kType>
+constexpr int64_t kNibbleOffset = kType == kGgmlQ4_0 ? 2 : kType == kGgmlQ4_1 ? 4 : kType == kGgmlQ5_0 ? 6 : 8;
+// The 32 fifth bits of a Q5_0 / Q5_1 block (bit i: value i), after d (and m).
+template <int64_t kType>
+inline uint32_t fifth_bits(const uint8_t* block) {
+  uint32_t bits;
+  std::memcpy(&bits, block + (kType == kGgmlQ5_0 ? 2 : 4), sizeof(bits));
+  return bits;
+}
 // The quant bytes of an interleaved group's block (gguf_linear.h): 16 rows' quants, before their d (and m).
 template <int64_t kType>
 constexpr int64_t kInterleavedQuantBytes = kInterleavedRows * (kType == kGgmlQ8_0 ? 32 : 16);
@@ -353,48 +374,6 @@ BlockDecoder block_decoder(int64_t ggml_type) {
   }
   return nullptr;
 }
-
-// The accumulator of one output element: 16 float lanes at AVX-512, 8 below.
-#if defined(PAGEDSERVE_GGUF_AVX512)
-constexpr int kLanes = 16;
-using Lanes = __m512;
-inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
-inline Lanes load_lanes(const float* p) { return _mm512_loadu_ps(p); }
-inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
-inline float sum_lanes(__m512 v) { return _mm512_reduce_add_ps(v); }
-#elif defined(PAGEDSERVE_GGUF_AVX2)
-constexpr int kLanes = 8;
-using Lanes = __m256;
-inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
-inline Lanes load_lanes(const float* p) { return _mm256_loadu_ps(p); }
-inline Lanes multiply_add(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
-inline float sum_lanes(__m256 v) {
-  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-}
-#else
-constexpr int kLanes = 8;
-struct Lanes {
-  float lane[8];
-};
-inline Lanes zero_lanes() { return Lanes{}; }
-inline Lanes load_lanes(const float* p) {
-  Lanes v;
-  std::memcpy(v.lane, p, sizeof(v.lane));
-  return v;
-}
-inline Lanes multiply_add(const Lanes& a, const Lanes& b, Lanes c) {
-  for (int i = 0; i < 8; ++i) c.lane[i] = std::fma(a.lane[i], b.lane[i], c.lane[i]);
-  return c;
-}
-// The same pairing as the AVX2 path's horizontal sum.
-inline float sum_lanes(const Lanes& v) {
-  const float quad[4] = {v.lane[0] + v.lane[4], v.lane[1] + v.lane[5], v.lane[2] + v.lane[6], v.lane[3] + v.lane[7]};
-  const float pair[2] = {quad[0] + quad[2], quad[1] + quad[3]};
-  return pair[0] + pair[1];
-}
-#endif
 
 int64_t grain_units(int64_t row_bytes) {
   // At least ~64 KiB of weight per task: smaller tasks cost more to hand out than they take to run.
@@ -694,7 +673,8 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
   s.x_stride = x.stride(0);
   s.weight = weight.data_ptr<uint8_t>();
   s.y = y.data_ptr<float>();
-  s.is_integer_product = is_integer_product_type(s.block_type) || is_k_quant_type(s.block_type);
+  s.is_integer_product = is_integer_product_type(s.block_type) || is_five_bit_type(s.block_type) ||
+                         is_k_quant_type(s.block_type);
   if (s.is_integer_product) {
     const int64_t num_blocks = s.k / kQuantBlock;
     s.x_quants.resize(s.m * s.k);
@@ -728,31 +708,6 @@ int64_t GgufLinearCall::grain() const {
 
 namespace {
 
-// Columns [first_column, end_column) for input rows [first_input, first_input + kInputs): each block decoded once
-// into an L1 buffer, its values multiplied into kInputs accumulators held in registers.
-template <class BlockDecoder, int kInputs>
-void run_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
-  constexpr int kValues = BlockDecoder::values;
-  alignas(64) float values[kValues];
-  const float* x = s.x + first_input * s.x_stride;
-  const int64_t num_blocks = s.k / kValues, block_bytes = s.format.bytes;
-  for (int64_t column = first_column; column < end_column; ++column) {
-    const uint8_t* row = s.weight + column * s.row_bytes;
-    Lanes acc[kInputs];
-    for (int r = 0; r < kInputs; ++r) acc[r] = zero_lanes();
-    for (int64_t block = 0; block < num_blocks; ++block) {
-      BlockDecoder::decode(row + block * block_bytes, values);
-      const float* x_block = x + block * kValues;
-      for (int i = 0; i < kValues; i += kLanes) {
-        const Lanes w = load_lanes(values + i);
-        for (int r = 0; r < kInputs; ++r) acc[r] = multiply_add(w, load_lanes(x_block + r * s.x_stride + i), acc[r]);
-      }
-    }
-    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
-    for (int r = 0; r < kInputs; ++r) s.y[(first_input + r) * s.n + column] = sum_lanes(acc[r]) + bias;
-  }
-}
-
 // Q8_0, Q4_0 and Q4_1 multiply integer quants (is_integer_product): the weight's quants widened to int16 times x's
 // int16 quants, summed in int32 (AVX2 madd). Per 32-value block of weights (d_w, m_w, q_w) and of x (d_x, q_x,
 // s_x = d_x * sum(q_x)):
@@ -770,14 +725,25 @@ inline void weight_quants(const uint8_t* block, __m256i* first, __m256i* second)
     *first = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(quants));
     *second = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(quants, 1));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (kType == kGgmlQ4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleOffset<kType>));
     const __m128i mask = _mm_set1_epi8(0x0F);
     *first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
     *second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) {  // + 16 in lane i where bit i of the 16 bits is set
+      const uint32_t bits = fifth_bits<kType>(block);
+      const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                                 static_cast<int16_t>(0x8000));
+      const auto sixteen_where = [&lane_bit](uint32_t sixteen_bits) {
+        const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(sixteen_bits)), lane_bit);
+        return _mm256_and_si256(_mm256_cmpeq_epi16(set, lane_bit), _mm256_set1_epi16(16));
+      };
+      *first = _mm256_or_si256(*first, sixteen_where(bits & 0xFFFF));
+      *second = _mm256_or_si256(*second, sixteen_where(bits >> 16));
+    }
   }
 }
 
-// The sum of eight float lanes (the same pairing as sum_lanes at AVX2).
+// The sum of eight float lanes.
 inline float sum_eight_lanes(__m256 v) {
   const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
@@ -807,7 +773,7 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
     for (int64_t block = 0; block < num_blocks; ++block) {
       const uint8_t* weight_block = row + block * block_bytes;
       const float d = half_to_float(weight_block);
-      const float m = kType == kGgmlQ4_1 ? half_to_float(weight_block + 2) : 0.0f;
+      const float m = kHasMin<kType> ? half_to_float(weight_block + 2) : 0.0f;
 #if defined(PAGEDSERVE_GGUF_AVX2)
       __m256i first, second;
       weight_quants<kType>(weight_block, &first, &second);
@@ -817,8 +783,9 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
         if constexpr (kType == kGgmlQ8_0) {
           weight[i] = reinterpret_cast<const int8_t*>(weight_block + 2)[i];
         } else {
-          const uint8_t* q = weight_block + (kType == kGgmlQ4_1 ? 4 : 2);
+          const uint8_t* q = weight_block + kNibbleOffset<kType>;
           weight[i] = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
+          if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) weight[i] |= ((fifth_bits<kType>(weight_block) >> i) & 1) << 4;
         }
       }
 #endif
@@ -832,14 +799,14 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
         for (int i = 0; i < kQuantBlock; ++i) dot += weight[i] * x_block[i];
         acc[r] += static_cast<float>(dot) * (d * s.x_scales[index]);
 #endif
-        if constexpr (kType == kGgmlQ4_1) offsets[r] += m * s.x_sums[index];
-        if constexpr (kType == kGgmlQ4_0) offsets[r] -= 8.0f * d * s.x_sums[index];
+        if constexpr (kHasMin<kType>) offsets[r] += m * s.x_sums[index];
+        if constexpr (kZeroPoint<kType> != 0) offsets[r] -= static_cast<float>(kZeroPoint<kType>) * d * s.x_sums[index];
       }
     }
     const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
     for (int r = 0; r < kInputs; ++r) {
 #if defined(PAGEDSERVE_GGUF_AVX2)
-      const float sum = sum_lanes(acc[r]);
+      const float sum = sum_eight_lanes(acc[r]);
 #else
       const float sum = acc[r];
 #endif
@@ -1126,33 +1093,49 @@ __attribute__((always_inline)) inline void group_weights(const uint8_t* group, i
                                            34, 17, 17, 17, 17, 0, 0, 0, 0);
     *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(low, index, high)));
   } else {
-    constexpr int64_t kQuantOffset = kType == kGgmlQ4_1 ? 4 : 2;
+    constexpr int64_t kQuantOffset = kNibbleOffset<kType>;
     __m512i packed = _mm512_castsi128_si512(load_run(group + kQuantOffset, 0));
     packed = _mm512_inserti32x4(packed, load_run(group + kBytes + kQuantOffset, 1), 1);
     packed = _mm512_inserti32x4(packed, load_run(group + 2 * kBytes + kQuantOffset, 2), 2);
     packed = _mm512_inserti32x4(packed, load_run(group + 3 * kBytes + kQuantOffset, 3), 3);
     const __m512i mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const __m512i low = _mm512_and_si512(packed, mask);                         // values 0 .. 15 of each block
-    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);  // values 16 .. 31
+    __m512i low = _mm512_and_si512(packed, mask);                         // values 0 .. 15 of each block
+    __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);  // values 16 .. 31
+    if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) {
+      // + 16 on the bytes whose fifth bit is set: block j's bits 0 .. 15 (values 0 .. 15) mask quarter j of low,
+      // bits 16 .. 31 quarter j of high.
+      uint64_t low_bits = 0, high_bits = 0;
+      for (int j = 0; j < 4; ++j) {
+        if (!kFull && j >= num_valid) break;
+        const uint64_t bits = fifth_bits<kType>(group + j * kBytes);
+        low_bits |= (bits & 0xFFFF) << (16 * j);
+        high_bits |= (bits >> 16) << (16 * j);
+      }
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      low = _mm512_mask_add_epi8(low, low_bits, low, sixteen);
+      high = _mm512_mask_add_epi8(high, high_bits, high, sixteen);
+    }
     weight[0] = _mm512_unpacklo_epi8(low, zero);
     weight[1] = _mm512_unpackhi_epi8(low, zero);
     weight[2] = _mm512_unpacklo_epi8(high, zero);
     weight[3] = _mm512_unpackhi_epi8(high, zero);
-    if constexpr (kType == kGgmlQ4_0) {
-      const __m512i eight = _mm512_set1_epi16(8);
-      for (int i = 0; i < 4; ++i) weight[i] = _mm512_sub_epi16(weight[i], eight);
+    if constexpr (kZeroPoint<kType> != 0) {
+      const __m512i zero_point = _mm512_set1_epi16(kZeroPoint<kType>);
+      for (int i = 0; i < 4; ++i) weight[i] = _mm512_sub_epi16(weight[i], zero_point);
     }
-    // d (and m) of block j are the float16 words at byte kBytes j (and + 2): all four in the group's first 64 bytes.
+    // d (and m) of block j are the float16 words at byte kBytes j (and + 2): in the group's first 64 bytes (Q4), or
+    // its first 128 (Q5).
     const __m512i header = load_bytes(group, 0);
+    const __m512i header_high = 3 * kBytes + 4 > 64 ? load_bytes(group, 64) : header;
     constexpr short kWords = kBytes / 2;
     const __m512i d_index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 * kWords, 3 * kWords,
                                              3 * kWords, 3 * kWords, 2 * kWords, 2 * kWords, 2 * kWords, 2 * kWords,
                                              kWords, kWords, kWords, kWords, 0, 0, 0, 0);
-    *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_index, header)));
-    if constexpr (kType == kGgmlQ4_1) {
+    *d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(header, d_index, header_high)));
+    if constexpr (kHasMin<kType>) {
       const __m512i m_index = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                                0, 0, 0, 0, 3 * kWords + 1, 2 * kWords + 1, kWords + 1, 1);
-      *m = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(m_index, header)));
+      *m = _mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(header, m_index, header_high)));
     }
   }
 }
@@ -1189,7 +1172,7 @@ __attribute__((always_inline)) inline void group_products(const uint8_t* row, in
   for (int r = 0; r < kInputs; ++r) {
     const __m512 dot = _mm512_cvtepi32_ps(group_dot(weight, group_quants + r * 128));
     acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_loadu_ps(group_scales + r * 16)), acc[r]);
-    if constexpr (kType == kGgmlQ4_1) offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(group_sums + r * 4), offsets[r]);
+    if constexpr (kHasMin<kType>) offsets[r] = _mm_fmadd_ps(mins, _mm_loadu_ps(group_sums + r * 4), offsets[r]);
   }
 }
 
@@ -1226,7 +1209,7 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
     const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
     for (int r = 0; r < kInputs; ++r) {
       float sum = _mm512_reduce_add_ps(acc[r]);
-      if constexpr (kType == kGgmlQ4_1) {
+      if constexpr (kHasMin<kType>) {
         const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
         sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
       }
@@ -1639,13 +1622,6 @@ void run_all_k_quant_inputs(const GgufLinearCall::State& s, int64_t first_column
   });
 }
 
-template <class BlockDecoder>
-void run_all_inputs(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column) {
-  in_groups(s, [&](auto inputs, int64_t input) {
-    run_columns<BlockDecoder, decltype(inputs)::value>(s, first_column, end_column, input);
-  });
-}
-
 // The interleaved layouts' vector products (Q8_0 / Q4_0 / Q4_1 in 16-row groups; gguf_interleave): per group of 16
 // columns and 32-value block, the exact int32 sum(q_w q_x) of each column in one vector, as the amx unit's tile
 // products make it: x's int16 quants in bytes (State::x_tiles), high bytes signed and low bytes unsigned, each
@@ -1962,8 +1938,8 @@ void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
     case kGgmlQ8_0: run_all_integer_inputs<kGgmlQ8_0>(s, first_column, end_column); break;
     case kGgmlQ4_0: run_all_integer_inputs<kGgmlQ4_0>(s, first_column, end_column); break;
     case kGgmlQ4_1: run_all_integer_inputs<kGgmlQ4_1>(s, first_column, end_column); break;
-    case kGgmlQ5_0: run_all_inputs<DecoderQ5_0>(s, first_column, end_column); break;
-    case kGgmlQ5_1: run_all_inputs<DecoderQ5_1>(s, first_column, end_column); break;
+    case kGgmlQ5_0: run_all_integer_inputs<kGgmlQ5_0>(s, first_column, end_column); break;
+    case kGgmlQ5_1: run_all_integer_inputs<kGgmlQ5_1>(s, first_column, end_column); break;
     case kGgmlQ4_K: run_all_k_quant_inputs<kGgmlQ4_K>(s, first_column, end_column); break;
     case kGgmlQ5_K: run_all_k_quant_inputs<kGgmlQ5_K>(s, first_column, end_column); break;
     case kGgmlQ6_K: run_all_k_quant_inputs<kGgmlQ6_K>(s, first_column, end_column); break;
