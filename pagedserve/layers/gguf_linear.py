@@ -35,6 +35,7 @@ dequantizes at load instead (model_loader/gguf_quantized_load.py says so in the 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -191,7 +192,45 @@ class GGUFLinearMethod(LinearMethodBase):
 GGUF_LINEAR_METHOD = GGUFLinearMethod()
 
 
-__all__ = ["BLOCK_FORMATS", "DEQUANTIZE_TILE_VALUES", "GGUFLinearMethod", "GGUF_LAYOUT", "GGUF_LINEAR_METHOD",
+@dataclass(frozen=True)
+class GGUFPart:
+    """One checkpoint tensor inside a fused layer whose parts hold different ggml types (a Q4_K_M file's Q4_K q/k and
+    Q6_K v): output rows [row_offset, row_offset + num_rows) of the layer, held as num_rows x row_bytes bytes from
+    byte_offset of the layer's flat uint8 `weight`."""
+
+    shard_id: object
+    row_offset: int
+    num_rows: int
+    byte_offset: int
+    row_bytes: int
+    ggml_type: int
+
+    def blocks(self, weight: torch.Tensor) -> torch.Tensor:
+        """This part's [num_rows, row_bytes] blocks, a view of the layer's flat `weight`."""
+        return weight[self.byte_offset:self.byte_offset + self.num_rows * self.row_bytes].view(
+            self.num_rows, self.row_bytes)
+
+
+class GGUFPartsLinearMethod(LinearMethodBase):
+    """A fused linear layer whose parts keep blocks of different types (`layer.gguf_parts`, in output-row order): each
+    part's product as GGUFLinearMethod computes it, concatenated along the output."""
+
+    layout = GGUF_LAYOUT
+    is_quantized = True
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        num_values = layer.input_size_per_partition
+        return torch.cat([
+            quantized_linear(x, part.blocks(layer.weight), part.ggml_type, num_values,
+                             None if bias is None else bias[part.row_offset:part.row_offset + part.num_rows])
+            for part in layer.gguf_parts], dim=-1)
+
+
+GGUF_PARTS_LINEAR_METHOD = GGUFPartsLinearMethod()
+
+
+__all__ = ["BLOCK_FORMATS", "DEQUANTIZE_TILE_VALUES", "GGUFLinearMethod", "GGUFPart", "GGUFPartsLinearMethod",
+           "GGUF_LAYOUT", "GGUF_LINEAR_METHOD", "GGUF_PARTS_LINEAR_METHOD",
            "INTERLEAVED_ROWS", "INTERLEAVED_TYPES", "INTERLEAVED_TYPE_OFFSET", "KERNEL_MAX_ROWS", "KERNEL_TYPES",
            "AMX_TYPES", "block_type", "dequantize_weight", "gguf_kernels_available", "gguf_linear_products",
            "interleave_weight", "interleaves", "quantized_linear", "runs_on_kernel", "quantized_rows", "row_bytes"]

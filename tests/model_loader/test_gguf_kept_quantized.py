@@ -14,7 +14,8 @@ from hf_reference import hf_greedy_with_logprobs
 from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.embedding import VocabParallelEmbedding
-from pagedserve.layers.gguf_linear import GGUF_LINEAR_METHOD, INTERLEAVED_TYPE_OFFSET, block_type, interleaves
+from pagedserve.layers.gguf_linear import (GGUF_LINEAR_METHOD, GGUF_PARTS_LINEAR_METHOD, INTERLEAVED_TYPE_OFFSET,
+                                           block_type, interleaves)
 from pagedserve.layers.linear import LinearBase
 from pagedserve.model_loader.gguf_loader import load_gguf
 from test_gguf_tiny_files import write_tiny_gguf
@@ -154,19 +155,52 @@ def test_tied_head_shares_the_embedding_blocks_and_memory_is_the_files(tiny_file
     assert resident == file_bytes + padding
 
 
-def test_mixed_types_in_a_fused_layer_load_that_layer_dequantized(tmp_path) -> None:
-    """Q4_K_M-style: attn_v in another type than attn_q/attn_k, so that qkv_proj cannot keep one block type: it
-    loads dequantized, every other layer keeps its blocks, and the output is still transformers'."""
+def test_mixed_types_in_a_fused_layer_keep_each_parts_blocks(tmp_path, monkeypatch) -> None:
+    """Q4_K_M-style: attn_v (layer 0) and ffn_up (layer 1) in another type than the other parts of their fused
+    layers: those layers keep each part's blocks (GGUFPartsLinearMethod) in one flat weight of the file's bytes, with
+    interleaving on (the parts that interleave do) and off, and the output is transformers' on the dequantized
+    weights."""
+    import pagedserve.model_loader.model_factory as model_factory
+
     path = str(tmp_path / "mixed.gguf")
     write_tiny_gguf(path, "llama", GGMLQuantizationType.Q4_1, seed=11,
-                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q8_0}, norm_weights_near_one=True)
-    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
-    layers = _model_of(llm).model.layers
-    assert layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    assert layers[0].self_attn.qkv_proj.linear_method is not GGUF_LINEAR_METHOD
-    assert layers[1].self_attn.qkv_proj.linear_method is GGUF_LINEAR_METHOD
-    assert layers[0].mlp.gate_up_proj.linear_method is GGUF_LINEAR_METHOD
-    assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), _greedy(llm))
+                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q8_0,
+                                  "blk.1.ffn_up.weight": GGMLQuantizationType.Q5_0}, norm_weights_near_one=True)
+    folder = _hf_folder_of(path, str(tmp_path / "hf"))
+    file_bytes = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(path).tensors}
+    for interleaving in (True, False):
+        if not interleaving:
+            monkeypatch.setattr(model_factory, "interleave_kept_modules", lambda model: 0)
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+        layers = _model_of(llm).model.layers
+        qkv, gate_up = layers[0].self_attn.qkv_proj, layers[1].mlp.gate_up_proj
+        assert qkv.linear_method is GGUF_PARTS_LINEAR_METHOD and gate_up.linear_method is GGUF_PARTS_LINEAR_METHOD
+        assert [(part.shard_id, block_type(part.ggml_type)) for part in qkv.gguf_parts] == [
+            ("q", GGMLQuantizationType.Q4_1.value), ("k", GGMLQuantizationType.Q4_1.value),
+            ("v", GGMLQuantizationType.Q8_0.value)]
+        assert [(part.shard_id, block_type(part.ggml_type)) for part in gate_up.gguf_parts] == [
+            (0, GGMLQuantizationType.Q4_1.value), (1, GGMLQuantizationType.Q5_0.value)]
+        assert [part.ggml_type != block_type(part.ggml_type) for part in qkv.gguf_parts] == [
+            interleaving and interleaves(block_type(part.ggml_type), part.num_rows) for part in qkv.gguf_parts]
+        assert qkv.weight.dtype == torch.uint8 and qkv.weight.numel() == sum(
+            file_bytes[f"blk.0.attn_{part}.weight"] for part in "qkv")
+        assert gate_up.weight.numel() == file_bytes["blk.1.ffn_gate.weight"] + file_bytes["blk.1.ffn_up.weight"]
+        assert layers[1].self_attn.qkv_proj.linear_method is GGUF_LINEAR_METHOD
+        assert layers[0].mlp.gate_up_proj.linear_method is GGUF_LINEAR_METHOD
+        assert_transformers_argmax(folder, _greedy(llm))
+
+
+def test_a_parts_loader_names_a_wrong_shard_or_shape(tmp_path) -> None:
+    path = str(tmp_path / "mixed.gguf")
+    write_tiny_gguf(path, "llama", GGMLQuantizationType.Q4_1, seed=11,
+                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q8_0})
+    qkv = _model_of(LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)).model.layers[0].self_attn.qkv_proj
+    loader = qkv.weight.weight_loader
+    with pytest.raises(ValueError, match=r"shard_id='x' is not one of this layer's GGUF parts \['q', 'k', 'v'\]"):
+        loader(qkv.weight, torch.zeros(1, 1, dtype=torch.uint8), "x")
+    with pytest.raises(ValueError, match=r"part 'v' holds uint8 blocks \(32, 68\), the checkpoint gave "
+                                         r"torch.float32 \(32, 64\)"):
+        loader(qkv.weight, torch.zeros(32, 64), "v")
 
 
 def test_gguf_dequantize_keeps_the_float_path(tiny_files, tmp_path) -> None:
