@@ -63,7 +63,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.amx_linear import AmxPackedLinearMethod
 from pagedserve.layers.embedding import VocabParallelEmbedding
 from pagedserve.layers.forward_hooks import ForwardHookCheck, hook_registries
-from pagedserve.layers.gguf_linear import GGUFLinearMethod
+from pagedserve.layers.gguf_linear import GGUFLinearMethod, GGUFPartsLinearMethod
 from pagedserve.layers.linear import UnquantizedLinearMethod, packed_weight_of
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.w8a8_int8 import W8A8Int8LinearMethod
@@ -79,7 +79,8 @@ logger = logging.getLogger(__name__)
 
 # linear_kind of the op, by the layers' linear method.
 LINEAR_KINDS: dict[type, int] = {UnquantizedLinearMethod: 0, SmallBatchLinearMethod: 1, AmxPackedLinearMethod: 2,
-                                 OneDnnPrepackedLinearMethod: 3, GGUFLinearMethod: 5, W8A8Int8LinearMethod: 6}
+                                 OneDnnPrepackedLinearMethod: 3, GGUFLinearMethod: 5, GGUFPartsLinearMethod: 5,
+                                 W8A8Int8LinearMethod: 6}
 # Kind 5: GGUF blocks kept quantized (float32 models only: the kernel computes in float32, as the method does).
 GGUF_KIND = LINEAR_KINDS[GGUFLinearMethod]
 # Kind 6: W8A8 int8 weights on the native w8a8_linear (float32 and bfloat16 models: the kernel rounds its output
@@ -124,6 +125,9 @@ class NativeDecodeStackPlan:
     # Kind 5 (GGUF): the block types of the linears (qkv, o, gate_up, down per layer), of the embedding table and of
     # the greedy head (0: a float table or head).
     weight_types: tuple[int, ...] = ()
+    # ... and per linear its parts where they hold different types (int64 [P, 5]: column, columns, byte offset,
+    # bytes per row, type; [0, 5] for a linear of one type), or () where no linear has parts.
+    weight_parts: tuple[torch.Tensor, ...] = ()
     embedding_type: int = 0
     head_type: int = 0
     # Kind 6 (W8A8): the linears' float32 weight scales and static input scales (None: per token), 4 per layer.
@@ -160,6 +164,8 @@ class NativeDecodeStackPlan:
                 self.num_kv_heads, self.head_dim, self.eps, self.scale, self.linear_kind,
                 native_elementwise.REDUCTION_LANES, DECODE_PARTITION_TOKENS, ONE_REGION_MAX_ROWS)
             if self.linear_kind == GGUF_KIND:
+                if self.weight_parts:
+                    self.native.set_gguf_parts(list(self.weight_parts))
                 self.native.set_gguf_types(list(self.weight_types), self.embedding_type, self.head_type)
             if self.linear_kind == W8A8_KIND:
                 self.native.set_w8a8_scales(list(self.weight_scales), list(self.input_scales))
@@ -204,9 +210,16 @@ def _linear_parts(linear: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | 
     return kind, weight, linear.bias
 
 
+def _part_table(linear: nn.Module) -> torch.Tensor:
+    """The plan's int64 [P, 5] table of a GGUF linear's parts (GGUFPartsLinearMethod), [0, 5] for any other."""
+    parts = getattr(linear, "gguf_parts", None) or ()
+    return torch.tensor([[part.row_offset, part.num_rows, part.byte_offset, part.row_bytes, part.ggml_type]
+                         for part in parts], dtype=torch.int64).reshape(-1, 5)
+
+
 # The attributes of the embedding, norms, rotary embedding, linears and attention layers a plan reads.
 _SOURCE_ATTRIBUTES = ("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache",
-                      "weight_scale_row", "input_scale")
+                      "weight_scale_row", "input_scale", "gguf_parts")
 
 
 def _sources(modules: list[nn.Module]) -> dict[str, tuple[Any, ...]]:
@@ -273,6 +286,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     weight_types: list[int] = []
+    weight_parts: list[torch.Tensor] = []
     weight_scales: list[torch.Tensor] = []
     input_scales: list[torch.Tensor | None] = []
     kinds: set[int] = set()
@@ -313,6 +327,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         (qkv_kind, qkv, qkv_bias), (o_kind, o, o_bias), (gu_kind, gate_up, gu_bias), (d_kind, down, d_bias) = parts
         kinds.update((qkv_kind, o_kind, gu_kind, d_kind))
         weight_types += [getattr(linear, "ggml_type", None) or 0 for linear in linears]
+        weight_parts += [_part_table(linear) for linear in linears]
         if {qkv_kind, o_kind, gu_kind, d_kind} == {W8A8_KIND}:  # mixed methods are refused below
             weight_scales += [linear.weight_scale_row for linear in linears]
             input_scales += [linear.input_scale if linear.linear_method.is_static_input else None
@@ -345,6 +360,7 @@ def native_decode_stack_plan(model: nn.Module, dtype: torch.dtype) -> NativeDeco
         num_heads=first_attention.num_heads, num_kv_heads=first_attention.num_kv_heads,
         head_dim=first_attention.head_dim, eps=float(decoder.norm.variance_epsilon),
         scale=float(first_attention.attn.scale), linear_kind=linear_kind, weight_types=tuple(weight_types),
+        weight_parts=tuple(weight_parts) if any(len(table) for table in weight_parts) else (),
         embedding_type=embed_tokens.ggml_type or 0,
         head_type=(getattr(lm_head, "ggml_type", None) or 0) if greedy_head is not None else 0,
         weight_scales=tuple(weight_scales), input_scales=tuple(input_scales),

@@ -39,6 +39,12 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         files[name] = str(folder / f"{name}.gguf")
         write_tiny_gguf(files[name], architecture, ggml_type, with_output=with_output, seed=7,
                         norm_weights_near_one=True)
+    # Fused linears whose parts mix types (GGUFPartsLinearMethod): layer 0's qkv (biased) with a Q8_0 v, layer 1's
+    # gate_up with a Q5_0 up (a type the amx unit does not take).
+    files["qwen2-mixed"] = str(folder / "qwen2-mixed.gguf")
+    write_tiny_gguf(files["qwen2-mixed"], "qwen2", GGMLQuantizationType.Q4_1, seed=7, norm_weights_near_one=True,
+                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q8_0,
+                                  "blk.1.ffn_up.weight": GGMLQuantizationType.Q5_0})
     return files
 
 
@@ -46,14 +52,14 @@ def _llm(path: str, **options) -> LLM:
     return LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=160, **options)
 
 
-@pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0"])
+@pytest.mark.parametrize("name", ["llama-q4_1-tied", "qwen2-q8_0", "qwen2-mixed"])
 @pytest.mark.parametrize("num_prompts", [1, 3, 10, 40])  # 10, 40 rows: past the vector unit's 8 (amx or dequantized)
 def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: str, num_prompts: int) -> None:
     import pagedserve.models.native_decode_stack as stack_module
 
-    # Steps past 8 rows stay in one region where the kernel's amx unit takes both files' types (Q4_1, Q8_0); else
-    # they run op by op on dequantized tiles.
-    kernel_rows = 256 if "amx" in gguf_linear_products() else 8
+    # Steps past 8 rows stay in one region where the kernel's amx unit takes every type of the file (Q4_1, Q8_0: not
+    # the mixed file's Q5_0); else they run op by op on dequantized tiles.
+    kernel_rows = 256 if "amx" in gguf_linear_products() and name != "qwen2-mixed" else 8
 
     prompts = random_prompts(num_prompts, 4, 30, seed=num_prompts)
     results = []
@@ -65,6 +71,7 @@ def test_stack_steps_bitwise_equal_the_modules(gguf_files, monkeypatch, name: st
         if enabled:
             assert isinstance(forward, NativeDecodeForward)
             assert forward.plan.linear_kind == GGUF_KIND and forward.num_stack_steps == NUM_STEPS - 1
+            assert len(forward.plan.weight_parts) == (8 if name == "qwen2-mixed" else 0)
             in_region = forward.plan.native.num_one_region_steps()
             assert in_region == (NUM_STEPS - 1 if num_prompts <= min(kernel_rows, one_region_max_rows) else 0)
         else:
@@ -116,3 +123,20 @@ def test_plan_object_checks_the_block_types(gguf_files) -> None:
         native.set_gguf_types([3], 8, 8)
     with pytest.raises(RuntimeError, match="has no kernel"):
         native.set_gguf_types([1] * len(forward.plan.weight_types), 3, 3)
+
+
+def test_plan_object_checks_the_gguf_parts(gguf_files) -> None:
+    llm = _llm(gguf_files["qwen2-mixed"])
+    greedy_outputs_with_logprobs(llm, [[5, 6, 7]], NUM_STEPS)
+    forward = model_runner_forward(llm)
+    native, tables = forward.plan.native, list(forward.plan.weight_parts)
+    assert [len(table) for table in tables] == [3, 0, 0, 0, 0, 0, 2, 0]  # layer 0's qkv, layer 1's gate_up
+    with pytest.raises(RuntimeError, match="part tables expected"):
+        native.set_gguf_parts(tables[:4])
+    shifted = tables[0].clone()
+    shifted[1, 2] += 1  # k's bytes no longer follow q's
+    with pytest.raises(RuntimeError, match="linear 0 part 1 does not follow the one before it"):
+        native.set_gguf_parts([shifted, *tables[1:]])
+    short = tables[0][:2]  # q and k only: the columns and bytes are not filled
+    with pytest.raises(RuntimeError, match="linear 0's parts do not fill its"):
+        native.set_gguf_parts([short, *tables[1:]])

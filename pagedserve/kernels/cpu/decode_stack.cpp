@@ -46,7 +46,8 @@
 //   on the plain weight above (small_batch_linear.py off Intel), 5 GGUF blocks kept quantized (float32 models;
 //   layers/gguf_linear.py: gguf_linear up to 8 rows (every M where its amx unit takes the type), the dequantized
 //   weight on at::linear above; the block types
-//   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types), 6 W8A8 int8 weights on
+//   of the linears, the embedding table and the head by DecodeStackPlan.set_gguf_types, and a fused linear whose
+//   parts hold different types as parts of one flat weight by set_gguf_parts), 6 W8A8 int8 weights on
 //   w8a8_linear (float32 or bfloat16 models; layers/quantization/w8a8_int8.py: every M, its product unit chosen per
 //   call as the op chooses it ('auto': AMX-INT8, AVX512-VNNI or int16); the scales by
 //   DecodeStackPlan.set_w8a8_scales). Every M row is one decoding request.
@@ -89,6 +90,7 @@ namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;
 constexpr int64_t kBiasesPerLayer = 4;
+constexpr int64_t kLinearSlots[kBiasesPerLayer] = {1, 2, 4, 5};  // qkv, o, gate_up, down in a layer's weights
 // layers/small_batch_linear.py native_max_rows(): kind 1 (Intel, MKL above) and kind 4 (elsewhere, oneDNN above).
 constexpr int64_t kSmallBatchMaxRows = 16;        // INTEL_MAX_ROWS
 constexpr int64_t kSmallBatchOneDnnMaxRows = 128;  // MAX_ROWS
@@ -202,8 +204,22 @@ const c10::TypedOperatorHandle<OneDnnLinear>& onednn_linear() {
 // amx_linear.py, weight_layout.py OneDnnPrepackedLinearMethod, gguf_linear.py GGUFLinearMethod, w8a8_int8.py
 // W8A8Int8LinearMethod), for a contiguous 2-D x; `quantization` holds the weight's block type (kind 5) or its scales
 // (kind 6).
+// One part of a fused GGUF linear whose parts hold different block types (layers/gguf_linear.py GGUFPart): output
+// columns [column, column + num_columns), num_columns rows of row_bytes bytes at byte_offset of the flat weight.
+struct GgufPart {
+  int64_t column, num_columns, byte_offset, row_bytes, ggml_type;
+
+  at::Tensor blocks(const at::Tensor& weight) const {
+    return weight.narrow(0, byte_offset, num_columns * row_bytes).view({num_columns, row_bytes});
+  }
+  OptionalTensor bias(const OptionalTensor& bias) const {
+    return bias.has_value() ? OptionalTensor(bias->narrow(0, column, num_columns)) : OptionalTensor();
+  }
+};
+
 struct LinearQuantization {
   int64_t ggml_type = 0;
+  const std::vector<GgufPart>* gguf_parts = nullptr;  // kind 5's fused linear of mixed types (else one type)
   const at::Tensor* weight_scale = nullptr;
   const OptionalTensor* input_scale = nullptr;
 };
@@ -215,9 +231,16 @@ at::Tensor linear(const Kernels& kernels, int64_t kind, const at::Tensor& x, con
                                     std::nullopt, "auto");
   const int64_t ggml_type = quantization.ggml_type;
   if (kind == kGguf) {
-    if (x.size(0) <= kGgufKernelMaxRows || pagedserve_native::gguf_amx_takes(ggml_type))
-      return kernels.gguf_linear.call(x, weight, ggml_type, bias, "auto");
-    return at::linear(x, kernels.gguf_dequantize.call(weight, ggml_type, x.size(1)), bias);
+    const auto product = [&](const at::Tensor& blocks, int64_t type, const OptionalTensor& part_bias) {
+      if (x.size(0) <= kGgufKernelMaxRows || pagedserve_native::gguf_amx_takes(type))
+        return kernels.gguf_linear.call(x, blocks, type, part_bias, "auto");
+      return at::linear(x, kernels.gguf_dequantize.call(blocks, type, x.size(1)), part_bias);
+    };
+    if (quantization.gguf_parts == nullptr) return product(weight, ggml_type, bias);
+    std::vector<at::Tensor> outputs;  // as GGUFPartsLinearMethod: each part's product, concatenated
+    for (const GgufPart& part : *quantization.gguf_parts)
+      outputs.push_back(product(part.blocks(weight), part.ggml_type, part.bias(bias)));
+    return at::cat(outputs, 1);
   }
   if (kind == kAmxPacked) return kernels.amx_linear.call(x, weight, bias, output_size, "auto");
   const bool is_small_batch = (kind == kSmallBatch && x.size(0) <= kSmallBatchMaxRows) ||
@@ -275,6 +298,9 @@ struct DecodeStackPlan : torch::CustomClassHolder {
   // head (set_gguf_types; 0: a float table or head).
   std::vector<int64_t> weight_types;
   int64_t embedding_type = 0, head_type = 0;
+  // Kind 5: the parts of each linear (4 per layer) whose parts hold different types, its weight then a flat uint8
+  // tensor (set_gguf_parts; empty: every linear one type, or this linear).
+  std::vector<std::vector<GgufPart>> linear_parts;
   // Kind 5: the most rows gguf_linear takes for every linear and the head (set_gguf_types): any number where its amx
   // unit takes every type, else its vector products' kGgufKernelMaxRows.
   int64_t gguf_kernel_rows = kGgufKernelMaxRows;
@@ -334,10 +360,10 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(linear_types.size()) == kBiasesPerLayer * num_layers,
                 "DecodeStackPlan.set_gguf_types: ", kBiasesPerLayer * num_layers, " linear types expected, got ",
                 linear_types.size());
-    const int64_t slots[kBiasesPerLayer] = {1, 2, 4, 5};  // qkv, o, gate_up, down in a layer's weights
     for (int64_t layer = 0; layer < num_layers; ++layer)
       for (int64_t part = 0; part < kBiasesPerLayer; ++part) {
-        const at::Tensor& weight = weights[layer * kWeightsPerLayer + slots[part]];
+        if (has_parts(layer * kBiasesPerLayer + part)) continue;  // set_gguf_parts checked them
+        const at::Tensor& weight = weights[layer * kWeightsPerLayer + kLinearSlots[part]];
         const int64_t type = linear_types[layer * kBiasesPerLayer + part];
         const pagedserve_native::GgmlBlockFormat format = pagedserve_native::ggml_block_format(type);
         TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous() &&
@@ -349,9 +375,62 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     embedding_type = embedding_type_;
     head_type = head_type_;
     bool is_every_type_on_amx = head_type == 0 || pagedserve_native::gguf_amx_takes(head_type);
-    for (const int64_t type : weight_types) is_every_type_on_amx &= pagedserve_native::gguf_amx_takes(type);
+    for (size_t index = 0; index < weight_types.size(); ++index) {
+      if (has_parts(static_cast<int64_t>(index))) {
+        for (const GgufPart& part : linear_parts[index])
+          is_every_type_on_amx &= pagedserve_native::gguf_amx_takes(part.ggml_type);
+      } else {
+        is_every_type_on_amx &= pagedserve_native::gguf_amx_takes(weight_types[index]);
+      }
+    }
     gguf_kernel_rows = is_every_type_on_amx ? std::numeric_limits<int64_t>::max() : kGgufKernelMaxRows;
     is_one_region_capable = one_region_capable();
+  }
+
+  bool has_parts(int64_t linear) const {
+    return !linear_parts.empty() && !linear_parts[linear].empty();
+  }
+
+  // Kind 5's fused linears of mixed block types, before set_gguf_types: per linear (4 per layer) an int64 [P, 5]
+  // tensor of (column, columns, byte offset, bytes per row, ggml type) rows in column order, or [0, 5] for a linear
+  // of one type. A linear with parts holds a flat uint8 weight that the parts fill exactly.
+  void set_gguf_parts(std::vector<at::Tensor> parts) {
+    TORCH_CHECK(linear_kind == kGguf, "DecodeStackPlan.set_gguf_parts: the plan's linear_kind is ", linear_kind);
+    const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+    TORCH_CHECK(static_cast<int64_t>(parts.size()) == kBiasesPerLayer * num_layers, "DecodeStackPlan.set_gguf_parts: ",
+                kBiasesPerLayer * num_layers, " part tables expected, got ", parts.size());
+    const int64_t input_sizes[kBiasesPerLayer] = {hidden_size(), num_heads * head_dim, hidden_size(),
+                                                  output_sizes[2] / 2};
+    std::vector<std::vector<GgufPart>> tables(parts.size());
+    for (size_t index = 0; index < parts.size(); ++index) {
+      const at::Tensor& table = parts[index];
+      TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 5,
+                  "DecodeStackPlan.set_gguf_parts: linear ", index, ": an int64 [P, 5] table expected");
+      const at::Tensor rows = table.contiguous();
+      const int64_t* values = rows.data_ptr<int64_t>();
+      const int64_t part = static_cast<int64_t>(index) % kBiasesPerLayer;
+      const at::Tensor& weight = weights[(static_cast<int64_t>(index) / kBiasesPerLayer) * kWeightsPerLayer +
+                                         kLinearSlots[part]];
+      int64_t column = 0, num_bytes = 0;
+      for (int64_t row = 0; row < rows.size(0); ++row) {
+        const GgufPart entry{values[5 * row], values[5 * row + 1], values[5 * row + 2], values[5 * row + 3],
+                             values[5 * row + 4]};
+        const pagedserve_native::GgmlBlockFormat format = pagedserve_native::ggml_block_format(entry.ggml_type);
+        TORCH_CHECK(entry.column == column && entry.byte_offset == num_bytes && entry.num_columns > 0 &&
+                        input_sizes[part] % format.values == 0 &&
+                        entry.row_bytes == input_sizes[part] / format.values * format.bytes,
+                    "DecodeStackPlan.set_gguf_parts: linear ", index, " part ", row, " does not follow the one before ",
+                    "it or holds no type ", entry.ggml_type, " rows of ", input_sizes[part], " values");
+        column += entry.num_columns;
+        num_bytes += entry.num_columns * entry.row_bytes;
+        tables[index].push_back(entry);
+      }
+      TORCH_CHECK(rows.size(0) == 0 || (column == output_sizes[part] && weight.scalar_type() == at::kByte &&
+                                        weight.dim() == 1 && weight.is_contiguous() && weight.numel() == num_bytes),
+                  "DecodeStackPlan.set_gguf_parts: linear ", index, "'s parts do not fill its ", output_sizes[part],
+                  " columns and flat uint8 weight");
+    }
+    linear_parts = std::move(tables);
   }
 
   // Kind 6's scales (see the fields): one float32 weight scale per weight row, a static input scale one value.
@@ -411,6 +490,7 @@ struct DecodeStackPlan : torch::CustomClassHolder {
     const int64_t index = layer * kBiasesPerLayer + part;
     LinearQuantization quantization;
     if (!weight_types.empty()) quantization.ggml_type = weight_types[index];
+    if (has_parts(index)) quantization.gguf_parts = &linear_parts[index];
     if (!weight_scales.empty()) {
       quantization.weight_scale = &weight_scales[index];
       quantization.input_scale = &input_scales[index];
@@ -778,6 +858,15 @@ at::Tensor run_layers_in_one_region(const DecodeStackPlan& plan, const StepInput
         const AmxLinearCall call(x, weight, bias, n, "auto", y);
         const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
         call.run_units(begin, end);
+      } else if (plan.linear_kind == kGguf && quantization.gguf_parts != nullptr) {
+        // Each part into its columns of y, every thread taking its share of each part in turn.
+        for (const GgufPart& part : *quantization.gguf_parts) {
+          const at::Tensor blocks = part.blocks(weight);
+          const GgufLinearCall call(x, blocks, part.ggml_type, part.bias(bias),
+                                    y.narrow(1, part.column, part.num_columns));
+          const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
+          call.run_units(begin, end);
+        }
       } else if (plan.linear_kind == kGguf) {
         const GgufLinearCall call(x, weight, ggml_type, bias, y);
         const auto [begin, end] = thread_share(call.num_units(), thread, num_threads);
@@ -1079,6 +1168,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
            [](const c10::intrusive_ptr<DecodeStackPlan>& self) { return self->num_one_region_steps; })
       .def("set_greedy_head", &DecodeStackPlan::set_greedy_head)
       .def("set_gguf_types", &DecodeStackPlan::set_gguf_types)
+      .def("set_gguf_parts", &DecodeStackPlan::set_gguf_parts)
       .def("set_w8a8_scales", &DecodeStackPlan::set_w8a8_scales)
       .def("set_kv_scales", &DecodeStackPlan::set_kv_scales)
       .def("bind_batch", &DecodeStackPlan::bind_batch)

@@ -475,6 +475,7 @@ struct GgufLinearCall::State {
   const float* bias = nullptr;
   at::Tensor bias_tensor;
   float* y = nullptr;
+  int64_t y_stride = 0;  // between y's rows: n, or more where y is a column range of a wider output
   int64_t m = 0, n = 0, k = 0;
   GgmlBlockFormat format{};
   int64_t format_type = 0;
@@ -667,12 +668,14 @@ GgufLinearCall::GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, in
     s.bias_tensor = bias->contiguous();
     s.bias = s.bias_tensor.data_ptr<float>();
   }
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.sizes() == at::IntArrayRef({s.m, s.n}),
-              "gguf_linear: the output must be a contiguous float32 [", s.m, ", ", s.n, "] tensor");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.sizes() == at::IntArrayRef({s.m, s.n}) &&
+                  (s.n == 1 || y.stride(1) == 1) && (s.m == 1 || y.stride(0) >= s.n),
+              "gguf_linear: the output must be a float32 [", s.m, ", ", s.n, "] tensor with contiguous rows");
   s.x = x.data_ptr<float>();
   s.x_stride = x.stride(0);
   s.weight = weight.data_ptr<uint8_t>();
   s.y = y.data_ptr<float>();
+  s.y_stride = s.m == 1 ? s.n : y.stride(0);
   s.is_integer_product = is_integer_product_type(s.block_type) || is_five_bit_type(s.block_type) ||
                          is_k_quant_type(s.block_type);
   if (s.is_integer_product) {
@@ -810,7 +813,7 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
 #else
       const float sum = acc[r];
 #endif
-      s.y[(first_input + r) * s.n + column] = (sum + offsets[r]) + bias;
+      s.y[(first_input + r) * s.y_stride + column] = (sum + offsets[r]) + bias;
     }
   }
 }
@@ -1031,7 +1034,7 @@ void run_k_quant_columns(const GgufLinearCall::State& s, int64_t first_column, i
 #else
       const float sum = acc[r];
 #endif
-      s.y[(first_input + r) * s.n + column] = (sum + offsets[r]) + bias;
+      s.y[(first_input + r) * s.y_stride + column] = (sum + offsets[r]) + bias;
     }
   }
 }
@@ -1213,7 +1216,7 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
         const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
         sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
       }
-      s.y[(first_input + r) * s.n + column] = sum + bias;
+      s.y[(first_input + r) * s.y_stride + column] = sum + bias;
     }
   }
 }
@@ -1335,7 +1338,7 @@ void run_k_quant_group_columns(const GgufLinearCall::State& s, int64_t first_col
         const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
         sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
       }
-      s.y[(first_input + r) * s.n + column] = sum + bias;
+      s.y[(first_input + r) * s.y_stride + column] = sum + bias;
     }
   }
 }
@@ -1572,7 +1575,7 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
       // scales only the rows that exist: x's scales and sums have M rows, none for the padding.
       run_amx_tile_rows<kType>(s, unit_tiles, tile_stride, d_w, m_w, first_input, num_inputs, acc);
       for (int64_t r = 0; r < num_inputs; ++r)
-        _mm512_mask_storeu_ps(s.y + (first_input + r) * s.n + column, valid, _mm512_add_ps(acc[r], bias));
+        _mm512_mask_storeu_ps(s.y + (first_input + r) * s.y_stride + column, valid, _mm512_add_ps(acc[r], bias));
     }
   }
   _tile_release();
@@ -1698,7 +1701,7 @@ void run_interleaved_columns_scalar(const GgufLinearCall::State& s, int64_t firs
         }
       }
       for (int64_t c = 0; c < kInterleavedRows; ++c)
-        s.y[input * s.n + column + c] = acc[c] + (s.bias != nullptr ? s.bias[column + c] : 0.0f);
+        s.y[input * s.y_stride + column + c] = acc[c] + (s.bias != nullptr ? s.bias[column + c] : 0.0f);
     }
   }
 }
@@ -1757,7 +1760,7 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
       }
     }
     const __m512 bias = s.bias != nullptr ? _mm512_loadu_ps(s.bias + column) : _mm512_setzero_ps();
-    for (int r = 0; r < kInputs; ++r) _mm512_storeu_ps(s.y + (first_input + r) * s.n + column, _mm512_add_ps(acc[r], bias));
+    for (int r = 0; r < kInputs; ++r) _mm512_storeu_ps(s.y + (first_input + r) * s.y_stride + column, _mm512_add_ps(acc[r], bias));
   }
 }
 #elif defined(PAGEDSERVE_GGUF_AVX2)
@@ -1813,7 +1816,7 @@ void run_interleaved_q8_0_columns(const GgufLinearCall::State& s, int64_t first_
       }
       const __m256 bias = s.bias != nullptr ? _mm256_loadu_ps(s.bias + column + 8 * half) : _mm256_setzero_ps();
       for (int r = 0; r < kInputs; ++r)
-        _mm256_storeu_ps(s.y + (first_input + r) * s.n + column + 8 * half, _mm256_add_ps(acc[r], bias));
+        _mm256_storeu_ps(s.y + (first_input + r) * s.y_stride + column + 8 * half, _mm256_add_ps(acc[r], bias));
     }
   }
 }
@@ -1872,7 +1875,7 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
       for (int half = 0; half < 2; ++half) {
         const __m256 bias = s.bias != nullptr ? _mm256_loadu_ps(s.bias + column + 8 * half) : _mm256_setzero_ps();
         for (int r = 0; r < kInputs; ++r)
-          _mm256_storeu_ps(s.y + (first_input + r) * s.n + column + 8 * half, _mm256_add_ps(acc[r][half], bias));
+          _mm256_storeu_ps(s.y + (first_input + r) * s.y_stride + column + 8 * half, _mm256_add_ps(acc[r][half], bias));
       }
     }
   }

@@ -68,9 +68,9 @@ bool gguf_interleaved_is_fast(int64_t ggml_type);
 
 class GgufLinearCall {
  public:
-  // Checks the arguments as gguf_linear does (raises c10::Error); `y` [M, N] (contiguous float32) receives
-  // x @ dequantize(weight)^T + bias. `weight` is [N, bytes per row] uint8 in `ggml_type` blocks along K.
-  // `x`, `weight` and `y` must outlive the call. The Q8_0 / Q4_0 / Q4_1 products quantize x here: make the call
+  // Checks the arguments as gguf_linear does (raises c10::Error); `y` [M, N] (float32, contiguous rows: it may be a
+  // column range of a wider output) receives x @ dequantize(weight)^T + bias. `weight` is [N, bytes per row] uint8 in
+  // `ggml_type` blocks along K. `x`, `weight` and `y` must outlive the call. The products quantize x here: make the call
   // once x holds its values. `products` names their unit: 'amx' (AMX-INT8 tiles, any M), 'vector' (M <= 64) or
   // 'auto' (amx where gguf_linear_products() lists it, else vector).
   GgufLinearCall(const at::Tensor& x, const at::Tensor& weight, int64_t ggml_type,
