@@ -408,15 +408,15 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         line="model", family="quantization", feature="GGUF weights kept quantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                                     "Q4_K, Q5_K and Q6_K linears, embedding and LM head computed on "
-                                                    "their blocks (int16 activation dot products for Q8_0/Q4_0/Q4_1, "
-                                                    "on AMX-INT8 tiles from 5 rows and for prefill where the CPU "
-                                                    "has them; decoded blocks for the others, dequantized tiles for "
-                                                    "their prefill; Q8_0/Q4_0/Q4_1 interleaved 16 rows at a time at "
-                                                    "load where the CPU has AVX2: the same bits "
-                                                    "on every unit and batch size), "
-                                                    "in the native decode stack too; a fused layer whose parts "
-                                                    "have different types (Q4_K_M's Q6_K v beside Q4_K q, k) is "
-                                                    "dequantized at load; gguf_dequantize=True keeps the float path",
+                                                    "their blocks (int16 activation dot products for every type, "
+                                                    "the K-quants per 32-value sub-block; Q8_0/Q4_0/Q4_1 on "
+                                                    "AMX-INT8 tiles from 5 rows and for prefill where the CPU has "
+                                                    "them, dequantized tiles for the others' prefill; "
+                                                    "Q8_0/Q4_0/Q4_1 interleaved 16 rows at a time at load where "
+                                                    "the CPU has AVX2: the same bits on every unit and batch size), "
+                                                    "a fused layer whose parts have different types (Q4_K_M's Q6_K "
+                                                    "v beside Q4_K q, k) keeping each part's blocks, in the native "
+                                                    "decode stack too; gguf_dequantize=True keeps the float path",
         modules=("pagedserve.layers.gguf_linear", "pagedserve.model_loader.gguf_quantized_load",
                  "pagedserve.models.native_decode_stack"),
         knobs=("gguf_dequantize",),

@@ -7,16 +7,16 @@ holding the file's blocks along each row (rows are independent: fused layers sta
 permutations and tensor-parallel row splits move whole rows), and `ggml_type` names the block layout.
 
 Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
-- decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp). Q8_0,
-  Q4_0 and Q4_1 quantize x per 32-value block to int16 and take exact int32 dot products with the weight's quants
-  (a product moves by at most sum over blocks of absmax(x) / 65534 * sum |w|) on one of two units
-  (`gguf_linear_products()`): 'vector' (AVX2: one block at a time; AVX-512: four blocks per vector, VPDPWSSD where
-  the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, at the amx level, 'amx' (AMX-INT8
-  tiles: x's quants split in bytes, two tile products per 32-value block, the weight decoded into B tiles once per
-  call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts); the other types decode
-  each block with ggml's reference arithmetic and multiply it into every row in float32. Within a unit a row's
-  result does not depend on the other rows or the thread count (its float summation order depends on the unit and
-  the ISA level);
+- decode-sized batches (up to `KERNEL_MAX_ROWS` rows): the native kernel (kernels/cpu/gguf_linear.cpp). Every
+  type quantizes x per 32-value block to int16 and takes exact int32 dot products with the weight's quants (a
+  K-quant's per 32-value sub-block, Q6_K's 16-value scales folded into its quants; a product moves by at most sum
+  over blocks of absmax(x) / 65534 * sum |w|) on the 'vector' unit (`gguf_linear_products()`; AVX2: one block at a
+  time, a K super-block two sub-blocks at a time; AVX-512: four blocks or sub-blocks per vector, VPDPWSSD where
+  the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, for Q8_0, Q4_0 and Q4_1 at the amx
+  level, 'amx' (AMX-INT8 tiles: x's quants split in bytes, two tile products per 32-value block, the weight decoded
+  into B tiles once per call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts).
+  Within a unit a row's result does not depend on the other rows or the thread count (its float summation order
+  depends on the unit and the ISA level);
 - larger batches (prefill chunks): Q8_0, Q4_0 and Q4_1 on the kernel's amx unit where it runs (`runs_on_kernel`);
   otherwise the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time (the same values, bitwise,
   as the file dequantized at load) and multiplied with F.linear.

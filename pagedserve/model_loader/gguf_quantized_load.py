@@ -91,7 +91,7 @@ def plan_kept_quantized(model: nn.Module, tensor_types: dict[str, int]) -> list[
             continue
         if len(set(types)) > 1 and not isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
             continue
-        kept.append(KeptQuantizedModule(name, module, tuple(name for name, _ in parts), types,
+        kept.append(KeptQuantizedModule(name, module, tuple(checkpoint_name for checkpoint_name, _ in parts), types,
                                         tuple(shard_id for _, shard_id in parts)))
     return kept
 

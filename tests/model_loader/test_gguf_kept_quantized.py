@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.torch import save_file
 
+from generation_helpers import model_runner_forward
 from hf_reference import hf_greedy_with_logprobs
 from native_marks import NEEDS_GGUF_KERNELS
 from pagedserve import LLM, SamplingParams
@@ -18,6 +19,7 @@ from pagedserve.layers.gguf_linear import (GGUF_LINEAR_METHOD, GGUF_PARTS_LINEAR
                                            block_type, interleaves)
 from pagedserve.layers.linear import LinearBase
 from pagedserve.model_loader.gguf_loader import load_gguf
+from pagedserve.models.native_decode_stack import NativeDecodeForward
 from test_gguf_tiny_files import write_tiny_gguf
 
 pytestmark = NEEDS_GGUF_KERNELS
@@ -188,6 +190,40 @@ def test_mixed_types_in_a_fused_layer_keep_each_parts_blocks(tmp_path, monkeypat
         assert layers[1].self_attn.qkv_proj.linear_method is GGUF_LINEAR_METHOD
         assert layers[0].mlp.gate_up_proj.linear_method is GGUF_LINEAR_METHOD
         assert_transformers_argmax(folder, _greedy(llm))
+
+
+def test_k_quant_file_keeps_its_blocks_and_picks_transformers_argmax(tmp_path) -> None:
+    """A Q4_K_M-style file of K-quants (hidden 256: whole super-blocks): Q4_K, with layer 0's v and layer 1's down in
+    Q6_K and layer 1's up in Q5_K, so that both fused layers of kinds mix types. Every matrix keeps its blocks, the
+    greedy picks are transformers' argmax on the dequantized weights, and the native decode stack gives the modules'
+    tokens and logprobs."""
+    path = str(tmp_path / "k-quants.gguf")
+    write_tiny_gguf(path, "llama", GGMLQuantizationType.Q4_K, seed=5, norm_weights_near_one=True, hidden_size=256,
+                    intermediate_size=512,
+                    tensor_types={"blk.0.attn_v.weight": GGMLQuantizationType.Q6_K,
+                                  "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K,
+                                  "blk.1.ffn_up.weight": GGMLQuantizationType.Q5_K})
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
+    model = _model_of(llm)
+    layers = model.model.layers
+    q4_k, q5_k, q6_k = (GGMLQuantizationType[name].value for name in ("Q4_K", "Q5_K", "Q6_K"))
+    assert [part.ggml_type for part in layers[0].self_attn.qkv_proj.gguf_parts] == [q4_k, q4_k, q6_k]
+    assert [part.ggml_type for part in layers[1].mlp.gate_up_proj.gguf_parts] == [q4_k, q5_k]
+    assert layers[1].mlp.down_proj.ggml_type == q6_k and layers[0].mlp.down_proj.ggml_type == q4_k
+    assert model.model.embed_tokens.ggml_type == q4_k and model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(isinstance(module, LinearBase) and module.weight.dtype != torch.uint8 for module in model.modules())
+    outputs = _greedy(llm)
+    assert_transformers_argmax(_hf_folder_of(path, str(tmp_path / "hf")), outputs)
+    modules = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128, native_decode_stack=False)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
+    stacked = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=False)]
+    plain = [output.outputs[0] for output in modules.generate(prompts, params, use_tqdm=False)]
+    assert [output.token_ids for output in stacked] == [output.token_ids for output in plain] == outputs
+    assert [output.logprobs for output in stacked] == [output.logprobs for output in plain]
+    forward = model_runner_forward(llm)
+    assert isinstance(forward, NativeDecodeForward) and forward.num_stack_steps > 0
+    assert not isinstance(model_runner_forward(modules), NativeDecodeForward)
 
 
 def test_a_parts_loader_names_a_wrong_shard_or_shape(tmp_path) -> None:

@@ -13,16 +13,20 @@
 // - Dequantization is ggml's reference arithmetic operation for operation (dequantize_row_* in ggml-quants.c:
 //   d * q + m as a product then a sum, never a fused multiply-add; this file is compiled with fp-contract off), so
 //   `gguf_dequantize` is bitwise the values model_loader/gguf_dequant.py (and llama.cpp's reference) produce.
-// - One output element = one float32 accumulator of 8 lanes (16 at the 'avx512' level and up) over K in order (one
-//   FMA per lane), then a horizontal sum, then + bias. The order depends only on K and the ISA level: within a
-//   product unit a row's result does not depend on M, the other rows or the thread count, but it is not bitwise
-//   F.linear on the dequantized weight (another summation order), nor the same bits at another ISA level or unit;
-//   tests compare them within a float tolerance, at every level the machine has (tests/kernels/test_isa_levels.py).
+// - Every type multiplies int16 quants of x (per row and 32-value block: d = absmax / 32767, q = round(x / d)) with
+//   the weight's quants in exact int32 sums, then adds float(dot) * (d_w d_x) per block to float32 accumulators (and
+//   the blocks' offset terms, m_w d_x sum(q_x), apart). Within a product unit a row's result does not depend on M,
+//   the other rows or the thread count; its float summation order depends on the unit and the ISA level, so it is
+//   not bitwise F.linear on the dequantized weight, nor the same bits at another level or unit: tests compare them
+//   within a float tolerance plus the activation quantization's bound, at every level the machine has
+//   (tests/kernels/test_isa_levels.py).
 // - Up to kMaxGroupInputs input rows (4 at AVX2, 8 at AVX-512) share each decoded block.
-// - Q8_0 / Q4_0 / Q4_1 multiply int16 quants of x with the weight's quants in exact int32 sums, on one of two units
-//   (gguf_linear_products(); 'auto' takes amx from kAmxMinRows rows): 'vector', run_integer_columns (AVX2 and the
-//   reference build, one block at a time) and run_group_columns (AVX-512, four blocks per vector), M <= 64; and at
-//   the amx level 'amx', run_amx_columns (AMX-INT8 tiles, any M; its work units are 16 weight rows).
+// - The units (gguf_linear_products(); 'auto' takes amx from kAmxMinRows rows): 'vector', M <= 64:
+//   run_integer_columns (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 at AVX2 and in the reference build, one block at a time),
+//   run_group_columns (the same types at AVX-512, four blocks per vector), run_k_quant_columns /
+//   run_k_quant_group_columns (Q4_K, Q5_K, Q6_K: 32-value sub-blocks, two at a time at AVX2, four per vector at
+//   AVX-512) and run_interleaved_columns (the interleaved layouts); and at the amx level 'amx', run_amx_columns
+//   (Q8_0, Q4_0, Q4_1: AMX-INT8 tiles, any M; its work units are 16 weight rows).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 #endif
@@ -730,19 +734,22 @@ inline void weight_quants(const uint8_t* block, __m256i* first, __m256i* second)
   } else {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleOffset<kType>));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    *first = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-    *second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-    if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) {  // + 16 in lane i where bit i of the 16 bits is set
-      const uint32_t bits = fifth_bits<kType>(block);
-      const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                                 static_cast<int16_t>(0x8000));
-      const auto sixteen_where = [&lane_bit](uint32_t sixteen_bits) {
-        const __m256i set = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(sixteen_bits)), lane_bit);
-        return _mm256_and_si256(_mm256_cmpeq_epi16(set, lane_bit), _mm256_set1_epi16(16));
-      };
-      *first = _mm256_or_si256(*first, sixteen_where(bits & 0xFFFF));
-      *second = _mm256_or_si256(*second, sixteen_where(bits >> 16));
+    __m128i low = _mm_and_si128(packed, mask);                         // values 0 .. 15
+    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);  // values 16 .. 31
+    if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) {
+      // 16 in byte i where bit i of the 32 fifth bits is set: byte i takes the bits' byte i / 8 (a shuffle of the
+      // broadcast), then tests its bit i % 8.
+      const __m256i spread = _mm256_shuffle_epi8(
+          _mm256_set1_epi32(static_cast<int32_t>(fifth_bits<kType>(block))),
+          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      const __m256i sixteens =
+          _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+      low = _mm_or_si128(low, _mm256_castsi256_si128(sixteens));
+      high = _mm_or_si128(high, _mm256_extracti128_si256(sixteens, 1));
     }
+    *first = _mm256_cvtepu8_epi16(low);
+    *second = _mm256_cvtepu8_epi16(high);
   }
 }
 
@@ -788,7 +795,8 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
         } else {
           const uint8_t* q = weight_block + kNibbleOffset<kType>;
           weight[i] = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
-          if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) weight[i] |= ((fifth_bits<kType>(weight_block) >> i) & 1) << 4;
+          if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1)
+            weight[i] |= static_cast<int>((fifth_bits<kType>(weight_block) >> i) & 1) << 4;
         }
       }
 #endif
@@ -803,7 +811,8 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
         acc[r] += static_cast<float>(dot) * (d * s.x_scales[index]);
 #endif
         if constexpr (kHasMin<kType>) offsets[r] += m * s.x_sums[index];
-        if constexpr (kZeroPoint<kType> != 0) offsets[r] -= static_cast<float>(kZeroPoint<kType>) * d * s.x_sums[index];
+        if constexpr (kZeroPoint<kType> != 0)
+          offsets[r] -= static_cast<float>(kZeroPoint<kType>) * d * s.x_sums[index];
       }
     }
     const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
@@ -819,12 +828,12 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
 }
 
 #if defined(PAGEDSERVE_GGUF_AVX2)
-// The interleaved and K-quant products stream each thread's rows front to back, one contiguous run of blocks. The hardware
-// prefetchers stop at 4 KiB page boundaries and run only a few lines ahead, so a product unit asks for the bytes
-// kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode on the
-// Emerald Rapids VM of a 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36.8 -> 57
-// tok/s at amx, 29.5 -> 51 at the avx2 cap (other distances at amx: 12-16 KiB 58-59, 32 KiB 54); the default model,
-// in L3: 448 -> 500 tok/s at amx, 345 -> 376 at the avx2 cap (4 KiB did ~1% better there).
+// The interleaved and K-quant products stream each thread's rows front to back, one contiguous run of blocks. The
+// hardware prefetchers stop at 4 KiB page boundaries and run only a few lines ahead, so a product unit asks for the
+// bytes kPrefetchBytes ahead of the block it reads (software prefetch, never a fault past the end). Batch-1 decode on
+// the Emerald Rapids VM of a 560 MB Q4_1 model whose weights stream from memory (benchmarks/large_gguf.py): 36.8 -> 57
+// tok/s at amx, 29.5 -> 51 at the avx2 cap (other distances at amx: 12-16 KiB 58-59, 32 KiB 54); the default model, in
+// L3: 448 -> 500 tok/s at amx, 345 -> 376 at the avx2 cap (4 KiB did ~1% better there).
 constexpr int64_t kPrefetchBytes = 8192;
 
 // Prefetches the `num_bytes` bytes kPrefetchBytes past `bytes` into every cache level.
@@ -1257,7 +1266,8 @@ __attribute__((always_inline)) inline void k_group_weights(const uint8_t* block,
       const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)));
       const auto bit = [](int j) { return static_cast<char>(1 << j); };
       const __m512i sixteen = _mm512_set1_epi8(16);
-      const __m512i first_bits = _mm512_inserti64x4(_mm512_set1_epi8(bit(4 * half)), _mm256_set1_epi8(bit(4 * half + 2)), 1);
+      const __m512i first_bits =
+          _mm512_inserti64x4(_mm512_set1_epi8(bit(4 * half)), _mm256_set1_epi8(bit(4 * half + 2)), 1);
       const __m512i second_bits =
           _mm512_inserti64x4(_mm512_set1_epi8(bit(4 * half + 1)), _mm256_set1_epi8(bit(4 * half + 3)), 1);
       first = _mm512_mask_add_epi8(first, _mm512_test_epi8_mask(bits, first_bits), first, sixteen);
@@ -1760,7 +1770,8 @@ void run_interleaved_columns(const GgufLinearCall::State& s, int64_t first_colum
       }
     }
     const __m512 bias = s.bias != nullptr ? _mm512_loadu_ps(s.bias + column) : _mm512_setzero_ps();
-    for (int r = 0; r < kInputs; ++r) _mm512_storeu_ps(s.y + (first_input + r) * s.y_stride + column, _mm512_add_ps(acc[r], bias));
+    for (int r = 0; r < kInputs; ++r)
+      _mm512_storeu_ps(s.y + (first_input + r) * s.y_stride + column, _mm512_add_ps(acc[r], bias));
   }
 }
 #elif defined(PAGEDSERVE_GGUF_AVX2)
