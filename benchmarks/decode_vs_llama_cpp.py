@@ -7,10 +7,11 @@ package, on the same weights in the same format:
             1-D norm weights in F32 there: 61 tensors, 0.14 MB)
   q4_1      both engines on the original Q4_1 file, its blocks kept quantized (float32 activations and KV cache)
   q8_0      both engines on a Q8_0 file of the same weights (llama.cpp's llama_model_quantize of the F32 file)
-  q4_k_m    both engines on a Q4_K_M file made the same way (K-quants: Q4_K, Q6_K for some tensors)
+  q4_k_m    both engines on a Q4_K_M file made the same way (Q4_K, Q6_K; Q5_0 / Q8_0 where rows are not whole
+            256-value blocks, as in the default model)
   q4_1-dequantized  pagedserve float32 on the Q4_1 file dequantized (gguf_dequantize=True) / llama.cpp on the Q4_1
             file (not the same format: llama.cpp reads ~5x fewer bytes per token; labelled so)
-With --gguf FILE (and --dtype q4_1 or q8_0) both engines run FILE instead, blocks kept: large_gguf.py makes a
+With --gguf FILE (and --dtype q4_1, q8_0 or q4_k_m) both engines run FILE instead, blocks kept: large_gguf.py makes a
 random model of the same family larger than the last-level cache, whose decode streams its weights from memory.
 The F32 and BF16 files are made once: pagedserve's dequantized float32 weights are exported to an HF folder
 (safetensors + config + tokenizer, in a temporary folder) and llama.cpp's convert_hf_to_gguf.py turns that
