@@ -39,8 +39,9 @@ The measurement follows decode_roofline.py (recipe B):
 The result is each engine's median tok/s over the rounds, the ratio of the medians (pagedserve / llama.cpp),
 each engine's median share of its roofline, and how many greedy tokens the two engines' first runs agree on.
 pagedserve runs in this process; llama.cpp runs in its own venv's python (../shared/tools/install-llama-cpp DIR)
-as a subprocess. The result goes to results/decode_vs_llama_cpp_<dtype>_<cpu kind>.json (cpu_kind.py) unless
---json-out names another file.
+as a subprocess. The result goes to results/decode_vs_llama_cpp_<dtype>_<cpu kind>.json (cpu_kind.py; with --gguf
+FILE, ..._<dtype>_<FILE's stem>_<cpu kind>.json, so that it never replaces the default model's) unless --json-out
+names another file.
 
     python benchmarks/decode_vs_llama_cpp.py --dtype float32 --llama-python DIR/bin/python \\
         [--convert-script SRC/convert_hf_to_gguf.py] [--tokens 256 --rounds 3]
@@ -466,13 +467,14 @@ def main() -> None:
                         help="llama.cpp's KV cache dtype: same (as pagedserve's: F32 or BF16) or f16 (its default)")
     parser.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp's flash_attn (off by default)")
     parser.add_argument("--json-out", default=None,
-                        help="result file (default: results/decode_vs_llama_cpp_<dtype>_<cpu kind>.json; "
-                             "'' writes none)")
+                        help="result file (default: results/decode_vs_llama_cpp_<dtype>_<cpu kind>.json, with "
+                             "--gguf FILE ..._<dtype>_<FILE's stem>_<cpu kind>.json; '' writes none)")
     native_guard.add_allow_plain_pytorch_argument(parser)
     args = parser.parse_args()
     native_kernels = native_guard.require_native_kernels(args.allow_plain_pytorch)
     if args.json_out is None:
-        args.json_out = result_path("decode_vs_llama_cpp", args.dtype)
+        label = args.dtype if args.gguf is None else f"{args.dtype}_{os.path.splitext(os.path.basename(args.gguf))[0]}"
+        args.json_out = result_path("decode_vs_llama_cpp", label)
     if not 1 < args.tokens <= MAX_MODEL_LEN - PROMPT_LEN:
         parser.error(f"--tokens must be in [2, {MAX_MODEL_LEN - PROMPT_LEN}]")
     mode = MODES[args.dtype]

@@ -21,7 +21,7 @@ import torch
 
 # The attribute names native plans read from layers.
 WATCHED_ATTRIBUTES = frozenset(("weight", "bias", "packed_weight", "cos_sin_cache", "linear_method", "kv_cache",
-                                "weight_scale_row", "input_scale"))
+                                "weight_scale_row", "input_scale", "gguf_parts"))
 
 _epoch = 0
 
