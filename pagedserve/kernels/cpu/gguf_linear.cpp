@@ -768,6 +768,22 @@ inline __m256 block_dot(__m256i first, __m256i second, const int16_t* x_quants) 
 }
 #endif
 
+// Column `column` of y for input rows [first_input, first_input + kInputs): each row's accumulator summed, then its
+// offset terms, then the bias (run_integer_columns and run_k_quant_columns).
+template <int kInputs, class Accumulator>
+inline void store_column(const GgufLinearCall::State& s, int64_t first_input, int64_t column,
+                         const Accumulator* acc, const float* offsets) {
+  const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+  for (int r = 0; r < kInputs; ++r) {
+#if defined(PAGEDSERVE_GGUF_AVX2)
+    const float sum = sum_eight_lanes(acc[r]);
+#else
+    const float sum = acc[r];
+#endif
+    s.y[(first_input + r) * s.y_stride + column] = (sum + offsets[r]) + bias;
+  }
+}
+
 template <int64_t kType, int kInputs>
 void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
   const int64_t num_blocks = s.k / kQuantBlock, block_bytes = s.format.bytes;
@@ -815,15 +831,7 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
           offsets[r] -= static_cast<float>(kZeroPoint<kType>) * d * s.x_sums[index];
       }
     }
-    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
-    for (int r = 0; r < kInputs; ++r) {
-#if defined(PAGEDSERVE_GGUF_AVX2)
-      const float sum = sum_eight_lanes(acc[r]);
-#else
-      const float sum = acc[r];
-#endif
-      s.y[(first_input + r) * s.y_stride + column] = (sum + offsets[r]) + bias;
-    }
+    store_column<kInputs>(s, first_input, column, acc, offsets);
   }
 }
 
@@ -1036,15 +1044,7 @@ void run_k_quant_columns(const GgufLinearCall::State& s, int64_t first_column, i
         }
 #endif
     }
-    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
-    for (int r = 0; r < kInputs; ++r) {
-#if defined(PAGEDSERVE_GGUF_AVX2)
-      const float sum = sum_eight_lanes(acc[r]);
-#else
-      const float sum = acc[r];
-#endif
-      s.y[(first_input + r) * s.y_stride + column] = (sum + offsets[r]) + bias;
-    }
+    store_column<kInputs>(s, first_input, column, acc, offsets);
   }
 }
 
