@@ -1202,6 +1202,22 @@ __attribute__((always_inline)) inline void row_products(const GgufLinearCall::St
                                           s.m, x_quants, x_scales, x_sums, acc, offsets);
 }
 
+// Column `column` of y for input rows [first_input, first_input + kInputs) of the four-blocks-per-vector products:
+// each row's 16 lanes summed, then (kHasOffsets) its 4 lanes of offset terms, then the bias.
+template <int kInputs, bool kHasOffsets>
+inline void store_group_column(const GgufLinearCall::State& s, int64_t first_input, int64_t column, const __m512* acc,
+                               const __m128* offsets) {
+  const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
+  for (int r = 0; r < kInputs; ++r) {
+    float sum = _mm512_reduce_add_ps(acc[r]);
+    if constexpr (kHasOffsets) {
+      const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
+      sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    }
+    s.y[(first_input + r) * s.y_stride + column] = sum + bias;
+  }
+}
+
 template <int64_t kType, int kInputs>
 void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int64_t end_column, int64_t first_input) {
   // Locals, so the stores to y do not make the compiler reload them; group g's row r is at index g * M + r.
@@ -1218,15 +1234,7 @@ void run_group_columns(const GgufLinearCall::State& s, int64_t first_column, int
       offsets[r] = _mm_setzero_ps();
     }
     row_products<kType, kInputs>(s, s.weight + column * s.row_bytes, x_quants, x_scales, x_sums, acc, offsets);
-    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
-    for (int r = 0; r < kInputs; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if constexpr (kHasMin<kType>) {
-        const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
-        sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-      }
-      s.y[(first_input + r) * s.y_stride + column] = sum + bias;
-    }
+    store_group_column<kInputs, kHasMin<kType>>(s, first_input, column, acc, offsets);
   }
 }
 
@@ -1341,15 +1349,7 @@ void run_k_quant_group_columns(const GgufLinearCall::State& s, int64_t first_col
         }
       }
     }
-    const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
-    for (int r = 0; r < kInputs; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[r]);
-      if constexpr (kHasOffsets) {
-        const __m128 pair = _mm_add_ps(offsets[r], _mm_movehl_ps(offsets[r], offsets[r]));
-        sum += _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-      }
-      s.y[(first_input + r) * s.y_stride + column] = sum + bias;
-    }
+    store_group_column<kInputs, kHasOffsets>(s, first_input, column, acc, offsets);
   }
 }
 
