@@ -715,10 +715,11 @@ int64_t GgufLinearCall::grain() const {
 
 namespace {
 
-// Q8_0, Q4_0 and Q4_1 multiply integer quants (is_integer_product): the weight's quants widened to int16 times x's
-// int16 quants, summed in int32 (AVX2 madd). Per 32-value block of weights (d_w, m_w, q_w) and of x (d_x, q_x,
-// s_x = d_x * sum(q_x)):
-//   Q8_0: d_w d_x sum(q_w q_x);  Q4_0 (q_w - 8): d_w d_x sum(q_w q_x) - 8 d_w s_x;  Q4_1: d_w d_x sum(q_w q_x) + m_w s_x.
+// Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 multiply integer quants (is_integer_product): the weight's quants widened to int16
+// times x's int16 quants, summed in int32 (AVX2 madd). Per 32-value block of weights (d_w, m_w, q_w) and of x (d_x,
+// q_x, s_x = d_x * sum(q_x)):
+//   Q8_0: d_w d_x sum(q_w q_x);  Q4_0 (q_w - 8): d_w d_x sum(q_w q_x) - 8 d_w s_x;  Q4_1: d_w d_x sum(q_w q_x) + m_w s_x;
+//   Q5_0 and Q5_1 as Q4_0 (with 16) and Q4_1 on 5-bit quants.
 // The integer sums are exact; the float terms accumulate per block in order. The quantization of x moves a product
 // by at most sum over blocks of (absmax_x / 65534) sum |w| (tests/layers/test_gguf_linear.py bounds it so): about
 // 1e-5 of the product, where llama.cpp's int8 activations (Q8_1) move it ~250x more, enough to change SmolLM2's
