@@ -11,8 +11,12 @@ holds them) and 'interleaved' (layers/gguf_linear.py interleave_weight, for the 
 this machine: `interleaves`; the others stay in the file's layout, as in the engine). A unit's rows past the vector
 products' 64 are left out.
 
+`--gguf FILE` times another file's decode step the same way (large_gguf.py's models, a Q4_K_M file): a fused
+product whose parts hold different types is timed part by part, as the engine computes it, and the amx unit is left
+out where it does not take every type of the file.
+
     python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1]
-        [--products amx vector] [--layouts file interleaved]
+        [--products amx vector] [--layouts file interleaved] [--gguf FILE]
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ import torch
 from gguf import GGUFReader
 
 from pagedserve.kernels import cpu_isa
-from pagedserve.layers.gguf_linear import (KERNEL_TYPES, block_type, gguf_kernels_available, gguf_linear_products,
-                                           interleave_weight, interleaves)
+from pagedserve.layers.gguf_linear import (AMX_TYPES, KERNEL_TYPES, block_type, gguf_kernels_available,
+                                           gguf_linear_products, interleave_weight, interleaves)
 from pagedserve.model_loader.default_model import resolve_model_path
 
 import native_guard
@@ -36,21 +40,23 @@ LAYER_PARTS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "f
 
 
 def step_weights(path: str) -> list[tuple[torch.Tensor, int, int]]:
-    """(blocks [N, bytes per row], ggml type, K) of every product of a decode step, fused as the engine fuses them."""
+    """(blocks [N, bytes per row], ggml type, K) of every product of a decode step, fused as the engine fuses them
+    (part by part where the parts' types differ, as GGUFPartsLinearMethod computes them)."""
     tensors = {tensor.name: tensor for tensor in GGUFReader(path).tensors}
     num_layers = sum(1 for name in tensors if name.endswith(".attn_q.weight"))
     products = []
     for layer in range(num_layers):
         for parts in LAYER_PARTS:
-            blocks, types, ks = [], set(), set()
+            part_products = []
             for part in parts:
                 tensor = tensors[f"blk.{layer}.{part}.weight"]
                 rows, k = (int(d) for d in reversed(tensor.shape.tolist()))
-                blocks.append(torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(rows, -1)))
-                types.add(int(tensor.tensor_type))
-                ks.add(k)
-            (ggml_type,), (k,) = types, ks
-            products.append((torch.cat(blocks), ggml_type, k))
+                part_products.append((torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(rows, -1)),
+                                      int(tensor.tensor_type), k))
+            if len({ggml_type for _, ggml_type, _ in part_products}) == 1:
+                products.append((torch.cat([blocks for blocks, _, _ in part_products]), *part_products[0][1:]))
+            else:
+                products += part_products
     head = tensors.get("output.weight", tensors["token_embd.weight"])
     rows, k = (int(d) for d in reversed(head.shape.tolist()))
     products.append((torch.from_numpy(np.array(head.data).view(np.uint8).reshape(rows, -1)), int(head.tensor_type), k))
@@ -64,13 +70,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--products", nargs="+", default=None, help="units to time (default: every unit of the build)")
     parser.add_argument("--layouts", nargs="+", default=["file", "interleaved"], choices=["file", "interleaved"])
+    parser.add_argument("--gguf", default=None, help="a GGUF file to time instead of the default model's")
     args = parser.parse_args()
     native_guard.require_native_kernels(can_time_fallback=False)  # times native ops: no fallback to time
     if not gguf_kernels_available():
         raise SystemExit("the native GGUF kernels are not available on this machine")
     units = args.products or list(gguf_linear_products())
     torch.set_num_threads(args.threads)
-    file_products = step_weights(resolve_model_path(None))
+    file_products = step_weights(args.gguf or resolve_model_path(None))
+    other_types = sorted({KERNEL_TYPES[t] for _, t, _ in file_products if t not in AMX_TYPES})
+    if "amx" in units and other_types:
+        units.remove("amx")
+        print(f"the amx unit takes Q8_0, Q4_0 and Q4_1 only; this file also holds {', '.join(other_types)}: left out")
     layouts = {"file": file_products,
                "interleaved": [(*interleave_weight(blocks, ggml_type), k) if interleaves(ggml_type, blocks.shape[0])
                                else (blocks, ggml_type, k) for blocks, ggml_type, k in file_products]}
