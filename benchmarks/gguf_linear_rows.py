@@ -12,8 +12,9 @@ this machine: `interleaves`; the others stay in the file's layout, as in the eng
 products' 64 are left out.
 
 `--gguf FILE` times another file's decode step the same way (large_gguf.py's models, a Q4_K_M file): a fused
-product whose parts hold different types is timed part by part, as the engine computes it, and the amx unit is left
-out where it does not take every type of the file.
+product whose parts hold different types is timed part by part, as the engine computes it, and on the amx unit the
+products of a type it does not take (Q5_0, Q5_1, Q5_K, Q6_K) run on the vector unit (as 'auto' runs them up to 8
+rows; the engine dequantizes them past that).
 
     python benchmarks/gguf_linear_rows.py [--rows 1 2 4 5 8 16 64 128] [--repeats 7] [--threads 1]
         [--products amx vector] [--layouts file interleaved] [--gguf FILE]
@@ -80,8 +81,7 @@ def main() -> None:
     file_products = step_weights(args.gguf or resolve_model_path(None))
     other_types = sorted({KERNEL_TYPES[t] for _, t, _ in file_products if t not in AMX_TYPES})
     if "amx" in units and other_types:
-        units.remove("amx")
-        print(f"the amx unit takes Q8_0, Q4_0 and Q4_1 only; this file also holds {', '.join(other_types)}: left out")
+        print(f"the amx unit does not take {', '.join(other_types)}: those products run on the vector unit in its rows")
     layouts = {"file": file_products,
                "interleaved": [(*interleave_weight(blocks, ggml_type), k) if interleaves(ggml_type, blocks.shape[0])
                                else (blocks, ggml_type, k) for blocks, ggml_type, k in file_products]}
@@ -95,11 +95,11 @@ def main() -> None:
         clock = time.thread_time if args.threads == 1 else time.perf_counter
         start = clock()
         for blocks, ggml_type, k in layouts[layout]:
-            linear(x[k], blocks, ggml_type, None, unit)
+            linear(x[k], blocks, ggml_type, None, unit if ggml_type in AMX_TYPES else "vector")
         return clock() - start
 
     cases = [(m, unit, layout) for m in args.rows for layout in args.layouts for unit in units
-             if unit == "amx" or m <= VECTOR_MAX_ROWS]
+             if m <= VECTOR_MAX_ROWS or (unit == "amx" and not other_types)]
     for case in cases:
         run(*case)  # warm-up (and the library build)
     best = dict.fromkeys(cases, float("inf"))

@@ -12,14 +12,14 @@ Compute (`GGUFLinearMethod`, the linear seam of layers/linear.py):
   K-quant's per 32-value sub-block, Q6_K's 16-value scales folded into its quants; a product moves by at most sum
   over blocks of absmax(x) / 65534 * sum |w|) on the 'vector' unit (`gguf_linear_products()`; AVX2: one block at a
   time, a K super-block two sub-blocks at a time; AVX-512: four blocks or sub-blocks per vector, VPDPWSSD where
-  the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, for Q8_0, Q4_0 and Q4_1 at the amx
-  level, 'amx' (AMX-INT8 tiles: x's quants split in bytes, two tile products per 32-value block, the weight decoded
-  into B tiles once per call for every row), which the kernel takes from 5 rows (8 on the interleaved layouts).
-  Within a unit a row's result does not depend on the other rows or the thread count (its float summation order
-  depends on the unit and the ISA level);
-- larger batches (prefill chunks): Q8_0, Q4_0 and Q4_1 on the kernel's amx unit where it runs (`runs_on_kernel`);
-  otherwise the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time (the same values, bitwise,
-  as the file dequantized at load) and multiplied with F.linear.
+  the level has VNNI; up to 8 rows, 4 at AVX2, share each decoded block) and, for Q8_0, Q4_0, Q4_1 and Q4_K at
+  the amx level, 'amx' (AMX-INT8 tiles: x's quants split in bytes, two tile products per 32-value block or
+  sub-block, the weight decoded into B tiles once per call for every row), which the kernel takes from 5 rows (8 on
+  the interleaved layouts, 9 for Q4_K). Within a unit a row's result does not depend on the other rows or the thread count (its
+  float summation order depends on the unit and the ISA level);
+- larger batches (prefill chunks): Q8_0, Q4_0, Q4_1 and Q4_K on the kernel's amx unit where it runs
+  (`runs_on_kernel`); otherwise the weight is dequantized `DEQUANTIZE_TILE_VALUES` values of rows at a time (the
+  same values, bitwise, as the file dequantized at load) and multiplied with F.linear.
 Because the unit depends on the batch size, batch_invariant=True dequantizes GGUF weights at load (config/engine.py).
 Embedding tables look up their rows the same way (`quantized_rows`).
 
@@ -60,8 +60,8 @@ INTERLEAVED_TYPE_OFFSET = 256
 INTERLEAVED_TYPES: dict[int, int] = {ggml_type + INTERLEAVED_TYPE_OFFSET: ggml_type for ggml_type in (8, 2, 3)}
 # Rows per group of an interleaved layout: its weights have a multiple of this many rows.
 INTERLEAVED_ROWS = 16
-# Q8_0, Q4_0, Q4_1 in either layout: kernels/cpu/gguf_linear.cpp is_integer_product_type.
-AMX_TYPES = frozenset({8, 2, 3, *INTERLEAVED_TYPES})
+# Q8_0, Q4_0, Q4_1 in either layout, and Q4_K: kernels/cpu/gguf_linear.cpp is_amx_type.
+AMX_TYPES = frozenset({8, 2, 3, 12, *INTERLEAVED_TYPES})
 # Values of the float32 tile a large batch dequantizes at once (16 MiB): bounds the memory a prefill chunk takes
 # for a vocabulary-sized LM head.
 DEQUANTIZE_TILE_VALUES = 1 << 22
@@ -95,8 +95,8 @@ def gguf_kernels_available() -> bool:
 
 
 def gguf_linear_products() -> tuple[str, ...]:
-    """The integer-product units of this build and process, preferred first: 'amx' (AMX-INT8 tiles: Q8_0, Q4_0 and
-    Q4_1 products of any batch) where it runs, then 'vector'; empty without the native kernels."""
+    """The integer-product units of this build and process, preferred first: 'amx' (AMX-INT8 tiles: Q8_0, Q4_0, Q4_1
+    and Q4_K products of any batch) where it runs, then 'vector'; empty without the native kernels."""
     return _ops["products"] if gguf_kernels_available() else ()
 
 

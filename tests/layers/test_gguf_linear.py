@@ -213,10 +213,14 @@ def test_integer_products_equal_the_exact_integer_reference(unit: str, type_name
     assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+# The amx unit takes Q4_K (decode_k_quant_tiles); every K-quant runs on the vector unit.
+K_QUANT_UNITS_AND_TYPES = [("vector", "Q4_K"), ("vector", "Q5_K"), ("vector", "Q6_K"), ("amx", "Q4_K")]
+
+
+@pytest.mark.parametrize("unit, type_name", K_QUANT_UNITS_AND_TYPES)
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("k", [256, 1280])
-def test_k_quant_products_equal_the_exact_integer_reference(type_name: str, num_rows: int, k: int) -> None:
+def test_k_quant_products_equal_the_exact_integer_reference(unit: str, type_name: str, num_rows: int, k: int) -> None:
     ggml_type = GGMLQuantizationType[type_name].value
     n = 21  # five four-row units and a short one
     blocks = blocks_of(type_name, n, k, seed=7 * num_rows)
@@ -229,7 +233,7 @@ def test_k_quant_products_equal_the_exact_integer_reference(type_name: str, num_
         assert torch.equal(parts, weight)
     x = torch.randn(num_rows, k, generator=torch.Generator().manual_seed(num_rows)) * 3
     x[0, :32] = 0  # an all-zero block: d = 0
-    output = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, "vector")
+    output = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, product_unit(unit))
     expected = integer_product_reference(x, blocks, ggml_type)
     scale = x.double().abs() @ weight.double().abs().T
     assert bool(((output.double() - expected).abs() <= 1e-5 * scale).all())
@@ -301,10 +305,11 @@ def test_large_batches_dequantize_tiles_for_a_gemm(monkeypatch, type_name: str, 
     torch.testing.assert_close(quantized_linear(x, blocks, ggml_type, k, None), whole, rtol=1e-5, atol=1e-5)
 
 
-def test_large_batches_of_integer_types_take_the_amx_unit_where_it_runs() -> None:
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
+def test_large_batches_of_integer_types_take_the_amx_unit_where_it_runs(type_name: str) -> None:
     product_unit("amx")
-    ggml_type, k, n = GGMLQuantizationType.Q4_1.value, 256, 50
-    blocks = blocks_of("Q4_1", n, k)
+    ggml_type, k, n = GGMLQuantizationType[type_name].value, 256, 50
+    blocks = blocks_of(type_name, n, k)
     x = torch.randn(100, k)  # past the vector products' 64 rows
     assert runs_on_kernel(x.shape[0], ggml_type)
     output = quantized_linear(x, blocks, ggml_type, k, None)
@@ -314,7 +319,7 @@ def test_large_batches_of_integer_types_take_the_amx_unit_where_it_runs() -> Non
 
 @pytest.mark.parametrize("type_name, unit", [("Q8_0", "vector"), ("Q4_0", "vector"), ("Q4_1", "vector"),
                                              ("Q5_1", "vector"), ("Q6_K", "vector"), ("Q8_0", "amx"),
-                                             ("Q4_0", "amx"), ("Q4_1", "amx")])
+                                             ("Q4_0", "amx"), ("Q4_1", "amx"), ("Q4_K", "amx")])
 def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count(type_name: str, unit: str) -> None:
     """Per unit: 'auto' picks the unit by batch size (the amx unit from a few rows), so a row's bits are those of its
     unit (batch_invariant=True dequantizes GGUF weights at load for that reason)."""
@@ -322,7 +327,7 @@ def test_a_row_is_bitwise_the_same_alone_in_a_batch_and_on_any_thread_count(type
     k, n = (768 if BLOCK_FORMATS[ggml_type][0] == 256 else 576), 300  # 576: 18 blocks, a short last group of 4
     blocks = blocks_of(type_name, n, k)
     x = torch.randn(20 if unit == "amx" else KERNEL_MAX_ROWS, k)  # amx: a whole tile of 16 rows and a short one
-    products = "vector" if type_name in ("Q5_1", "Q6_K") else product_unit(unit)
+    products = product_unit(unit)
     batch = torch.ops.pagedserve.gguf_linear(x, blocks, ggml_type, None, products)
     threads = torch.get_num_threads()
     try:
@@ -358,7 +363,7 @@ def test_errors_name_the_problem() -> None:
     with pytest.raises(RuntimeError, match="products must be 'auto', 'amx' or 'vector', got 'tiles'"):
         op.gguf_linear(torch.randn(1, 64), blocks, 3, None, "tiles")
     if "amx" in gguf_linear_products():
-        with pytest.raises(RuntimeError, match="products='amx' takes Q8_0, Q4_0 or Q4_1 blocks, got ggml type 7"):
+        with pytest.raises(RuntimeError, match="products='amx' takes Q8_0, Q4_0, Q4_1 or Q4_K blocks, got ggml type 7"):
             op.gguf_linear(torch.randn(1, 64), blocks_of("Q5_1", 4, 64), 7, None, "amx")
     else:
         with pytest.raises(RuntimeError, match="products='amx' is not available in this build or process"):

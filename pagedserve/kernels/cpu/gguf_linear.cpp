@@ -26,7 +26,7 @@
 //   run_group_columns (the same types at AVX-512, four blocks per vector), run_k_quant_columns /
 //   run_k_quant_group_columns (Q4_K, Q5_K, Q6_K: 32-value sub-blocks, two at a time at AVX2, four per vector at
 //   AVX-512) and run_interleaved_columns (the interleaved layouts); and at the amx level 'amx', run_amx_columns
-//   (Q8_0, Q4_0, Q4_1: AMX-INT8 tiles, any M; its work units are 16 weight rows).
+//   (Q8_0, Q4_0, Q4_1, Q4_K: AMX-INT8 tiles, any M; its work units are 16 weight rows).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 #endif
@@ -306,6 +306,9 @@ inline bool is_integer_product_type(int64_t ggml_type) {
   return ggml_type == kGgmlQ8_0 || ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1;
 }
 
+// The types the amx unit takes: the interleavable ones and Q4_K (decode_k_quant_tiles).
+inline bool is_amx_type(int64_t ggml_type) { return is_integer_product_type(ggml_type) || ggml_type == kGgmlQ4_K; }
+
 // Q5_0 / Q5_1: integer products on the vector unit (run_integer_columns, run_group_columns), as Q4_0 / Q4_1's with a
 // fifth bit per quant.
 inline bool is_five_bit_type(int64_t ggml_type) { return ggml_type == kGgmlQ5_0 || ggml_type == kGgmlQ5_1; }
@@ -551,7 +554,7 @@ const std::vector<std::string>& gguf_linear_products() {
 
 bool gguf_amx_takes(int64_t ggml_type) {
   const std::vector<std::string>& units = gguf_linear_products();
-  return is_integer_product_type(block_type_of(ggml_type)) &&
+  return is_amx_type(block_type_of(ggml_type)) &&
          std::find(units.begin(), units.end(), kAmxProducts) != units.end();
 }
 
@@ -561,6 +564,10 @@ namespace {
 // layouts, whose vector products need no decoding, from more (both units give the same bits there).
 constexpr int64_t kAmxMinRows = 5;
 constexpr int64_t kAmxMinRowsInterleaved = 8;
+// Q4_K's tiles cost more to decode (per-column sub-block scales): one decode step of the 0.82 B Q4_K_M model
+// (gguf_linear_rows.py --gguf, 1 thread) took 104 / 112 ms on the amx unit at 5 / 8 rows against 81 / 100 on the
+// vector one, 166 against 308 at 16.
+constexpr int64_t kAmxMinRowsKQuant = 9;
 
 // Whether this call's products run on the amx unit: `products` is 'auto', 'amx' or 'vector' (raises c10::Error for
 // another name, or for 'amx' where gguf_linear_products() does not list it or the type is not an integer-product type).
@@ -573,12 +580,14 @@ bool uses_amx_products(const std::string& products, int64_t format_type, int64_t
   if (products == kAmxProducts) {
     TORCH_CHECK(has_amx, "gguf_linear: products='amx' is not available in this build or process "
                 "(gguf_linear_products() lists what is)");
-    TORCH_CHECK(is_integer_product_type(ggml_type), "gguf_linear: products='amx' takes Q8_0, Q4_0 or Q4_1 "
+    TORCH_CHECK(is_amx_type(ggml_type), "gguf_linear: products='amx' takes Q8_0, Q4_0, Q4_1 or Q4_K "
                 "blocks, got ggml type ", ggml_type);
     return true;
   }
-  return products == "auto" && has_amx && is_integer_product_type(ggml_type) &&
-         m >= (is_interleaved_type(format_type) ? kAmxMinRowsInterleaved : kAmxMinRows);
+  return products == "auto" && has_amx && is_amx_type(ggml_type) &&
+         m >= (is_interleaved_type(format_type) ? kAmxMinRowsInterleaved
+               : ggml_type == kGgmlQ4_K         ? kAmxMinRowsKQuant
+                                                : kAmxMinRows);
 }
 
 // x's int16 quants as the amx unit's A tiles (State::x_tiles), rows padded to whole tiles.
@@ -1357,14 +1366,15 @@ void run_k_quant_group_columns(const GgufLinearCall::State& s, int64_t first_col
 #endif
 
 #if defined(PAGEDSERVE_GGUF_AMX)
-// The amx unit (Q8_0, Q4_0, Q4_1): per 32-value block, the block's integer dot products of up to 16 input rows with
-// 16 weight rows in two tile products, C_high = x_high . w (TDPBSSD) and C_low = x_low . w (TDPBUSD, the low bytes
-// unsigned), so sum(q_w q_x) = 256 C_high + C_low exactly, the same int32 the vector products sum; the epilogue
-// converts it to float and adds dot * (d_w * d_x) (and Q4_1's m_w * s_x) to one float32 accumulator per output,
-// block after block in order. Exactness: |C_high| <= 32 * 128 * 128 and 256 C_high + C_low stays below 2^31; the
-// float conversion rounds past 2^24 (Q8_0 only), as the vector products' lanes do. A row's result does not depend on
-// the other rows or the thread count; it is not bitwise the vector products' (they convert and sum each block's
-// four int32 lanes separately), so tests compare the units within float32 rounding.
+// The amx unit (Q8_0, Q4_0, Q4_1, and Q4_K per 32-value sub-block: decode_k_quant_tiles): per 32-value block, the
+// block's integer dot products of up to 16 input rows with 16 weight rows in two tile products, C_high = x_high . w
+// (TDPBSSD) and C_low = x_low . w (TDPBUSD, the low bytes unsigned), so sum(q_w q_x) = 256 C_high + C_low exactly, the
+// same int32 the vector products sum; the epilogue converts it to float and adds dot * (d_w * d_x) (and Q4_1's m_w *
+// s_x, Q4_K's -(dmin m_j) s_x) to one float32 accumulator per output, block after block in order. Exactness: |C_high|
+// <= 32 * 128 * 128 and 256 C_high + C_low stays below 2^31; the float conversion rounds past 2^24 (Q8_0 only), as the
+// vector products' lanes do. A row's result does not depend on the other rows or the thread count; it is not bitwise
+// the vector products' (they convert and sum each block's four int32 lanes separately), so tests compare the units
+// within float32 rounding.
 //
 // x is the A operand, laid out per call in tile order (State::x_tiles: a block's high and low bytes of a row in one
 // 64-byte line); the weight is the B operand, decoded per call from its blocks into the VNNI layout (row r: for each
@@ -1474,6 +1484,40 @@ inline void decode_weight_tile(const GgufLinearCall::State& s, int64_t column, i
   }
 }
 
+// Super-block `super_block` of 16 Q4_K columns as the B tiles and scales of its eight 32-value sub-blocks (blocks
+// 8 super_block .. + 7 of the unit): sub-block j's values are the low (j even) or high (j odd) nibbles of quant bytes
+// 32 (j / 2) .. + 31, so each pair of sub-blocks takes two transposes of 16-byte runs, and its d_w / m_w per column
+// are d sc_j and -(dmin m_j) (k_scales_and_offsets, 16 columns scattered into sub-block order).
+inline void decode_k_quant_tiles(const GgufLinearCall::State& s, int64_t column, int64_t num_columns,
+                                 int64_t super_block, int8_t* tiles, float* d, float* m) {
+  const uint8_t* base = s.weight + column * s.row_bytes + super_block * 144;
+  for (int64_t c = 0; c < 16; ++c) {
+    alignas(32) float scales[8], offsets[8];
+    __m256 scale_vector = _mm256_setzero_ps(), offset_vector = _mm256_setzero_ps();
+    if (c < num_columns) k_scales_and_offsets(base + c * s.row_bytes, &scale_vector, &offset_vector);
+    _mm256_store_ps(scales, scale_vector);
+    _mm256_store_ps(offsets, offset_vector);
+    for (int j = 0; j < 8; ++j) {
+      d[16 * j + c] = scales[j];
+      m[16 * j + c] = offsets[j];
+    }
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int pair = 0; pair < 4; ++pair) {
+    __m512i first[4], second[4];  // values 0 .. 15 (tile rows 0 .. 3) and 16 .. 31 (rows 4 .. 7) of both sub-blocks
+    transpose_runs(base + 16 + 32 * pair, s.row_bytes, num_columns, first);
+    transpose_runs(base + 16 + 32 * pair + 16, s.row_bytes, num_columns, second);
+    int8_t* low_tile = tiles + 512 * (2 * pair);  // sub-block 2 pair: the low nibbles
+    int8_t* high_tile = tiles + 512 * (2 * pair + 1);
+    for (int r = 0; r < 4; ++r) {
+      _mm512_store_si512(low_tile + 64 * r, _mm512_and_si512(first[r], nibble));
+      _mm512_store_si512(low_tile + 64 * (4 + r), _mm512_and_si512(second[r], nibble));
+      _mm512_store_si512(high_tile + 64 * r, _mm512_and_si512(_mm512_srli_epi16(first[r], 4), nibble));
+      _mm512_store_si512(high_tile + 64 * (4 + r), _mm512_and_si512(_mm512_srli_epi16(second[r], 4), nibble));
+    }
+  }
+}
+
 }  // namespace amx_unit
 
 // One A tile of x (tile_rows rows from first_input; the epilogue scales the first kRows <= tile_rows of them, a
@@ -1493,14 +1537,15 @@ inline void run_amx_tile(const GgufLinearCall::State& s, const int8_t* tiles, in
   const float* x_sums = s.x_sums.data() + first_input * num_blocks;
   const auto epilogue = [&](int64_t block, const int32_t* high, const int32_t* low) {
     const __m512 d = _mm512_loadu_ps(d_w + block * 16);
-    const __m512 m = kType == kGgmlQ4_1 ? _mm512_loadu_ps(m_w + block * 16) : _mm512_setzero_ps();
+    constexpr bool kHasOffsets = kType == kGgmlQ4_1 || kType == kGgmlQ4_K;  // m_w: Q4_1's m, Q4_K's -(dmin m_j)
+    const __m512 m = kHasOffsets ? _mm512_loadu_ps(m_w + block * 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(high + 16 * r), 8),
                                            _mm512_load_si512(low + 16 * r));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * num_blocks + block])),
                                acc[r]);
-      if constexpr (kType == kGgmlQ4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
+      if constexpr (kHasOffsets) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + block]), acc[r]);
     }
   };
   // A block's two tile products into C tiles `high` and `low`, its weight in B tile `b`. The tile numbers must be
@@ -1571,6 +1616,10 @@ void run_amx_columns(const GgufLinearCall::State& s, int64_t first_column, int64
         unit_tiles = reinterpret_cast<const int8_t*>(group);
         tile_stride = kInterleavedRows * kBlockBytes<kType>;
       }
+    } else if constexpr (kType == kGgmlQ4_K) {
+      for (int64_t super_block = 0; super_block < num_blocks / 8; ++super_block)
+        amx_unit::decode_k_quant_tiles(s, column, num_columns, super_block, tiles + super_block * 8 * 512,
+                                       d_w + super_block * 8 * 16, m_w + super_block * 8 * 16);
     } else {
       for (int64_t block = 0; block < num_blocks; ++block)
         amx_unit::decode_weight_tile<kType>(s, column, num_columns, block, tiles + block * 512, d_w + block * 16,
@@ -1932,6 +1981,7 @@ void GgufLinearCall::run_units(int64_t begin, int64_t end) const {
       case kGgmlQ8_0x16: run_amx_columns<kGgmlQ8_0, true>(s, first_column, end_column); break;
       case kGgmlQ4_0x16: run_amx_columns<kGgmlQ4_0, true>(s, first_column, end_column); break;
       case kGgmlQ4_1x16: run_amx_columns<kGgmlQ4_1, true>(s, first_column, end_column); break;
+      case kGgmlQ4_K: run_amx_columns<kGgmlQ4_K, false>(s, first_column, end_column); break;
       default: break;  // uses_amx_products took an integer-product type
     }
     return;

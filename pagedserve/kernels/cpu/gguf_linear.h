@@ -94,8 +94,8 @@ class GgufLinearCall {
 // Linux granting the tile state), then 'vector'. Fixed for the process.
 const std::vector<std::string>& gguf_linear_products();
 
-// Whether the amx unit runs here and takes `ggml_type` (Q8_0, Q4_0, Q4_1): gguf_linear then runs batches of any size
-// (layers/gguf_linear.py runs_on_kernel).
+// Whether the amx unit runs here and takes `ggml_type` (Q8_0, Q4_0, Q4_1, Q4_K): gguf_linear then runs batches of any
+// size (layers/gguf_linear.py runs_on_kernel).
 bool gguf_amx_takes(int64_t ggml_type);
 
 // Row `row` of a table of `ggml_type` blocks (k values, row_bytes per row; either layout) decoded into out[0 : k]
