@@ -778,11 +778,21 @@ inline __m256 block_dot(__m256i first, __m256i second, const int16_t* x_quants) 
 }
 #endif
 
+// One output element's accumulator in run_integer_columns and run_k_quant_columns: 8 float lanes with AVX2, one
+// float in the reference build.
+#if defined(PAGEDSERVE_GGUF_AVX2)
+using RowAccumulator = __m256;
+inline RowAccumulator zero_accumulator() { return _mm256_setzero_ps(); }
+#else
+using RowAccumulator = float;
+inline RowAccumulator zero_accumulator() { return 0.0f; }
+#endif
+
 // Column `column` of y for input rows [first_input, first_input + kInputs): each row's accumulator summed, then its
 // offset terms, then the bias (run_integer_columns and run_k_quant_columns).
-template <int kInputs, class Accumulator>
+template <int kInputs>
 inline void store_column(const GgufLinearCall::State& s, int64_t first_input, int64_t column,
-                         const Accumulator* acc, const float* offsets) {
+                         const RowAccumulator* acc, const float* offsets) {
   const float bias = s.bias != nullptr ? s.bias[column] : 0.0f;
   for (int r = 0; r < kInputs; ++r) {
 #if defined(PAGEDSERVE_GGUF_AVX2)
@@ -800,12 +810,8 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
   for (int64_t column = first_column; column < end_column; ++column) {
     const uint8_t* row = s.weight + column * s.row_bytes;
     float offsets[kInputs] = {};
-#if defined(PAGEDSERVE_GGUF_AVX2)
-    __m256 acc[kInputs];
-    for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
-#else
-    float acc[kInputs] = {};
-#endif
+    RowAccumulator acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = zero_accumulator();
     for (int64_t block = 0; block < num_blocks; ++block) {
       const uint8_t* weight_block = row + block * block_bytes;
       const float d = half_to_float(weight_block);
@@ -815,14 +821,15 @@ void run_integer_columns(const GgufLinearCall::State& s, int64_t first_column, i
       weight_quants<kType>(weight_block, &first, &second);
 #else
       int weight[kQuantBlock];
+      uint32_t fifth = 0;  // Q5_0 / Q5_1: bit i is value i's fifth bit
+      if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1) fifth = fifth_bits<kType>(weight_block);
       for (int i = 0; i < kQuantBlock; ++i) {
         if constexpr (kType == kGgmlQ8_0) {
           weight[i] = reinterpret_cast<const int8_t*>(weight_block + 2)[i];
         } else {
           const uint8_t* q = weight_block + kNibbleOffset<kType>;
           weight[i] = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
-          if constexpr (kType == kGgmlQ5_0 || kType == kGgmlQ5_1)
-            weight[i] |= static_cast<int>((fifth_bits<kType>(weight_block) >> i) & 1) << 4;
+          weight[i] |= static_cast<int>((fifth >> i) & 1) << 4;
         }
       }
 #endif
@@ -1011,12 +1018,8 @@ void run_k_quant_columns(const GgufLinearCall::State& s, int64_t first_column, i
   for (int64_t column = first_column; column < end_column; ++column) {
     const uint8_t* row = s.weight + column * s.row_bytes;
     float offsets[kInputs] = {};
-#if defined(PAGEDSERVE_GGUF_AVX2)
-    __m256 acc[kInputs];
-    for (int r = 0; r < kInputs; ++r) acc[r] = _mm256_setzero_ps();
-#else
-    float acc[kInputs] = {};
-#endif
+    RowAccumulator acc[kInputs];
+    for (int r = 0; r < kInputs; ++r) acc[r] = zero_accumulator();
     for (int64_t super_block = 0; super_block < num_super_blocks; ++super_block) {
       const uint8_t* block = row + super_block * block_bytes;
 #if defined(PAGEDSERVE_GGUF_AVX2)
